@@ -1,0 +1,312 @@
+"""Typed configuration schemas: one default per field, validated before anything starts.
+
+Key names follow NeMo RL's (`policy.model_name`, `grpo.num_prompts_per_step`, ...), so a
+NeMo RL override line works unchanged. Builders turn these models into plain arguments;
+library classes never receive a config object. Field descriptions double as ``--help``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# ------------------------------------------------------------------------- policy
+class TokenizerConfig(Section):
+    name: str | None = Field(None, description="tokenizer id/folder; default: the model's")
+    chat_template: str | None = Field(None, description="Jinja template overriding the tokenizer's")
+
+
+class DTensorConfig(Section):
+    enabled: bool = True
+    activation_checkpointing: bool = False
+    tensor_parallel_size: int = Field(1, ge=1, description="seam for TP; only 1 is implemented")
+    cpu_offload: bool = False
+    sequence_parallel: bool = False
+
+
+class DynamicBatchingConfig(Section):
+    enabled: bool = False
+    train_mb_tokens: int = Field(
+        4096, ge=1, description="padded-token budget per train micro-batch"
+    )
+    logprob_mb_tokens: int = Field(8192, ge=1)
+    sequence_length_round: int = 1
+
+
+class SequencePackingConfig(Section):
+    enabled: bool = False
+    train_mb_tokens: int = Field(4096, ge=1)
+    algorithm: str = "first_fit_decreasing"
+
+
+class OptimizerKwargs(Section):
+    lr: float = Field(5e-6, gt=0)
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+
+class OptimizerConfig(Section):
+    name: str = Field("torch.optim.AdamW", description="torch.optim.AdamW or torch.optim.SGD")
+    kwargs: OptimizerKwargs = OptimizerKwargs()
+
+
+class SchedulerConfig(Section):
+    """Simpler than NeMo RL's list of schedulers: linear warmup, then one shape."""
+
+    name: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+
+
+class ColocatedConfig(Section):
+    enabled: bool = Field(True, description="generation shares the policy workers (refit in place)")
+
+
+class VllmConfig(Section):
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.6
+    max_model_len: int | None = None
+    enforce_eager: bool = True
+    precision: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+
+
+class GenerationConfig(Section):
+    backend: Literal["torch", "vllm"] = "torch"
+    max_new_tokens: int = Field(256, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int | None = None
+    stop_token_ids: list[int] | None = None
+    stop_strings: list[str] | None = None
+    colocated: ColocatedConfig = ColocatedConfig()
+    vllm_cfg: VllmConfig = VllmConfig()
+
+
+class PolicyConfig(Section):
+    model_name: str = Field(
+        "tiny-arith",
+        description="a registry name (tiny-arith, smollm2-135m-instruct), a local HF folder or a hub id",
+    )
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    train_global_batch_size: int = Field(32, ge=1, description="samples per optimizer step")
+    train_micro_batch_size: int = Field(8, ge=1, description="samples per forward/backward")
+    generation_batch_size: int = Field(64, ge=1)
+    logprob_batch_size: int = Field(32, ge=1)
+    max_total_sequence_length: int = Field(512, ge=2)
+    precision: Literal["float32", "bfloat16", "float16"] = "float32"
+    num_threads: int | None = Field(None, description="torch threads per worker (CPU)")
+    dtensor_cfg: DTensorConfig = DTensorConfig()
+    dynamic_batching: DynamicBatchingConfig = DynamicBatchingConfig()
+    sequence_packing: SequencePackingConfig = SequencePackingConfig()
+    max_grad_norm: float | None = 1.0
+    optimizer: OptimizerConfig = OptimizerConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    generation: GenerationConfig = GenerationConfig()
+
+    @model_validator(mode="after")
+    def _batch_sizes(self) -> PolicyConfig:
+        if self.train_global_batch_size % self.train_micro_batch_size:
+            raise ValueError(
+                f"policy.train_global_batch_size={self.train_global_batch_size} is not divisible "
+                f"by policy.train_micro_batch_size={self.train_micro_batch_size}"
+            )
+        return self
+
+
+# ---------------------------------------------------------------- cluster/logging
+class ClusterConfig(Section):
+    num_nodes: int = Field(1, ge=1)
+    gpus_per_node: int = Field(0, ge=0, description="0 = CPU workers")
+    workers_per_node: int = Field(1, ge=1, description="workers per node when gpus_per_node=0")
+    cpus_per_worker: int = Field(1, ge=1)
+
+
+class WandbConfig(Section):
+    project: str = "tempering"
+    name: str | None = None
+
+
+class TensorboardConfig(Section):
+    log_dir: str | None = None
+
+
+class MlflowConfig(Section):
+    experiment_name: str = "tempering"
+    tracking_uri: str | None = None
+
+
+class LoggerConfig(Section):
+    log_dir: str = "logs/run"
+    wandb_enabled: bool = False
+    tensorboard_enabled: bool = True
+    mlflow_enabled: bool = False
+    monitor_gpus: bool = False
+    num_val_samples_to_print: int = Field(3, ge=0)
+    wandb: WandbConfig = WandbConfig()
+    tensorboard: TensorboardConfig = TensorboardConfig()
+    mlflow: MlflowConfig = MlflowConfig()
+
+
+class CheckpointingConfig(Section):
+    enabled: bool = True
+    checkpoint_dir: str = "results/run"
+    metric_name: str | None = Field(None, description="e.g. val/accuracy; keep_top_k ranks by it")
+    higher_is_better: bool = True
+    keep_top_k: int | None = Field(3, ge=1)
+    save_period: int = Field(10, ge=1)
+
+
+class DataConfig(Section):
+    dataset_name: str = Field(
+        "arithmetic",
+        description="arithmetic | gsm8k | squad | messages | prompt_response | hf | preference | helpsteer3",
+    )
+    train_data_path: str | None = None
+    val_data_path: str | None = None
+    prompt_key: str = "prompt"
+    response_key: str = "response"
+    max_input_seq_length: int | None = None
+    num_train_samples: int = Field(20000, ge=1, description="generated datasets: how many")
+    num_val_samples: int = Field(256, ge=1)
+    use_chat_template: bool = Field(
+        False, description="format prompts with the tokenizer's chat template"
+    )
+    on_bad_row: Literal["error", "skip"] = "error"
+    seed: int = 0
+
+
+# --------------------------------------------------------------------- algorithms
+class SFTConfig(Section):
+    max_num_steps: int = Field(300, ge=1)
+    max_num_epochs: int = Field(100, ge=1)
+    val_period: int = Field(50, ge=0, description="0 = no validation")
+    val_batches: int = Field(4, ge=1)
+    val_global_batch_size: int = Field(64, ge=1)
+    val_micro_batch_size: int = Field(32, ge=1)
+    val_at_start: bool = True
+    seed: int = 42
+    stop_val_accuracy_range: tuple[float, float] | None = Field(
+        None, description="stop when greedy val accuracy falls inside [lo, hi] (tiny-arith recipe)"
+    )
+
+
+class DPOConfig(Section):
+    max_num_steps: int = Field(100, ge=1)
+    max_num_epochs: int = Field(100, ge=1)
+    val_period: int = Field(20, ge=0)
+    val_batches: int = Field(4, ge=1)
+    val_global_batch_size: int = Field(32, ge=2)
+    val_micro_batch_size: int = Field(16, ge=2)
+    val_at_start: bool = True
+    reference_policy_kl_penalty: float = Field(0.1, gt=0, description="beta")
+    preference_average_log_probs: bool = False
+    sft_loss_weight: float = Field(0.0, ge=0)
+    seed: int = 42
+
+
+class RMConfig(Section):
+    max_num_steps: int = Field(100, ge=1)
+    max_num_epochs: int = Field(100, ge=1)
+    val_period: int = Field(20, ge=0)
+    val_batches: int = Field(4, ge=1)
+    val_global_batch_size: int = Field(32, ge=2)
+    val_micro_batch_size: int = Field(16, ge=2)
+    val_at_start: bool = True
+    seed: int = 42
+
+
+class GRPOConfig(Section):
+    num_prompts_per_step: int = Field(16, ge=1)
+    num_generations_per_prompt: int = Field(8, ge=1)
+    max_num_steps: int = Field(60, ge=1)
+    max_num_epochs: int = Field(100, ge=1)
+    max_rollout_turns: int = Field(1, ge=1)
+    normalize_rewards: bool = Field(True, description="divide advantages by the group std")
+    use_leave_one_out_baseline: bool = True
+    val_period: int = Field(10, ge=0)
+    val_at_start: bool = True
+    max_val_samples: int = Field(256, ge=1)
+    val_batch_size: int = Field(256, ge=1)
+    val_pass_at_k: int = Field(0, ge=0, description="k samples per val prompt for pass@k; 0 = off")
+    use_dynamic_sampling: bool = False
+    dynamic_sampling_max_gen_batches: int = Field(4, ge=1)
+    overlong_filtering: bool = False
+    max_wall_time_s: float | None = Field(None, description="stop after this many seconds")
+    seed: int = 42
+
+
+class LossFnConfig(Section):
+    reference_policy_kl_penalty: float = Field(0.0, ge=0)
+    kl_type: Literal["k1", "k2", "k3"] = "k3"
+    ratio_clip_min: float = Field(0.2, ge=0)
+    ratio_clip_max: float = Field(0.2, ge=0, description="> ratio_clip_min = DAPO clip-higher")
+    ratio_clip_c: float | None = Field(None, description="dual-clip constant (> 1)")
+    token_level_loss: bool = True
+    use_importance_sampling_correction: bool = False
+    truncated_importance_sampling_ratio: float | None = 2.0
+
+
+class MathEnvConfig(Section):
+    num_workers: int = Field(2, ge=1)
+    timeout_s: float = Field(5.0, gt=0)
+
+
+class EnvConfig(Section):
+    math: MathEnvConfig = MathEnvConfig()
+    reward_fn: str | None = Field(None, description="dotted path 'pkg.mod:fn' to a custom reward")
+    reward_model_path: str | None = Field(
+        None, description="a trained RM folder (task reward_model)"
+    )
+
+
+# ---------------------------------------------------------------- master configs
+class _Master(Section):
+    policy: PolicyConfig = PolicyConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    logger: LoggerConfig = LoggerConfig()
+    checkpointing: CheckpointingConfig = CheckpointingConfig()
+    data: DataConfig = DataConfig()
+
+
+class SFTMasterConfig(_Master):
+    sft: SFTConfig = SFTConfig()
+
+
+class DPOMasterConfig(_Master):
+    dpo: DPOConfig = DPOConfig()
+
+
+class RMMasterConfig(_Master):
+    rm: RMConfig = RMConfig()
+
+
+class GRPOMasterConfig(_Master):
+    grpo: GRPOConfig = GRPOConfig()
+    loss_fn: LossFnConfig = LossFnConfig()
+    env: EnvConfig = EnvConfig()
+
+    @model_validator(mode="after")
+    def _rollout_batch(self) -> GRPOMasterConfig:
+        n = self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
+        gbs = self.policy.train_global_batch_size
+        if n % gbs:
+            raise ValueError(
+                f"grpo.num_prompts_per_step * grpo.num_generations_per_prompt = {n} is not a "
+                f"multiple of policy.train_global_batch_size={gbs}"
+            )
+        return self
+
+
+MASTER_CONFIGS: dict[str, type[_Master]] = {
+    "sft": SFTMasterConfig,
+    "dpo": DPOMasterConfig,
+    "rm": RMMasterConfig,
+    "grpo": GRPOMasterConfig,
+}

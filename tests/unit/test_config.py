@@ -1,0 +1,140 @@
+"""The config grammar: `defaults:` inheritance, Hydra-style overrides, validation errors."""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tempering.config import (
+    ConfigError,
+    GRPOMasterConfig,
+    SFTMasterConfig,
+    apply_overrides,
+    load_config,
+    load_yaml,
+)
+
+REPO = Path(__file__).parents[2]
+
+
+def write(tmp: Path, name: str, text: str) -> Path:
+    p = tmp / name
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(text)
+    return p
+
+
+def test_defaults_inheritance_nested_and_list_order(tmp_path):
+    write(tmp_path, "base/a.yaml", "x: 1\nnest: {p: 1, q: 1}\nonly_a: a\n")
+    write(tmp_path, "base/b.yaml", "defaults: a.yaml\nx: 2\nnest: {q: 2}\n")
+    write(tmp_path, "c.yaml", "x: 3\nnest: {p: 3}\nonly_c: c\n")
+    top = write(tmp_path, "top.yaml", "defaults: [base/b.yaml, c.yaml]\nnest: {r: 4}\n")
+    cfg = load_yaml(top)
+    # c.yaml comes later in the list, so it wins over b (and b over a); top wins over all
+    assert cfg == {"x": 3, "nest": {"p": 3, "q": 2, "r": 4}, "only_a": "a", "only_c": "c"}
+
+
+def test_including_file_wins_over_defaults(tmp_path):
+    write(tmp_path, "a.yaml", "x: 1\n")
+    assert load_yaml(write(tmp_path, "b.yaml", "defaults: a.yaml\nx: 9\n")) == {"x": 9}
+
+
+def test_missing_default_and_cycle_are_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_yaml(write(tmp_path, "m.yaml", "defaults: nope.yaml\n"))
+    write(tmp_path, "p.yaml", "defaults: q.yaml\n")
+    write(tmp_path, "q.yaml", "defaults: p.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_yaml(tmp_path / "p.yaml")
+
+
+def test_override_change_add_forceadd_delete_lists_strings():
+    cfg = {"a": {"b": 1, "d": 2}, "s": "x"}
+    out = apply_overrides(
+        cfg, ["a.b=5", "++a.c=[1,2]", "+n.m='hello world'", "~a.d", "s=null", "++a.b=6"]
+    )
+    assert out == {"a": {"b": 6, "c": [1, 2]}, "n": {"m": "hello world"}, "s": None}
+    assert cfg == {"a": {"b": 1, "d": 2}, "s": "x"}  # input untouched
+
+
+def test_override_errors_reported_together():
+    with pytest.raises(ConfigError) as e:
+        apply_overrides({"a": {"b": 1}}, ["a.bb=2", "+a.b=3", "~a.zz", "a.b=[unclosed"])
+    probs = e.value.problems
+    assert len(probs) == 4, probs
+    assert "a.bb: unknown key (did you mean a.b?)" in probs[0]
+    assert "exists" in probs[1]
+    assert "cannot delete" in probs[2]
+    assert "cannot be parsed" in probs[3]
+
+
+def test_schema_errors_name_path_type_and_suggestion():
+    with pytest.raises(ConfigError) as e:
+        load_config(
+            REPO / "examples/configs/grpo_math_tiny.yaml",
+            ["++policy.modle_name=x", "policy.train_global_batch_size=abc", "grpo.seed=1.5"],
+            schema=GRPOMasterConfig,
+        )
+    text = str(e.value)
+    assert "policy.modle_name: unknown key (did you mean policy.model_name?)" in text
+    assert "policy.train_global_batch_size: expected int, got 'abc'" in text
+    assert "grpo.seed" in text
+    assert len(e.value.problems) == 3
+
+
+def test_cross_field_checks():
+    with pytest.raises(ConfigError, match="not divisible by policy.train_micro_batch_size=3"):
+        load_config(
+            REPO / "examples/configs/sft.yaml",
+            ["policy.train_micro_batch_size=3"],
+            schema=SFTMasterConfig,
+        )
+    with pytest.raises(ConfigError, match="num_generations_per_prompt = 48"):
+        load_config(
+            REPO / "examples/configs/grpo_math_tiny.yaml",
+            ["grpo.num_generations_per_prompt=3"],
+            schema=GRPOMasterConfig,
+        )
+
+
+def test_overrides_reach_the_model():
+    cfg, resolved = load_config(
+        REPO / "examples/configs/sft.yaml",
+        [
+            "policy.model_name=/some/folder",
+            "sft.val_global_batch_size=16",
+            "cluster.gpus_per_node=2",
+        ],
+        schema=SFTMasterConfig,
+    )
+    assert cfg.policy.model_name == "/some/folder"
+    assert cfg.sft.val_global_batch_size == 16 and resolved["cluster"]["gpus_per_node"] == 2
+
+
+def test_bad_override_exits_fast_without_heavy_imports():
+    """The example script validates before importing torch/ray and exits 2 within 5 s."""
+    code = (
+        "import sys\n"
+        "from tempering.config import parse_args_and_load, GRPOMasterConfig\n"
+        "try:\n"
+        "    parse_args_and_load(sys.argv[1:], 'examples/configs/grpo_math_tiny.yaml', GRPOMasterConfig)\n"
+        "finally:\n"
+        "    heavy = [m for m in ('torch', 'ray', 'transformers') if m in sys.modules]\n"
+        "    print('HEAVY', heavy, file=sys.stderr)\n"
+    )
+    t0 = time.perf_counter()
+    r = subprocess.run(
+        [sys.executable, "-c", code, "policy.modle_name=x", "policy.train_global_batch_size=abc"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    elapsed = time.perf_counter() - t0
+    assert r.returncode == 2, r.stderr
+    assert "did you mean policy.model_name" in r.stderr
+    assert "expected int, got 'abc'" in r.stderr
+    assert "HEAVY []" in r.stderr
+    assert elapsed < 5, elapsed
