@@ -1,0 +1,66 @@
+"""The ``tempering`` command line.
+
+    tempering plot LOG_DIR [--out FILE.png] [--keys train/loss,val/accuracy]
+
+Each subcommand is one ``_add_<name>(subparsers)`` function that declares its arguments and
+sets ``func`` (called with the parsed namespace, returns an exit code); list it in
+``SUBCOMMANDS``. Heavy imports happen inside the ``func`` so ``tempering --help`` stays fast.
+Errors a user can fix (missing file, unknown key) print one line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+
+def _run_plot(args: argparse.Namespace) -> int:
+    from tempering.utils.plot import plot_metrics
+
+    keys = [k.strip() for k in args.keys.split(",") if k.strip()] if args.keys else None
+    out = plot_metrics(args.log_dir, out=args.out, keys=keys)
+    print(f"wrote {out}")
+    return 0
+
+
+def _add_plot(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "plot",
+        help="draw metric curves from a run's metrics.jsonl",
+        description="Draw metric curves from LOG_DIR/metrics.jsonl into a PNG.",
+    )
+    p.add_argument("log_dir", metavar="LOG_DIR", help="the run's logger.log_dir")
+    p.add_argument("--out", default=None, help="output PNG (default: LOG_DIR/metrics.png)")
+    p.add_argument(
+        "--keys",
+        default=None,
+        help="comma-separated metrics to draw, e.g. train/loss,val/accuracy (default: all)",
+    )
+    p.set_defaults(func=_run_plot)
+
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_plot]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tempering", description="tempering command line tools")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in SUBCOMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``tempering`` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (FileNotFoundError, ValueError) as e:
+        print(f"tempering {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
