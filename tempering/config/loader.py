@@ -7,6 +7,10 @@ Grammar of overrides (Hydra's own parser): ``a.b=1`` changes an existing key, ``
 adds or changes, ``+a.b=1`` adds (error if present), ``~a.b`` deletes; values may be lists
 (``a=[1,2]``), quoted strings, ``null``. ``--config FILE`` picks the YAML.
 
+Interpolations (``${policy.max_total_sequence_length}``) are resolved once, after every
+`defaults:` file and every override has been merged, so an override of the referenced key
+reaches every place that refers to it.
+
 This module imports no torch/ray/transformers: a bad config fails in well under a second.
 """
 
@@ -16,10 +20,11 @@ import difflib
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_args
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ValidationError
 
 M = TypeVar("M", bound=BaseModel)
@@ -34,28 +39,63 @@ class ConfigError(Exception):
 
 
 # ----------------------------------------------------------------- YAML + defaults
-def load_yaml(path: str | Path, _stack: tuple[Path, ...] = ()) -> dict[str, Any]:
+def load_yaml(path: str | Path) -> dict[str, Any]:
     """Read `path`, merging its `defaults:` files first (relative to it; later wins; the file
-    itself wins over all its defaults)."""
-    path = Path(path).resolve()
-    if path in _stack:
-        chain = " -> ".join(str(p) for p in (*_stack, path))
+    itself wins over all its defaults), recursively; interpolations resolved at the end."""
+    return _resolve(_load_node(Path(path), ()))
+
+
+def _load_node(path: Path, stack: tuple[Path, ...]) -> DictConfig:
+    """`path` merged over its defaults, interpolations left unresolved."""
+    path = path.resolve()
+    if path in stack:
+        chain = " -> ".join(str(p) for p in (*stack, path))
         raise ConfigError([f"defaults: inheritance cycle: {chain}"])
     if not path.is_file():
-        where = f" (a default of {_stack[-1]})" if _stack else ""
+        where = f" (listed in defaults: of {stack[-1]})" if stack else ""
         raise ConfigError([f"config file {path} does not exist{where}; check the path"])
-    with path.open() as f:
-        data = yaml.safe_load(f) or {}
+    try:
+        with path.open() as f:
+            data = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError([f"{path}: not valid YAML: {e}"]) from None
     if not isinstance(data, dict):
         raise ConfigError([f"{path}: top level must be a mapping, got {type(data).__name__}"])
     defaults = data.pop("defaults", [])
     if isinstance(defaults, str):
         defaults = [defaults]
+    if not isinstance(defaults, list) or not all(isinstance(d, str) for d in defaults):
+        raise ConfigError(
+            [f"{path}: defaults: must be a file name or a list of file names, got {defaults!r}"]
+        )
     merged = OmegaConf.create({})
     for parent in defaults:
-        merged = OmegaConf.merge(merged, load_yaml(path.parent / parent, (*_stack, path)))
-    merged = OmegaConf.merge(merged, OmegaConf.create(data))
-    return OmegaConf.to_container(merged, resolve=True)  # type: ignore[return-value]
+        merged = OmegaConf.merge(merged, _load_node(path.parent / parent, (*stack, path)))
+    return OmegaConf.merge(merged, OmegaConf.create(data))  # type: ignore[return-value]
+
+
+def _resolve(conf: DictConfig, problems: list[str] | None = None) -> dict[str, Any]:
+    """Plain dict with interpolations resolved; each unresolvable one is a problem (raised
+    here unless `problems` collects them)."""
+    try:
+        return OmegaConf.to_container(conf, resolve=True)  # type: ignore[return-value]
+    except OmegaConfBaseException:
+        pass
+    found: list[str] = []
+    for path in _dotted_paths(OmegaConf.to_container(conf, resolve=False)):
+        try:
+            OmegaConf.select(conf, path, throw_on_resolution_failure=True)
+        except OmegaConfBaseException as e:
+            found.append(f"{path}: cannot resolve {_first_line(e)}")
+    found = found or ["config: cannot resolve its interpolations"]
+    if problems is None:
+        raise ConfigError(found)
+    problems.extend(found)
+    return OmegaConf.to_container(conf, resolve=False)  # type: ignore[return-value]
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 # ----------------------------------------------------------------------- overrides
@@ -65,22 +105,39 @@ def apply_overrides(
     """Apply Hydra-grammar `overrides` to a plain dict (not modified). Every problem is
     collected; with `problems` given they are appended there (the caller raises), else a
     ConfigError is raised here."""
-    raise_here = problems is None
-    problems = [] if problems is None else problems
+    found: list[str] = []
+    conf = OmegaConf.create(cfg)
+    _apply_overrides(conf, overrides, found)
+    out = _resolve(conf, found)
+    if problems is not None:
+        problems.extend(found)
+    elif found:
+        raise ConfigError(found)
+    return out
+
+
+def _apply_overrides(conf: DictConfig, overrides: Sequence[str], problems: list[str]) -> None:
+    """Apply `overrides` to `conf` in place, in order; each bad one is a problem."""
     if not overrides:
-        return cfg
+        return
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
-    conf = OmegaConf.create(cfg)
+    known = _dotted_paths(OmegaConf.to_container(conf, resolve=False))
     parser = OverridesParser.create()
     for text in overrides:
         try:
             (ov,) = parser.parse_overrides([text])
         except OverrideParseException as e:
-            problems.append(f"override {text!r} cannot be parsed: {e}")
+            problems.append(f"override {text!r} cannot be parsed: {_first_line(e)}")
             continue
         key = ov.key_or_group
+        if ov.is_sweep_override():
+            problems.append(
+                f"{key}: {text!r} is a sweep (a,b / range / choice), which is not supported; "
+                f"quote a value that contains a comma: {key}='a,b'"
+            )
+            continue
         exists = OmegaConf.select(conf, key, default=_MISSING) is not _MISSING
         if ov.is_delete():
             if not exists:
@@ -88,7 +145,7 @@ def apply_overrides(
                 continue
             parent_key, _, leaf = key.rpartition(".")
             parent = OmegaConf.select(conf, parent_key) if parent_key else conf
-            del parent[leaf]
+            del parent[int(leaf) if isinstance(parent, ListConfig) else leaf]
             continue
         if ov.is_add() and exists:
             problems.append(
@@ -96,12 +153,14 @@ def apply_overrides(
             )
             continue
         if not (ov.is_add() or ov.is_force_add()) and not exists:
-            problems.append(_unknown(key, cfg) + f"; to add a new key use ++{key}=...")
+            problems.append(
+                f"{key}: unknown key{_suggest(key, known)}; to add a new key use ++{key}=..."
+            )
             continue
-        OmegaConf.update(conf, key, ov.value(), merge=False, force_add=True)
-    if problems and raise_here:
-        raise ConfigError(problems)
-    return OmegaConf.to_container(conf, resolve=True)  # type: ignore[return-value]
+        try:
+            OmegaConf.update(conf, key, ov.value(), merge=False, force_add=True)
+        except OmegaConfBaseException as e:
+            problems.append(f"{key}: override {text!r} cannot be applied: {_first_line(e)}")
 
 
 _MISSING = object()
@@ -132,20 +191,36 @@ def _suggest(key: str, candidates: list[str]) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
-def _unknown(key: str, cfg: dict[str, Any]) -> str:
-    return f"{key}: unknown key{_suggest(key, _dotted_paths(cfg))}"
-
-
 # ---------------------------------------------------------------------- validation
+def _submodel(annotation: Any) -> type[BaseModel] | None:
+    return (
+        annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    )
+
+
 def schema_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
     """Every valid dotted path of a schema (for suggestions)."""
     out: list[str] = []
     for name, field in model.model_fields.items():
         p = f"{prefix}.{name}" if prefix else name
         out.append(p)
+        if sub := _submodel(field.annotation):
+            out.extend(schema_paths(sub, p))
+    return out
+
+
+def schema_help(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """One line per leaf key: ``dotted.path: type = default  # description`` (for --help)."""
+    out: list[str] = []
+    for name, field in model.model_fields.items():
+        p = f"{prefix}.{name}" if prefix else name
+        if sub := _submodel(field.annotation):
+            out.extend(schema_help(sub, p))
+            continue
         ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            out.extend(schema_paths(ann, p))
+        kind = str(ann) if get_args(ann) or not hasattr(ann, "__name__") else ann.__name__
+        line = f"{p}: {kind.replace('typing.', '')} = {field.default!r}"
+        out.append(f"{line}  # {field.description}" if field.description else line)
     return out
 
 
@@ -164,7 +239,8 @@ def validate(cfg: dict[str, Any], schema: type[M]) -> M:
                 problems.append(f"{path}: required key is missing")
             elif err["type"] in ("value_error", "assertion_error"):
                 msg = err["msg"].removeprefix("Value error, ")
-                problems.append(f"{path}: {msg}" if path else msg)
+                # cross-field messages already name their dotted paths
+                problems.append(msg if not path or msg.startswith(f"{path}.") else f"{path}: {msg}")
             else:
                 given = err.get("input")
                 kind = err["type"].split("_")[0]
@@ -176,13 +252,17 @@ def validate(cfg: dict[str, Any], schema: type[M]) -> M:
 def load_config(
     path: str | Path, overrides: Sequence[str] = (), *, schema: type[M]
 ) -> tuple[M, dict[str, Any]]:
-    """YAML (+defaults) -> overrides -> validated schema. Returns (model, resolved dict).
+    """YAML (+defaults) -> overrides -> interpolations -> validated schema.
 
-    Overrides may change any key the schema knows, even one the YAML leaves at its default.
-    Override and schema problems are reported together."""
-    base = OmegaConf.merge(schema().model_dump(mode="json"), load_yaml(path))
+    Returns (model, resolved dict for config.yaml). Overrides may change any key the schema
+    knows, even one the YAML leaves at its default. Override, interpolation and schema
+    problems are reported together."""
+    conf: DictConfig = OmegaConf.merge(  # type: ignore[assignment]
+        schema().model_dump(mode="json"), _load_node(Path(path), ())
+    )
     problems: list[str] = []
-    raw = apply_overrides(OmegaConf.to_container(base), list(overrides), problems)  # type: ignore[arg-type]
+    _apply_overrides(conf, list(overrides), problems)
+    raw = _resolve(conf, problems)
     try:
         model = validate(raw, schema)
     except ConfigError as e:
@@ -195,12 +275,14 @@ def load_config(
 def parse_args_and_load(
     argv: Sequence[str], default_config: str | Path, schema: type[M]
 ) -> tuple[M, dict[str, Any]]:
-    """For example scripts: ``[--config FILE] [override ...]``. Exits 2 on any config error."""
+    """For example scripts: ``[--config FILE] [override ...]``. Exits 2 on any config error,
+    0 after printing every key with its type, default and description for ``--help``."""
     args = list(argv)
     config = Path(default_config)
     if "-h" in args or "--help" in args:
         print(f"usage: [--config FILE] [dotted.key=value ...]\ndefault config: {config}")
-        print("keys:\n  " + "\n  ".join(schema_paths(schema)))
+        print("keys (schema defaults; the YAML may set others):\n  ", end="")
+        print("\n  ".join(schema_help(schema)))
         raise SystemExit(0)
     for flag in ("--config", "--config-file"):
         if flag in args:

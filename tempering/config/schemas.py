@@ -117,6 +117,11 @@ class PolicyConfig(Section):
                 f"policy.train_global_batch_size={self.train_global_batch_size} is not divisible "
                 f"by policy.train_micro_batch_size={self.train_micro_batch_size}"
             )
+        if self.dynamic_batching.enabled and self.sequence_packing.enabled:
+            raise ValueError(
+                "policy.dynamic_batching.enabled=true and policy.sequence_packing.enabled=true "
+                "cannot both be set (as in NeMo RL); disable one of them"
+            )
         return self
 
 
@@ -247,7 +252,7 @@ class LossFnConfig(Section):
     kl_type: Literal["k1", "k2", "k3"] = "k3"
     ratio_clip_min: float = Field(0.2, ge=0)
     ratio_clip_max: float = Field(0.2, ge=0, description="> ratio_clip_min = DAPO clip-higher")
-    ratio_clip_c: float | None = Field(None, description="dual-clip constant (> 1)")
+    ratio_clip_c: float | None = Field(None, gt=1, description="dual-clip constant (> 1)")
     token_level_loss: bool = True
     use_importance_sampling_correction: bool = False
     truncated_importance_sampling_ratio: float | None = 2.0

@@ -1,11 +1,13 @@
 """The config grammar: `defaults:` inheritance, Hydra-style overrides, validation errors."""
 
+import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tempering.config import (
     ConfigError,
@@ -14,6 +16,7 @@ from tempering.config import (
     apply_overrides,
     load_config,
     load_yaml,
+    parse_args_and_load,
 )
 
 REPO = Path(__file__).parents[2]
@@ -97,6 +100,17 @@ def test_cross_field_checks():
             ["grpo.num_generations_per_prompt=3"],
             schema=GRPOMasterConfig,
         )
+    with pytest.raises(ConfigError) as e:
+        load_config(
+            REPO / "examples/configs/grpo_math_tiny.yaml",
+            [
+                "policy.dynamic_batching.enabled=true",
+                "policy.sequence_packing.enabled=true",
+                "loss_fn.ratio_clip_c=0.5",
+            ],
+            schema=GRPOMasterConfig,
+        )
+    assert "cannot both be set" in str(e.value) and "loss_fn.ratio_clip_c" in str(e.value)
 
 
 def test_overrides_reach_the_model():
@@ -114,7 +128,10 @@ def test_overrides_reach_the_model():
 
 
 def test_bad_override_exits_fast_without_heavy_imports():
-    """The example script validates before importing torch/ray and exits 2 within 5 s."""
+    """The example script validates before importing torch/ray and exits 2 within 5 s.
+
+    The budget is checked on the child's CPU time: wall time on the shared 2-core machine
+    depends on what else is running (seen 5.4 s wall at load 8 for ~1 s of work)."""
     code = (
         "import sys\n"
         "from tempering.config import parse_args_and_load, GRPOMasterConfig\n"
@@ -124,6 +141,7 @@ def test_bad_override_exits_fast_without_heavy_imports():
         "    heavy = [m for m in ('torch', 'ray', 'transformers') if m in sys.modules]\n"
         "    print('HEAVY', heavy, file=sys.stderr)\n"
     )
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     r = subprocess.run(
         [sys.executable, "-c", code, "policy.modle_name=x", "policy.train_global_batch_size=abc"],
@@ -132,9 +150,70 @@ def test_bad_override_exits_fast_without_heavy_imports():
         text=True,
         timeout=60,
     )
-    elapsed = time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert r.returncode == 2, r.stderr
     assert "did you mean policy.model_name" in r.stderr
     assert "expected int, got 'abc'" in r.stderr
     assert "HEAVY []" in r.stderr
-    assert elapsed < 5, elapsed
+    assert cpu < 5, (cpu, wall)
+
+
+def test_interpolations_resolve_after_defaults_and_overrides(tmp_path):
+    write(
+        tmp_path,
+        "a.yaml",
+        "policy: {max_total_sequence_length: 64}\n"
+        "logger: {log_dir: 'logs/len${policy.max_total_sequence_length}'}\n",
+    )
+    child = write(
+        tmp_path, "b.yaml", "defaults: a.yaml\npolicy: {max_total_sequence_length: 128}\n"
+    )
+    _, resolved = load_config(child, schema=SFTMasterConfig)
+    assert resolved["logger"]["log_dir"] == "logs/len128"  # the child's value, not a.yaml's
+    _, resolved = load_config(
+        child, ["policy.max_total_sequence_length=32"], schema=SFTMasterConfig
+    )
+    assert resolved["logger"]["log_dir"] == "logs/len32"
+
+
+def test_malformed_inputs_are_config_errors(tmp_path):
+    """Each is a ConfigError naming the culprit (the script exits 2), never a traceback."""
+    cases = {
+        "sweep": (["grpo.seed=1,2"], "sweep"),
+        "interp": (["logger.log_dir=${nope.key}"], "logger.log_dir: cannot resolve"),
+    }
+    for overrides, expected in cases.values():
+        with pytest.raises(ConfigError, match=expected):
+            load_config(
+                REPO / "examples/configs/grpo_math_tiny.yaml", overrides, schema=GRPOMasterConfig
+            )
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_yaml(write(tmp_path, "bad.yaml", "a: [\n"))
+    with pytest.raises(ConfigError, match="must be a file name or a list"):
+        load_yaml(write(tmp_path, "d.yaml", "defaults: [1]\n"))
+    assert apply_overrides({"a": [1, 2, 3]}, ["~a.1"]) == {"a": [1, 3]}
+
+
+def test_parse_args_config_flag_help_and_exit_code(tmp_path, capsys):
+    other = write(
+        tmp_path,
+        "other.yaml",
+        f"defaults: {REPO / 'examples/configs/sft.yaml'}\nsft: {{seed: 7}}\n",
+    )
+    default = REPO / "examples/configs/sft.yaml"
+    cfg, resolved = parse_args_and_load(
+        ["--config", str(other), "sft.max_num_steps=3"], default, SFTMasterConfig
+    )
+    assert (cfg.sft.seed, cfg.sft.max_num_steps) == (7, 3)
+    # the resolved dict round-trips through YAML (the logger writes it as config.yaml)
+    assert SFTMasterConfig.model_validate(yaml.safe_load(yaml.safe_dump(resolved))) == cfg
+    with pytest.raises(SystemExit) as e:
+        parse_args_and_load([f"--config={tmp_path / 'missing.yaml'}"], default, SFTMasterConfig)
+    assert e.value.code == 2 and "missing.yaml does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        parse_args_and_load(["--help"], default, SFTMasterConfig)
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    assert "policy.train_global_batch_size: int = 32  # samples per optimizer step" in out
