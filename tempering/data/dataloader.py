@@ -1,0 +1,96 @@
+"""A deterministic, resumable data loader: fixed-seed shuffles and an exact saved position.
+
+:class:`StatefulDataLoader` walks a sequence of examples in batches. The order of epoch
+``e`` is a permutation drawn from ``torch.Generator().manual_seed(seed + e)`` (or the input
+order with ``shuffle=False``), so it depends only on (seed, epoch, len(dataset)).
+``state_dict()`` is ``{"epoch", "position", "seed"}`` where ``position`` is how many
+examples of the current epoch have been handed out; ``load_state_dict`` of that state makes
+the next batch exactly the one that would have come next. A checkpoint taken after a batch
+was consumed resumes with the following batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+
+class StatefulDataLoader:
+    """Batches of ``collate_fn([dataset[i] for i in batch_indices])``, epoch after epoch."""
+
+    def __init__(
+        self,
+        dataset: Sequence[Any],
+        batch_size: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = True,
+        collate_fn: Callable[[list[Any]], Any] = list,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be >= 1")
+        if drop_last and len(dataset) < batch_size:
+            raise ValueError(
+                f"dataset of {len(dataset)} examples is smaller than batch_size={batch_size} "
+                "with drop_last=True: no batch could be made; lower the batch size"
+            )
+        if len(dataset) == 0:
+            raise ValueError("StatefulDataLoader got an empty dataset")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.collate_fn = collate_fn
+        self.epoch = 0
+        self.position = 0
+        self._order = self._epoch_order(0)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(len(self.dataset)))
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(len(self.dataset), generator=generator).tolist()
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        full, rest = divmod(len(self.dataset), self.batch_size)
+        return full if self.drop_last or rest == 0 else full + 1
+
+    def _epoch_done(self) -> bool:
+        left = len(self.dataset) - self.position
+        return left == 0 or (self.drop_last and left < self.batch_size)
+
+    def next_batch(self) -> Any:
+        """The next batch, starting a new epoch (with a new shuffle) when one runs out."""
+        if self._epoch_done():
+            self.epoch += 1
+            self.position = 0
+            self._order = self._epoch_order(self.epoch)
+        indices = self._order[self.position : self.position + self.batch_size]
+        self.position += len(indices)
+        return self.collate_fn([self.dataset[i] for i in indices])
+
+    def __iter__(self) -> Iterator[Any]:
+        """The rest of the current epoch (a whole epoch when called at an epoch boundary)."""
+        while True:
+            yield self.next_batch()
+            if self._epoch_done():
+                return
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        missing = {"epoch", "position", "seed"} - set(state)
+        if missing:
+            raise KeyError(f"data loader state lacks {sorted(missing)}; got keys {sorted(state)}")
+        if not 0 <= state["position"] <= len(self.dataset):
+            raise ValueError(
+                f"data loader state position={state['position']} is outside a dataset of "
+                f"{len(self.dataset)} examples; was the checkpoint made with other data?"
+            )
+        self.epoch, self.position, self.seed = state["epoch"], state["position"], state["seed"]
+        self._order = self._epoch_order(self.epoch)

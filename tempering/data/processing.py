@@ -1,0 +1,175 @@
+"""Message log -> token ids + loss mask, with the tokenizer's chat template.
+
+:func:`tokenize_message_log` renders a message log one message at a time so that each
+token is attributed to the message that added it:
+
+- **With a chat template** (``tokenizer.chat_template`` set): piece *i* is
+  ``render(messages[:i+1])`` minus ``render(messages[:i])`` (text). For an assistant
+  message, the part its generation prompt renders (``render(messages[:i],
+  add_generation_prompt=True)``, e.g. ``<|im_start|>assistant\\n``) is prompt, and the rest
+  — the content plus whatever the template appends after it (the end-of-turn token and its
+  newline, e.g. ``<|im_end|>\\n``) — is loss. The model thus learns to end its turn. Each
+  piece is tokenized with ``add_special_tokens=False`` and the concatenation is checked to
+  equal the tokenization of the whole rendered text; a template that re-renders earlier
+  turns or tokens that merge across a boundary raise :class:`ChatTemplateError`.
+- **Without a chat template** (plain concatenation fallback): each message's content is
+  tokenized on its own (``add_special_tokens=False``) and concatenated; after each
+  assistant message the tokenizer's EOS token (if it has one) is appended as a loss token.
+  Roles are not rendered. This is what tiny-arith uses (``"Q: 23+45=? A:"`` + ``" 68"``).
+
+``token_mask`` is 1 only on loss tokens of assistant messages at index >= ``loss_from_message``
+(preference data sets it to the prompt length so only the response counts). Sequences
+longer than ``max_seq_len`` are cut to their first ``max_seq_len`` tokens and flagged
+``truncated``; :func:`tokenize_message_logs` counts and logs them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, TypedDict
+
+from tempering.data.records import MessageLog
+
+logger = logging.getLogger(__name__)
+
+
+class ChatTemplateError(ValueError):
+    """A chat template cannot be split into per-message pieces."""
+
+
+class TokenizedExample(TypedDict):
+    input_ids: list[int]
+    token_mask: list[int]  # 1 on loss (assistant) tokens
+    truncated: bool
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+
+def _render(tokenizer: Any, messages: MessageLog, add_generation_prompt: bool) -> str:
+    if not messages and not add_generation_prompt:
+        return ""
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    if not isinstance(text, str):
+        raise ChatTemplateError(f"apply_chat_template returned {type(text).__name__}, not str")
+    return text
+
+
+def _strip_prefix(text: str, prefix: str, what: str) -> str:
+    if not text.startswith(prefix):
+        raise ChatTemplateError(
+            f"the chat template does not render {what} as an extension of the messages before "
+            f"it (rendered {prefix[-60:]!r}, then {text[max(0, len(prefix) - 60) : len(prefix)]!r}); "
+            "per-message loss masks need a template that renders earlier turns unchanged "
+            "(e.g. drop history-rewriting logic, or pass a custom chat_template)"
+        )
+    return text[len(prefix) :]
+
+
+def _templated_pieces(
+    messages: MessageLog, tokenizer: Any, add_generation_prompt: bool
+) -> list[tuple[str, bool, int]]:
+    """``(text, is_assistant_body, message_index)`` pieces whose concatenation is the render."""
+    pieces: list[tuple[str, bool, int]] = []
+    rendered = ""
+    for i, message in enumerate(messages):
+        full = _render(tokenizer, messages[: i + 1], False)
+        delta = _strip_prefix(full, rendered, f"message {i} ({message['role']})")
+        if message["role"] == "assistant":
+            header = _strip_prefix(
+                _render(tokenizer, messages[:i], True), rendered, "the generation prompt"
+            )
+            body = _strip_prefix(delta, header, f"assistant message {i} after its header")
+            pieces += [(header, False, i), (body, True, i)]
+        else:
+            pieces.append((delta, False, i))
+        rendered = full
+    if add_generation_prompt:
+        tail = _strip_prefix(_render(tokenizer, messages, True), rendered, "the generation prompt")
+        pieces.append((tail, False, len(messages)))
+    return pieces
+
+
+def _tokenize_templated(
+    messages: MessageLog, tokenizer: Any, add_generation_prompt: bool, loss_from: int
+) -> tuple[list[int], list[int]]:
+    ids: list[int] = []
+    mask: list[int] = []
+    pieces = _templated_pieces(messages, tokenizer, add_generation_prompt)
+    for text, is_body, index in pieces:
+        piece_ids = _encode(tokenizer, text)
+        ids += piece_ids
+        mask += [int(is_body and index >= loss_from)] * len(piece_ids)
+    whole = _encode(tokenizer, "".join(text for text, _, _ in pieces))
+    if whole != ids:
+        first = next((k for k, (a, b) in enumerate(zip(whole, ids, strict=False)) if a != b), None)
+        raise ChatTemplateError(
+            "tokenizing the chat-templated conversation message by message gives different "
+            f"tokens than tokenizing it whole (first difference at token {first}, lengths "
+            f"{len(ids)} vs {len(whole)}): tokens merge across message boundaries; use a "
+            "template whose turns end in a special token"
+        )
+    return ids, mask
+
+
+def _tokenize_plain(
+    messages: MessageLog, tokenizer: Any, add_generation_prompt: bool, loss_from: int
+) -> tuple[list[int], list[int]]:
+    ids: list[int] = []
+    mask: list[int] = []
+    eos = getattr(tokenizer, "eos_token_id", None)
+    for i, message in enumerate(messages):
+        piece = _encode(tokenizer, message["content"])
+        is_loss = message["role"] == "assistant" and i >= loss_from
+        if message["role"] == "assistant" and eos is not None:
+            piece.append(eos)
+        ids += piece
+        mask += [int(is_loss)] * len(piece)
+    return ids, mask
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def tokenize_message_log(
+    message_log: MessageLog,
+    tokenizer: Any,
+    max_seq_len: int,
+    add_generation_prompt: bool = False,
+    loss_from_message: int = 0,
+) -> TokenizedExample:
+    """Token ids and assistant-only loss mask of one message log (see module docstring)."""
+    if max_seq_len < 1:
+        raise ValueError(f"max_seq_len={max_seq_len} must be >= 1")
+    if has_chat_template(tokenizer):
+        tokenize = _tokenize_templated
+    else:
+        tokenize = _tokenize_plain
+    ids, mask = tokenize(message_log, tokenizer, add_generation_prompt, loss_from_message)
+    truncated = len(ids) > max_seq_len
+    return {
+        "input_ids": ids[:max_seq_len],
+        "token_mask": mask[:max_seq_len],
+        "truncated": truncated,
+    }
+
+
+def tokenize_message_logs(
+    message_logs: Sequence[MessageLog], tokenizer: Any, max_seq_len: int
+) -> tuple[list[TokenizedExample], int]:
+    """Tokenize many logs; returns the examples and how many were truncated (also logged)."""
+    examples = [tokenize_message_log(log, tokenizer, max_seq_len) for log in message_logs]
+    num_truncated = sum(e["truncated"] for e in examples)
+    if num_truncated:
+        logger.warning(
+            "%d of %d examples were longer than max_seq_len=%d and were truncated",
+            num_truncated,
+            len(examples),
+            max_seq_len,
+        )
+    return examples, num_truncated

@@ -1,0 +1,39 @@
+"""Prompts -> right-padded token ids for generation (GRPO rollouts, greedy evaluation).
+
+With ``use_chat_template`` the prompt becomes one user turn rendered by the tokenizer's chat
+template with the generation prompt appended; otherwise it is encoded as plain text (with the
+tokenizer's BOS if it adds one), which is how tiny-arith's "Q: 23+45=? A:" prompts work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from tempering.data.collate import pad_token_id_of
+from tempering.distributed.batched_data_dict import BatchedDataDict
+
+
+def prompt_token_ids(prompt: str, tokenizer: Any, use_chat_template: bool) -> list[int]:
+    if use_chat_template:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(prompt)["input_ids"]
+
+
+def encode_prompts(
+    prompts: Sequence[str], tokenizer: Any, use_chat_template: bool
+) -> BatchedDataDict:
+    """``{input_ids [B, S] right-padded, input_lengths [B]}`` for the generation contract."""
+    ids = [prompt_token_ids(p, tokenizer, use_chat_template) for p in prompts]
+    if not ids:
+        raise ValueError("encode_prompts got no prompts")
+    lengths = torch.tensor([len(x) for x in ids], dtype=torch.long)
+    out = torch.full((len(ids), int(lengths.max())), pad_token_id_of(tokenizer), dtype=torch.long)
+    for i, x in enumerate(ids):
+        out[i, : len(x)] = torch.tensor(x, dtype=torch.long)
+    return BatchedDataDict(input_ids=out, input_lengths=lengths)

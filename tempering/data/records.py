@@ -1,0 +1,169 @@
+"""Shared pieces of every data loader: message logs, bad-row handling, JSONL reading, splits.
+
+A *message log* is a list of ``{"role": "system" | "user" | "assistant", "content": str}``
+dicts — the unit every SFT loader returns and every chat-template tokenizer consumes.
+
+Bad input is never dropped silently. Each loader wraps its per-row conversion in a
+:class:`RowIssues` collector: with ``on_bad_row="error"`` (the default) the first bad row
+raises :class:`DataFormatError` whose message names the file, the line (or row / JSON path)
+and the field, e.g. ``data/train.jsonl:17: missing field 'response' (expected keys: prompt,
+response)``; with ``on_bad_row="skip"`` the row is skipped, counted in ``num_skipped`` of
+the returned :class:`LoadedData` and logged once per file with the first few reasons.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+logger = logging.getLogger(__name__)
+
+Message = dict[str, str]
+MessageLog = list[Message]
+OnBadRow = Literal["error", "skip"]
+ROLES = ("system", "user", "assistant")
+
+T = TypeVar("T")
+
+
+class DataFormatError(ValueError):
+    """A row of a data file does not have the expected shape; the message says where and why."""
+
+
+class RowError(ValueError):
+    """Raised by a row converter; :class:`RowIssues` adds the file and line to its message."""
+
+
+@dataclass
+class LoadedData:
+    """What every loader returns: the examples, a name, and how many bad rows were skipped."""
+
+    name: str
+    examples: list[Any]
+    num_skipped: int = 0
+    skipped_reasons: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+
+class RowIssues:
+    """Applies a converter to rows, raising or counting the bad ones per ``on_bad_row``."""
+
+    def __init__(self, source: str, on_bad_row: OnBadRow) -> None:
+        if on_bad_row not in ("error", "skip"):
+            raise ValueError(f"on_bad_row={on_bad_row!r} is not valid; use 'error' or 'skip'")
+        self.source = source
+        self.on_bad_row = on_bad_row
+        self.reasons: list[str] = []
+
+    def bad(self, where: str, reason: str) -> None:
+        """Record a bad row at ``where`` (e.g. ``"17"`` or ``"row 3"``); raise unless skipping."""
+        message = f"{self.source}:{where}: {reason}"
+        if self.on_bad_row == "error":
+            raise DataFormatError(message + " (pass on_bad_row='skip' to skip and count such rows)")
+        self.reasons.append(message)
+
+    def convert(self, where: str, row: Any, converter: Callable[[Any], T]) -> T | None:
+        """``converter(row)``, or ``None`` after recording the row as bad."""
+        try:
+            return converter(row)
+        except RowError as err:
+            self.bad(where, str(err))
+            return None
+
+    def finish(self, name: str, examples: list[Any]) -> LoadedData:
+        if self.reasons:
+            logger.warning(
+                "%s: skipped %d bad row(s); first: %s",
+                self.source,
+                len(self.reasons),
+                "; ".join(self.reasons[:3]),
+            )
+        return LoadedData(name, examples, len(self.reasons), list(self.reasons))
+
+
+def iter_jsonl(path: str | Path, issues: RowIssues) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Yield ``(line_number, object)`` for each non-blank line; bad JSON goes to ``issues``."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"data file {str(path)!r} does not exist; check the path")
+    with path.open(encoding="utf-8") as f:
+        for line_number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as err:
+                issues.bad(str(line_number), f"not valid JSON ({err.msg} at column {err.colno})")
+                continue
+            if not isinstance(obj, dict):
+                issues.bad(str(line_number), f"expected a JSON object, got {type(obj).__name__}")
+                continue
+            yield line_number, obj
+
+
+def require(row: dict[str, Any], key: str, expected: Sequence[str], kind: type | tuple) -> Any:
+    """``row[key]`` checked for presence and type, else a :class:`RowError` naming the field."""
+    if key not in row:
+        raise RowError(f"missing field {key!r} (expected keys: {', '.join(expected)})")
+    value = row[key]
+    if not isinstance(value, kind):
+        names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise RowError(f"field {key!r} must be {names}, got {type(value).__name__}")
+    return value
+
+
+def check_message_log(value: Any, field_name: str) -> MessageLog:
+    """Validate a list of ``{"role", "content"}`` dicts; returns plain copies."""
+    if not isinstance(value, list) or not value:
+        raise RowError(f"field {field_name!r} must be a non-empty list of messages")
+    messages: MessageLog = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise RowError(f"field {field_name!r}[{i}] must be an object with role and content")
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            raise RowError(f"field {field_name!r}[{i}].role is {role!r}; expected one of {ROLES}")
+        if not isinstance(content, str):
+            raise RowError(
+                f"field {field_name!r}[{i}].content must be str, got {type(content).__name__}"
+            )
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+def stable_hash(text: str) -> str:
+    """Hex sha256 of ``text``: an ordering key that no library version can change."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def split_train_val(
+    items: Sequence[T], val_fraction: float, seed: int = 0
+) -> tuple[list[T], list[T]]:
+    """Deterministic split with ``round(len(items) * val_fraction)`` items in val (see
+    :func:`split_off_val`)."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction={val_fraction} must be in [0, 1)")
+    return split_off_val(items, round(len(items) * val_fraction), seed)
+
+
+def split_off_val(items: Sequence[T], num_val: int, seed: int = 0) -> tuple[list[T], list[T]]:
+    """Deterministic split: items ordered by sha256(f"{seed}:{index}"), the first ``num_val``
+    go to val. Each split keeps the input order, so the split depends only on the item
+    count, ``num_val`` and the seed."""
+    if not 0 <= num_val < len(items):
+        raise ValueError(
+            f"cannot hold out {num_val} validation examples from {len(items)}; "
+            "lower num_val_samples or pass a separate validation file"
+        )
+    order = sorted(range(len(items)), key=lambda i: stable_hash(f"{seed}:{i}"))
+    val_idx = set(order[:num_val])
+    train = [x for i, x in enumerate(items) if i not in val_idx]
+    val = [x for i, x in enumerate(items) if i in val_idx]
+    return train, val

@@ -1,0 +1,273 @@
+"""SFT dataset loaders: local files in, message logs out (no hub access).
+
+Formats (each loader returns a :class:`~tempering.data.records.LoadedData` of message logs):
+
+- **SQuAD JSON** (:func:`load_squad_json`), the shape of NeMo RL's README SFT example::
+
+      {"data": [{"title": ..., "paragraphs": [{"context": ...,
+                 "qas": [{"question": ..., "answers": [{"text": ...}, ...]}]}]}]}
+
+  One example per question: user = ``"Context: <context>\\n\\nQuestion: <question>"``,
+  assistant = the first answer's text. A JSON document has no per-row line numbers, so
+  errors name the JSON path instead (``squad.json:data[0].paragraphs[1].qas[2]: ...``).
+- **OpenAI-messages JSONL** (:func:`load_messages_jsonl`): ``{"messages": [{"role",
+  "content"}, ...]}`` per line; must contain at least one assistant message.
+- **Prompt/response JSONL** (:func:`load_prompt_response_jsonl`): ``{"<prompt_key>": str,
+  "<response_key>": str}`` per line -> user = prompt, assistant = response.
+- **Hugging Face datasets** (:func:`load_hf_sft`): a folder written by
+  ``Dataset.save_to_disk`` (read with ``datasets.load_from_disk``) or local data files read
+  with ``datasets.load_dataset("json", data_files=...)``; rows are mapped by the same keys
+  (``messages_key`` or ``prompt_key``/``response_key``). Errors name ``row <index>``.
+
+Bad rows raise :class:`~tempering.data.records.DataFormatError` naming file, line and field,
+or are skipped and counted with ``on_bad_row="skip"``.
+
+:func:`load_sft_splits` is the one entry point a config uses: ``data.dataset_name`` picks the
+loader (:data:`SFT_LOADERS`), and without a validation file the last-resort validation split
+is held out of the training file deterministically (:func:`~tempering.data.records.split_off_val`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from tempering.data.records import (
+    DataFormatError,
+    LoadedData,
+    MessageLog,
+    OnBadRow,
+    RowError,
+    RowIssues,
+    check_message_log,
+    iter_jsonl,
+    require,
+    split_off_val,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def prompt_response_log(prompt: str, response: str, system: str | None = None) -> MessageLog:
+    """The message log of one single-turn example."""
+    log: MessageLog = [{"role": "system", "content": system}] if system else []
+    log += [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+    return log
+
+
+def _messages_converter(messages_key: str):
+    def convert(row: dict[str, Any]) -> MessageLog:
+        require(row, messages_key, [messages_key], list)
+        log = check_message_log(row[messages_key], messages_key)
+        if not any(m["role"] == "assistant" for m in log):
+            raise RowError(f"field {messages_key!r} has no assistant message to train on")
+        return log
+
+    return convert
+
+
+def _prompt_response_converter(prompt_key: str, response_key: str):
+    keys = [prompt_key, response_key]
+
+    def convert(row: dict[str, Any]) -> MessageLog:
+        prompt = require(row, prompt_key, keys, str)
+        response = require(row, response_key, keys, str)
+        if not response.strip():
+            raise RowError(f"field {response_key!r} is empty")
+        return prompt_response_log(prompt, response)
+
+    return convert
+
+
+def load_messages_jsonl(
+    path: str | Path, messages_key: str = "messages", on_bad_row: OnBadRow = "error"
+) -> LoadedData:
+    """OpenAI-messages JSONL: one ``{"messages": [...]}`` object per line."""
+    issues = RowIssues(str(path), on_bad_row)
+    convert = _messages_converter(messages_key)
+    logs = [
+        log
+        for line, row in iter_jsonl(path, issues)
+        if (log := issues.convert(str(line), row, convert)) is not None
+    ]
+    return issues.finish(Path(path).stem, logs)
+
+
+def load_prompt_response_jsonl(
+    path: str | Path,
+    prompt_key: str = "prompt",
+    response_key: str = "response",
+    on_bad_row: OnBadRow = "error",
+) -> LoadedData:
+    """Prompt/response JSONL with configurable keys."""
+    issues = RowIssues(str(path), on_bad_row)
+    convert = _prompt_response_converter(prompt_key, response_key)
+    logs = [
+        log
+        for line, row in iter_jsonl(path, issues)
+        if (log := issues.convert(str(line), row, convert)) is not None
+    ]
+    return issues.finish(Path(path).stem, logs)
+
+
+def _squad_log(qa: Any, context: str) -> MessageLog:
+    if not isinstance(qa, dict):
+        raise RowError(f"expected an object with question and answers, got {type(qa).__name__}")
+    question = require(qa, "question", ["question", "answers"], str)
+    answers = require(qa, "answers", ["question", "answers"], list)
+    if not answers:
+        raise RowError("field 'answers' is empty (an unanswerable SQuAD v2 question?)")
+    if not isinstance(answers[0], dict) or not isinstance(answers[0].get("text"), str):
+        raise RowError("field 'answers'[0].text is missing or not a string")
+    user = f"Context: {context}\n\nQuestion: {question}"
+    return prompt_response_log(user, answers[0]["text"])
+
+
+def load_squad_json(path: str | Path, on_bad_row: OnBadRow = "error") -> LoadedData:
+    """SQuAD-format JSON: one SFT example per question (first answer)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"SQuAD file {str(path)!r} does not exist; check the path")
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise DataFormatError(f"{path}:{err.lineno}: not valid JSON ({err.msg})") from err
+    if not isinstance(doc, dict) or not isinstance(doc.get("data"), list):
+        raise DataFormatError(f"{path}: missing top-level field 'data' (a list of articles)")
+    issues = RowIssues(str(path), on_bad_row)
+    logs: list[MessageLog] = []
+    for a, article in enumerate(doc["data"]):
+        paragraphs = article.get("paragraphs") if isinstance(article, dict) else None
+        if not isinstance(paragraphs, list):
+            issues.bad(f"data[{a}]", "missing field 'paragraphs' (a list)")
+            continue
+        for p, para in enumerate(paragraphs):
+            where = f"data[{a}].paragraphs[{p}]"
+            if not isinstance(para, dict) or not isinstance(para.get("context"), str):
+                issues.bad(where, "missing field 'context' (a string)")
+                continue
+            if not isinstance(para.get("qas"), list):
+                issues.bad(where, "missing field 'qas' (a list)")
+                continue
+            convert = functools.partial(_squad_log, context=para["context"])
+            for q, qa in enumerate(para["qas"]):
+                if (log := issues.convert(f"{where}.qas[{q}]", qa, convert)) is not None:
+                    logs.append(log)
+    return issues.finish(path.stem, logs)
+
+
+def load_hf_sft(
+    path_or_files: str | Path | list[str],
+    prompt_key: str = "prompt",
+    response_key: str = "response",
+    messages_key: str | None = None,
+    split: str = "train",
+    on_bad_row: OnBadRow = "error",
+    cache_dir: str | None = None,
+) -> LoadedData:
+    """A local Hugging Face dataset: a ``save_to_disk`` folder, or JSON/JSONL data files.
+
+    Rows map by ``messages_key`` when given, else by ``prompt_key``/``response_key``.
+    ``split`` picks the split of a saved ``DatasetDict`` (ignored for a single ``Dataset``);
+    ``cache_dir`` is where ``load_dataset`` caches parsed data files (default: HF's cache).
+    """
+    import datasets  # heavy import; only this loader needs it
+
+    files = [str(f) for f in path_or_files] if isinstance(path_or_files, list) else None
+    source = str(path_or_files)
+    if files is None and Path(source).is_dir():
+        ds = datasets.load_from_disk(source)
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise KeyError(f"{source}: no split {split!r}; it has {sorted(ds)}")
+            ds = ds[split]
+    else:
+        files = files or [source]
+        for f in files:
+            if not Path(f).is_file():
+                raise FileNotFoundError(f"data file {f!r} does not exist; check the path")
+        ds = datasets.load_dataset("json", data_files=files, split="train", cache_dir=cache_dir)
+    convert = (
+        _messages_converter(messages_key)
+        if messages_key
+        else _prompt_response_converter(prompt_key, response_key)
+    )
+    issues = RowIssues(source, on_bad_row)
+    logs = []
+    for i, row in enumerate(ds):
+        # Arrow unifies columns across rows, so a field a row lacks reads back as None.
+        present = {k: v for k, v in row.items() if v is not None}
+        if (log := issues.convert(f"row {i}", present, convert)) is not None:
+            logs.append(log)
+    return issues.finish(Path(files[0] if files else source).stem, logs)
+
+
+def _load_squad(path: str, prompt_key: str, response_key: str, on_bad_row: OnBadRow):
+    return load_squad_json(path, on_bad_row)
+
+
+def _load_messages(path: str, prompt_key: str, response_key: str, on_bad_row: OnBadRow):
+    return load_messages_jsonl(path, on_bad_row=on_bad_row)
+
+
+def _load_prompt_response(path: str, prompt_key: str, response_key: str, on_bad_row: OnBadRow):
+    return load_prompt_response_jsonl(path, prompt_key, response_key, on_bad_row)
+
+
+def _load_hf(path: str, prompt_key: str, response_key: str, on_bad_row: OnBadRow):
+    return load_hf_sft(path, prompt_key, response_key, on_bad_row=on_bad_row)
+
+
+# data.dataset_name -> loader(path, prompt_key, response_key, on_bad_row) for local files.
+SFT_LOADERS = {
+    "squad": _load_squad,
+    "messages": _load_messages,
+    "prompt_response": _load_prompt_response,
+    "hf": _load_hf,
+}
+
+
+def load_sft_splits(
+    name: str,
+    train_data_path: str | None,
+    val_data_path: str | None = None,
+    prompt_key: str = "prompt",
+    response_key: str = "response",
+    on_bad_row: OnBadRow = "error",
+    num_val: int = 256,
+    seed: int = 0,
+) -> tuple[list[MessageLog], list[MessageLog]]:
+    """``(train, val)`` message logs of a file-based dataset named by ``data.dataset_name``.
+
+    With ``val_data_path`` the validation logs come from that file; otherwise ``num_val``
+    logs are held out of the training file by :func:`split_off_val` with ``seed``.
+    """
+    if name not in SFT_LOADERS:
+        raise ValueError(
+            f"data.dataset_name={name!r} is not a file-based SFT dataset; use one of "
+            f"{sorted(SFT_LOADERS)} (or 'arithmetic' / 'gsm8k', which are built in)"
+        )
+    if not train_data_path:
+        raise ValueError(f"data.dataset_name={name!r} needs data.train_data_path=<file or folder>")
+    load = SFT_LOADERS[name]
+    train = load(train_data_path, prompt_key, response_key, on_bad_row).examples
+    if val_data_path:
+        return train, load(val_data_path, prompt_key, response_key, on_bad_row).examples
+    return split_off_val(train, _capped_num_val(num_val, len(train), train_data_path), seed)
+
+
+def _capped_num_val(num_val: int, total: int, source: str) -> int:
+    """At most half of the data goes to validation; a cap is logged, not silent."""
+    capped = min(num_val, total // 2)
+    if capped < num_val:
+        logger.warning(
+            "%s has %d examples: holding out %d for validation instead of num_val=%d",
+            source,
+            total,
+            capped,
+            num_val,
+        )
+    return capped

@@ -1,0 +1,269 @@
+"""SFT loaders: SQuAD JSON, messages JSONL, prompt/response JSONL, HF datasets, GSM8K, arithmetic."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import pytest
+
+from tempering.data.gsm8k import (
+    GSM8K_INSTRUCTION,
+    extract_final_answer,
+    gsm8k_rl_pairs,
+    gsm8k_sft_message_logs,
+    load_gsm8k,
+)
+from tempering.data.records import DataFormatError, split_train_val
+from tempering.data.sft_datasets import (
+    load_hf_sft,
+    load_messages_jsonl,
+    load_prompt_response_jsonl,
+    load_squad_json,
+)
+
+
+def write_jsonl(path: Path, lines: list) -> Path:
+    path.write_text(
+        "\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n",
+        encoding="utf-8",
+    )
+    return path
+
+
+SQUAD = {
+    "version": "1.1",
+    "data": [
+        {
+            "title": "Rivers",
+            "paragraphs": [
+                {
+                    "context": "The Nile flows north into the Mediterranean.",
+                    "qas": [
+                        {
+                            "id": "a",
+                            "question": "Where does the Nile flow?",
+                            "answers": [{"text": "north", "answer_start": 14}, {"text": "x"}],
+                        },
+                        {
+                            "id": "b",
+                            "question": "Into which sea?",
+                            "answers": [{"text": "the Mediterranean", "answer_start": 25}],
+                        },
+                    ],
+                }
+            ],
+        },
+        {
+            "title": "Cats",
+            "paragraphs": [
+                {
+                    "context": "Cats sleep a lot.",
+                    "qas": [{"id": "c", "question": "Do cats sleep?", "answers": []}],
+                }
+            ],
+        },
+    ],
+}
+
+
+def test_squad_json_user_is_context_and_question(tmp_path):
+    path = tmp_path / "squad.json"
+    path.write_text(json.dumps(SQUAD))
+    with pytest.raises(DataFormatError, match=r"squad.json:data\[1\].paragraphs\[0\].qas\[0\]"):
+        load_squad_json(path)  # the unanswerable question
+    data = load_squad_json(path, on_bad_row="skip")
+    assert data.name == "squad" and len(data) == 2 and data.num_skipped == 1
+    first = data.examples[0]
+    assert [m["role"] for m in first] == ["user", "assistant"]
+    assert "The Nile flows north" in first[0]["content"]
+    assert "Where does the Nile flow?" in first[0]["content"]
+    assert first[1]["content"] == "north"  # the first answer
+    assert data.examples[1][1]["content"] == "the Mediterranean"
+
+
+def test_messages_jsonl(tmp_path):
+    convo = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+    ]
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": convo}, {"messages": convo[:2]}])
+    with pytest.raises(DataFormatError, match=r"chat.jsonl:2: .*no assistant message"):
+        load_messages_jsonl(path)
+    data = load_messages_jsonl(path, on_bad_row="skip")
+    assert data.examples == [convo] and data.num_skipped == 1
+    bad_role = write_jsonl(
+        tmp_path / "role.jsonl", [{"messages": [{"role": "robot", "content": "x"}]}]
+    )
+    with pytest.raises(DataFormatError, match=r"role.jsonl:1: field 'messages'\[0\].role"):
+        load_messages_jsonl(bad_role)
+
+
+def test_prompt_response_jsonl_custom_keys(tmp_path):
+    path = write_jsonl(
+        tmp_path / "pr.jsonl",
+        [{"input": "2+2?", "output": "4"}, {"input": "3+3?", "output": "6", "extra": 1}],
+    )
+    data = load_prompt_response_jsonl(path, prompt_key="input", response_key="output")
+    assert data.examples[1] == [
+        {"role": "user", "content": "3+3?"},
+        {"role": "assistant", "content": "6"},
+    ]
+    assert data.num_skipped == 0
+
+
+def test_bad_rows_name_file_line_and_field(tmp_path):
+    path = write_jsonl(
+        tmp_path / "train.jsonl",
+        [
+            {"prompt": "a", "response": "b"},
+            "",  # blank lines are not rows but still count as lines
+            {"prompt": "c"},
+            "{not json",
+            {"prompt": "d", "response": 5},
+            {"prompt": "e", "response": "f"},
+        ],
+    )
+    with pytest.raises(DataFormatError) as err:
+        load_prompt_response_jsonl(path)
+    assert str(err.value).startswith(
+        f"{path}:3: missing field 'response' (expected keys: prompt, response)"
+    )
+    data = load_prompt_response_jsonl(path, on_bad_row="skip")
+    assert [log[0]["content"] for log in data.examples] == ["a", "e"]
+    assert data.num_skipped == 3
+    assert any(":4: not valid JSON" in r for r in data.skipped_reasons)
+    assert any(":5: field 'response' must be str, got int" in r for r in data.skipped_reasons)
+
+
+def test_skipped_rows_are_logged(tmp_path, caplog):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "a"}, {"prompt": "b", "response": "c"}])
+    with caplog.at_level(logging.WARNING):
+        data = load_prompt_response_jsonl(path, on_bad_row="skip")
+    assert data.num_skipped == 1
+    assert "skipped 1 bad row" in caplog.text
+
+
+def test_hf_datasets_from_disk_and_data_files(tmp_path):
+    import datasets
+
+    rows = {"q": ["one", "two", "three"], "a": ["1", "2", None]}
+    datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "saved"))
+    with pytest.raises(DataFormatError, match=r"saved:row 2: missing field 'a'"):
+        load_hf_sft(tmp_path / "saved", prompt_key="q", response_key="a")
+    data = load_hf_sft(tmp_path / "saved", prompt_key="q", response_key="a", on_bad_row="skip")
+    assert [log[1]["content"] for log in data.examples] == ["1", "2"]
+    assert data.num_skipped == 1
+
+    convo = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    f1 = write_jsonl(tmp_path / "a.jsonl", [{"messages": convo}])
+    f2 = write_jsonl(
+        tmp_path / "b.jsonl", [{"messages": convo[:1] + [convo[1] | {"content": "hey"}]}]
+    )
+    data = load_hf_sft(
+        [str(f1), str(f2)], messages_key="messages", cache_dir=str(tmp_path / "cache")
+    )
+    assert [log[1]["content"] for log in data.examples] == ["yo", "hey"]
+
+
+def test_gsm8k_split_is_deterministic_and_disjoint():
+    train, heldout, everything = load_gsm8k("train"), load_gsm8k("heldout"), load_gsm8k("all")
+    assert (len(train), len(heldout), len(everything)) == (1000, 319, 1319)
+    assert {p.question for p in train}.isdisjoint(p.question for p in heldout)
+    assert {p.question for p in train} | {p.question for p in heldout} == {
+        p.question for p in everything
+    }
+    assert [p.question for p in load_gsm8k("train")] == [p.question for p in train]
+    assert load_gsm8k("test") == heldout  # alias, the name tiny-arith uses
+    with pytest.raises(ValueError, match="split 'dev'"):
+        load_gsm8k("dev")  # type: ignore[arg-type]
+
+
+def test_gsm8k_sft_and_rl_views():
+    sft = gsm8k_sft_message_logs("heldout")
+    assert len(sft) == 319
+    user, assistant = sft.examples[0]
+    assert user["content"].endswith(GSM8K_INSTRUCTION)
+    assert re.search(r"#### -?\d+\s*$", assistant["content"])
+    pairs = gsm8k_rl_pairs("train")
+    assert len(pairs) == 1000
+    assert all(re.fullmatch(r"-?\d+(\.\d+)?", answer) for _, answer in pairs)
+    janet = next(p for p in load_gsm8k("all") if p.question.startswith("Janet’s ducks"))
+    assert janet.final_answer == "18"
+
+
+def test_extract_final_answer_strips_commas():
+    assert extract_final_answer("so 1,000+200=1,200\n#### 1,200") == "1200"
+    with pytest.raises(ValueError, match="no '#### <number>'"):
+        extract_final_answer("the answer is 5")
+
+
+def test_split_train_val_is_deterministic():
+    items = list(range(100))
+    train, val = split_train_val(items, 0.1, seed=1)
+    assert len(val) == 10 and sorted(train + val) == items
+    assert split_train_val(items, 0.1, seed=1) == (train, val)
+    assert split_train_val(items, 0.1, seed=2)[1] != val
+
+
+def test_arithmetic_sft_examples():
+    tiny_arith = pytest.importorskip(
+        "tempering.models.tiny_arith", reason="tiny_arith generator not in this tree yet"
+    )
+    from tempering.data.arithmetic import arithmetic_sft_message_logs
+
+    data = arithmetic_sft_message_logs(20, seed=3)
+    problems = tiny_arith.make_problems(20, 3)
+    assert all(p["answer"].lstrip("-").isdigit() for p in problems)
+    assert len(data) == 20
+    for log, problem in zip(data.examples, problems, strict=True):
+        assert log == [
+            {"role": "user", "content": problem["prompt"]},
+            {"role": "assistant", "content": " " + problem["answer"]},
+        ]
+    assert arithmetic_sft_message_logs(20, seed=3).examples == data.examples
+
+
+def test_arithmetic_tokenization_matches_tiny_arith_training_format():
+    tiny_arith = pytest.importorskip(
+        "tempering.models.tiny_arith", reason="tiny_arith generator not in this tree yet"
+    )
+    from tempering.data.arithmetic import arithmetic_sft_message_logs
+    from tempering.data.processing import tokenize_message_log
+
+    tokenizer = tiny_arith.build_tokenizer()
+    plain = tiny_arith.build_tokenizer()
+    plain.chat_template = None
+    logs = arithmetic_sft_message_logs(10, seed=0, ops=("+", "-")).examples
+    for log, problem in zip(logs, tiny_arith.make_problems(10, 0, ops=("+", "-")), strict=True):
+        expected = tiny_arith.format_sft_example(problem, tokenizer)
+        for tok in (tokenizer, plain):  # chat-template path and concatenation fallback
+            got = tokenize_message_log(log, tok, max_seq_len=64)
+            assert got["input_ids"] == expected["input_ids"]
+            assert got["token_mask"] == expected["token_mask"]
+
+
+def test_load_sft_splits_by_dataset_name(tmp_path, caplog):
+    from tempering.data.sft_datasets import load_sft_splits
+
+    rows = [{"q": f"p{i}", "a": f"r{i}"} for i in range(10)]
+    train_file = write_jsonl(tmp_path / "train.jsonl", rows)
+    val_file = write_jsonl(tmp_path / "val.jsonl", rows[:2])
+    train, val = load_sft_splits("prompt_response", str(train_file), str(val_file), "q", "a")
+    assert len(train) == 10 and [log[0]["content"] for log in val] == ["p0", "p1"]
+
+    with caplog.at_level(logging.WARNING):
+        train, val = load_sft_splits("prompt_response", str(train_file), None, "q", "a", num_val=8)
+    assert (len(train), len(val)) == (5, 5)  # capped at half, and said so
+    assert "holding out 5 for validation instead of num_val=8" in caplog.text
+    assert {log[0]["content"] for log in train}.isdisjoint(log[0]["content"] for log in val)
+    assert load_sft_splits("prompt_response", str(train_file), None, "q", "a", num_val=3) == (
+        load_sft_splits("prompt_response", str(train_file), None, "q", "a", num_val=3)
+    )
+    with pytest.raises(ValueError, match="data.dataset_name='csv'"):
+        load_sft_splits("csv", str(train_file))
+    with pytest.raises(ValueError, match="needs data.train_data_path"):
+        load_sft_splits("squad", None)
