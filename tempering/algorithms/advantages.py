@@ -1,0 +1,90 @@
+"""Group-relative advantages for GRPO.
+
+Rewards arrive flat, ``[P * G]``, with the G generations of each prompt contiguous (the
+layout that ``BatchedDataDict.repeat_interleave(G)`` produces). Each sample's advantage is its
+reward minus a baseline computed inside its group, optionally divided by the group's std:
+
+- ``leave_one_out_advantages``: baseline = mean of the OTHER G - 1 rewards of the group
+  (NeMo RL's ``use_leave_one_out_baseline=True``; an unbiased REINFORCE baseline).
+- ``mean_baseline_advantages``: baseline = mean of all G rewards (classic GRPO).
+
+With ``normalize_std=True`` the advantage is divided by ``std + eps`` where std is the
+**sample** standard deviation of the whole group (Bessel-corrected, ``torch.std`` default,
+``unbiased=True``). A group whose rewards are all equal has std 0: its advantages are set to
+exactly 0 either way (not left to float rounding), and dynamic sampling drops such groups.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["Advantages", "group_std", "leave_one_out_advantages", "mean_baseline_advantages"]
+
+
+class Advantages(NamedTuple):
+    advantages: Tensor  # [P * G], same dtype as the rewards (float)
+    baselines: Tensor  # [P * G], the baseline subtracted from each sample
+    group_std: Tensor  # [P], sample std of each group's rewards
+
+
+def _grouped(rewards: Tensor, group_size: int) -> Tensor:
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be flat [P * G]; got shape {tuple(rewards.shape)}.")
+    if group_size < 1 or rewards.numel() % group_size != 0:
+        raise ValueError(
+            f"{rewards.numel()} rewards cannot be split into groups of group_size={group_size}; "
+            f"the batch must be num_prompts * num_generations_per_prompt."
+        )
+    r = rewards if rewards.is_floating_point() else rewards.float()
+    return r.view(-1, group_size)  # [P, G]
+
+
+def group_std(rewards: Tensor, group_size: int) -> Tensor:
+    """Sample (Bessel-corrected) std of each group, ``[P]``; 0 for groups of size 1."""
+    grouped = _grouped(rewards, group_size)
+    if group_size == 1:
+        return torch.zeros(grouped.shape[0], dtype=grouped.dtype, device=grouped.device)
+    return grouped.std(dim=1, unbiased=True)
+
+
+def _finish(
+    grouped: Tensor, baseline: Tensor, normalize_std: bool, eps: float, group_size: int
+) -> Advantages:
+    std = group_std(grouped.reshape(-1), group_size)  # [P]
+    adv = grouped - baseline  # [P, G]
+    if normalize_std:
+        adv = adv / (std.unsqueeze(-1) + eps)
+    # A constant group must give exactly 0: the leave-one-out mean of equal floats can differ
+    # from them by rounding, which / (0 + eps) would blow up to a spurious advantage.
+    constant = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)
+    adv = torch.where(constant, torch.zeros_like(adv), adv)
+    return Advantages(adv.reshape(-1), baseline.reshape(-1), std)
+
+
+def leave_one_out_advantages(
+    rewards: Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6
+) -> Advantages:
+    """Advantage = reward - mean of the other G - 1 rewards in the group (optionally / std).
+
+    rewards: ``[P * G]`` with groups contiguous. Needs ``group_size >= 2``.
+    """
+    if group_size < 2:
+        raise ValueError(
+            f"leave-one-out baseline needs group_size >= 2 (got {group_size}); raise "
+            f"grpo.num_generations_per_prompt or use mean_baseline_advantages."
+        )
+    grouped = _grouped(rewards, group_size)  # [P, G]
+    baseline = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)  # [P, G]
+    return _finish(grouped, baseline, normalize_std, eps, group_size)
+
+
+def mean_baseline_advantages(
+    rewards: Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6
+) -> Advantages:
+    """Advantage = reward - mean of all G rewards in the group (optionally / std)."""
+    grouped = _grouped(rewards, group_size)  # [P, G]
+    baseline = grouped.mean(dim=1, keepdim=True).expand_as(grouped)  # [P, G]
+    return _finish(grouped, baseline, normalize_std, eps, group_size)

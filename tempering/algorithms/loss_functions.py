@@ -1,0 +1,451 @@
+"""Loss functions for SFT, DPO, reward models and GRPO/PPO.
+
+Every loss follows the `LossFunction` contract in docs/CONTRACTS.md:
+
+    loss, metrics = loss_fn(logits, data, global_valid_toks, global_valid_seqs)
+
+`logits` is ``[B, S, V]`` from the policy forward pass (already divided by the sampling
+temperature where that matters), `data` is a ``BatchedDataDict`` (any mapping works) with
+``input_ids [B, S]``, ``token_mask [B, S]``, ``sample_mask [B]`` and the algorithm's own keys.
+The returned loss is already divided by the GLOBAL count of valid tokens (``loss_type ==
+"token"``) or valid sequences (``loss_type == "sequence"``), so summing the losses of all
+micro-batches (and all data-parallel ranks) gives exactly the loss of one big batch, and the
+same gradient.
+
+Metrics are plain floats for this micro-batch. Those named ``loss`` and ``kl_penalty`` are
+already globally normalised (sum them over micro-batches); the others are means over this
+micro-batch's valid tokens / pairs, reported with ``num_valid_tokens`` / ``num_valid_pairs``
+so a caller can weight them.
+
+Log-prob layout (the contract): ``logprobs[b, t] = log p(input_ids[b, t] | input_ids[b, :t])``
+for ``t >= 1`` and ``logprobs[b, 0] = 0``; `token_logprobs` computes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+LossType = Literal["token", "sequence"]
+KLEstimator = Literal["k1", "k2", "k3"]
+
+__all__ = [
+    "BradleyTerryLoss",
+    "ClippedPGLoss",
+    "DPOLoss",
+    "KLEstimator",
+    "LossFunction",
+    "LossType",
+    "NLLLoss",
+    "count_valid_pairs",
+    "kl_estimate",
+    "token_entropy",
+    "token_logprobs",
+]
+
+
+class LossFunction(Protocol):
+    """What the policy worker calls on each micro-batch (docs/CONTRACTS.md)."""
+
+    loss_type: LossType
+
+    def __call__(
+        self,
+        logits: Tensor,
+        data: Mapping[str, Any],
+        global_valid_toks: Tensor,
+        global_valid_seqs: Tensor,
+    ) -> tuple[Tensor, dict[str, float]]: ...
+
+
+# --------------------------------------------------------------------------------------------
+# Shared helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _upcast(logits: Tensor) -> Tensor:
+    """Half-precision logits are computed in fp32; fp32/fp64 are kept as they are."""
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        return logits.float()
+    return logits
+
+
+def token_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
+    """Log-prob of each token under the logits that predict it, in the contract's layout.
+
+    logits: ``[B, S, V]``; input_ids: ``[B, S]``. Returns ``[B, S]`` where position ``t >= 1`` is
+    ``log_softmax(logits[:, t - 1])[input_ids[:, t]]`` and position 0 is 0. Computed with
+    ``log_softmax`` + ``gather`` in at least fp32 (stable for large logits).
+    """
+    if logits.dim() != 3 or input_ids.shape != logits.shape[:2]:
+        raise ValueError(
+            f"token_logprobs expects logits [B, S, V] and input_ids [B, S]; got logits "
+            f"{tuple(logits.shape)} and input_ids {tuple(input_ids.shape)}."
+        )
+    logp = torch.log_softmax(_upcast(logits[:, :-1]), dim=-1)  # [B, S-1, V]
+    picked = logp.gather(-1, input_ids[:, 1:].long().unsqueeze(-1)).squeeze(-1)  # [B, S-1]
+    return F.pad(picked, (1, 0), value=0.0)  # [B, S]
+
+
+def token_entropy(logits: Tensor) -> Tensor:
+    """Entropy of the next-token distribution, aligned like `token_logprobs` (position 0 = 0).
+
+    Returns ``[B, S]``; entry ``t`` is the entropy of the distribution that scored token ``t``.
+    Not differentiated (it is a metric).
+    """
+    with torch.no_grad():
+        logp = torch.log_softmax(_upcast(logits[:, :-1]), dim=-1)
+        ent = -(logp.exp() * logp).sum(-1)  # [B, S-1]
+    return F.pad(ent, (1, 0), value=0.0)
+
+
+def _valid_token_mask(data: Mapping[str, Any], like: Tensor) -> Tensor:
+    """token_mask * sample_mask as ``[B, S]`` in the dtype of `like`."""
+    for key in ("token_mask", "sample_mask"):
+        if key not in data:
+            raise KeyError(f"Loss input is missing '{key}'; keys present: {sorted(data)}.")
+    token_mask = data["token_mask"].to(like.dtype)
+    sample_mask = data["sample_mask"].to(like.dtype)
+    return token_mask * sample_mask.unsqueeze(-1)
+
+
+def _as_tensor(x: Tensor | float, like: Tensor) -> Tensor:
+    return torch.as_tensor(x, dtype=like.dtype, device=like.device)
+
+
+def _masked_mean(values: Tensor, mask: Tensor) -> float:
+    """Mean of `values` where mask is 1 (a float; 0.0 when nothing is valid)."""
+    denom = mask.sum()
+    if denom.item() == 0:
+        return 0.0
+    return float(((values * mask).sum() / denom).item())
+
+
+def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator) -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples drawn from pi.
+
+    With ``log r = logprobs - ref_logprobs`` (r = pi / pi_ref at the sampled token):
+
+    - ``k1 = log r``
+    - ``k2 = 0.5 * (log r) ** 2``
+    - ``k3 = exp(-log r) - 1 + log r`` (Schulman 2020; unbiased and always >= 0)
+    """
+    log_r = logprobs - ref_logprobs
+    if estimator == "k1":
+        return log_r
+    if estimator == "k2":
+        return 0.5 * log_r**2
+    if estimator == "k3":
+        return torch.exp(-log_r) - 1.0 + log_r
+    raise ValueError(f"kl estimator '{estimator}' is unknown; use one of 'k1', 'k2', 'k3'.")
+
+
+def count_valid_pairs(sample_mask: Tensor) -> Tensor:
+    """Number of valid preference pairs in an interleaved batch (chosen 2i, rejected 2i+1).
+
+    A pair counts when both of its samples have sample_mask 1. This is the
+    ``global_valid_seqs`` that `DPOLoss` and `BradleyTerryLoss` expect (summed over the
+    global batch).
+    """
+    return _pair_mask(sample_mask).sum()
+
+
+def _pair_mask(sample_mask: Tensor) -> Tensor:
+    if sample_mask.shape[0] % 2 != 0:
+        raise ValueError(
+            f"Preference batches interleave chosen (2i) and rejected (2i+1) samples, so the "
+            f"batch size must be even; got {sample_mask.shape[0]}."
+        )
+    return sample_mask[0::2] * sample_mask[1::2]
+
+
+# --------------------------------------------------------------------------------------------
+# SFT
+# --------------------------------------------------------------------------------------------
+
+
+class NLLLoss:
+    """Token-level negative log-likelihood (SFT).
+
+    loss = sum over tokens with token_mask * sample_mask of -logprob, / global_valid_toks.
+    Metrics: ``loss``, ``num_valid_tokens``.
+    """
+
+    loss_type: LossType = "token"
+
+    def __call__(
+        self,
+        logits: Tensor,
+        data: Mapping[str, Any],
+        global_valid_toks: Tensor,
+        global_valid_seqs: Tensor,
+    ) -> tuple[Tensor, dict[str, float]]:
+        logprobs = token_logprobs(logits, data["input_ids"])  # [B, S]
+        mask = _valid_token_mask(data, logprobs)
+        loss = -(logprobs * mask).sum() / _as_tensor(global_valid_toks, logprobs)
+        return loss, {"loss": float(loss.item()), "num_valid_tokens": float(mask.sum().item())}
+
+
+# --------------------------------------------------------------------------------------------
+# GRPO / PPO
+# --------------------------------------------------------------------------------------------
+
+
+class ClippedPGLoss:
+    """Clipped policy-gradient loss (PPO / GRPO / DAPO) with an optional KL penalty.
+
+    Inputs in `data` (all aligned like `token_logprobs`):
+      ``advantages`` ``[B, S]`` or ``[B]`` (broadcast over tokens), ``prev_logprobs`` ``[B, S]``
+      (behaviour policy, recomputed by the trainer), ``generation_logprobs`` ``[B, S]`` (from
+      the generator; needed for the mismatch metric and for importance-sampling correction),
+      ``reference_policy_logprobs`` ``[B, S]`` (needed when ``reference_policy_kl_penalty > 0``).
+
+    Per valid token, with ``ratio = exp(curr - prev)`` and advantage ``A``:
+
+      pg = max(-A * ratio, -A * clamp(ratio, 1 - ratio_clip_min, 1 + ratio_clip_max))
+      if ratio_clip_c is set and A < 0:  pg = min(pg, -A * ratio_clip_c)       (dual clip)
+      kl = reference_policy_kl_penalty * kl_estimate(curr, ref, kl_estimator)
+      per_token = w * (pg + kl),  w = min(exp(prev - gen), truncated_importance_sampling_ratio)
+      (w = 1 unless ``use_importance_sampling_correction``; w is detached)
+
+    Normalisation: ``loss_type="token"`` sums per_token over valid tokens and divides by
+    ``global_valid_toks``; ``loss_type="sequence"`` averages each sequence's valid tokens,
+    sums over valid sequences and divides by ``global_valid_seqs``.
+
+    Metrics: ``loss``, ``kl_penalty`` (globally normalised like the loss), ``clip_fraction``
+    (share of valid tokens whose ratio was outside the clip range), ``ratio_mean``,
+    ``entropy`` (of the current policy), ``token_mult_prob_error`` (mean of
+    ``exp(|prev - gen|)``; 1.0 means trainer and generator agree), ``is_weight_mean``,
+    ``num_valid_tokens``.
+    """
+
+    def __init__(
+        self,
+        ratio_clip_min: float = 0.2,
+        ratio_clip_max: float = 0.2,
+        ratio_clip_c: float | None = None,
+        reference_policy_kl_penalty: float = 0.0,
+        kl_estimator: KLEstimator = "k3",
+        loss_type: LossType = "token",
+        use_importance_sampling_correction: bool = False,
+        truncated_importance_sampling_ratio: float | None = None,
+    ) -> None:
+        if ratio_clip_min < 0 or ratio_clip_max < 0:
+            raise ValueError(
+                f"ratio_clip_min={ratio_clip_min} and ratio_clip_max={ratio_clip_max} must be "
+                f">= 0 (the clip range is [1 - ratio_clip_min, 1 + ratio_clip_max])."
+            )
+        if ratio_clip_c is not None and ratio_clip_c <= 1.0:
+            raise ValueError(
+                f"ratio_clip_c={ratio_clip_c} must be > 1 (dual-clip bound), or None to disable."
+            )
+        if loss_type not in ("token", "sequence"):
+            raise ValueError(f"loss_type='{loss_type}' is unknown; use 'token' or 'sequence'.")
+        if kl_estimator not in ("k1", "k2", "k3"):
+            raise ValueError(f"kl_estimator='{kl_estimator}' is unknown; use 'k1', 'k2' or 'k3'.")
+        if (
+            truncated_importance_sampling_ratio is not None
+            and truncated_importance_sampling_ratio <= 0
+        ):
+            raise ValueError(
+                f"truncated_importance_sampling_ratio={truncated_importance_sampling_ratio} must "
+                f"be > 0, or None for no truncation."
+            )
+        self.ratio_clip_min = ratio_clip_min
+        self.ratio_clip_max = ratio_clip_max
+        self.ratio_clip_c = ratio_clip_c
+        self.reference_policy_kl_penalty = reference_policy_kl_penalty
+        self.kl_estimator: KLEstimator = kl_estimator
+        self.loss_type: LossType = loss_type
+        self.use_importance_sampling_correction = use_importance_sampling_correction
+        self.truncated_importance_sampling_ratio = truncated_importance_sampling_ratio
+
+    def __call__(
+        self,
+        logits: Tensor,
+        data: Mapping[str, Any],
+        global_valid_toks: Tensor,
+        global_valid_seqs: Tensor,
+    ) -> tuple[Tensor, dict[str, float]]:
+        curr = token_logprobs(logits, data["input_ids"])  # [B, S]
+        mask = _valid_token_mask(data, curr)  # [B, S]
+        prev = data["prev_logprobs"].to(curr.dtype)
+        gen = data["generation_logprobs"].to(curr.dtype)
+        adv = data["advantages"].to(curr.dtype)
+        if adv.dim() == 1:
+            adv = adv.unsqueeze(-1).expand_as(curr)
+
+        ratio = torch.exp(curr - prev)
+        clipped_ratio = ratio.clamp(1.0 - self.ratio_clip_min, 1.0 + self.ratio_clip_max)
+        pg = torch.maximum(-adv * ratio, -adv * clipped_ratio)
+        if self.ratio_clip_c is not None:
+            pg = torch.where(adv < 0, torch.minimum(pg, -adv * self.ratio_clip_c), pg)
+
+        if self.reference_policy_kl_penalty != 0.0:
+            ref = data["reference_policy_logprobs"].to(curr.dtype)
+            kl = self.reference_policy_kl_penalty * kl_estimate(curr, ref, self.kl_estimator)
+        else:
+            kl = torch.zeros_like(curr)
+
+        log_is = (prev - gen).detach()
+        if self.use_importance_sampling_correction:
+            weight = torch.exp(log_is)
+            if self.truncated_importance_sampling_ratio is not None:
+                weight = weight.clamp(max=self.truncated_importance_sampling_ratio)
+        else:
+            weight = torch.ones_like(curr)
+
+        pg_term = self._reduce(weight * pg, mask, global_valid_toks, global_valid_seqs)
+        kl_term = self._reduce(weight * kl, mask, global_valid_toks, global_valid_seqs)
+        loss = pg_term + kl_term
+
+        with torch.no_grad():
+            outside = (ratio < 1.0 - self.ratio_clip_min) | (ratio > 1.0 + self.ratio_clip_max)
+            metrics = {
+                "loss": float(loss.item()),
+                "kl_penalty": float(kl_term.item()),
+                "clip_fraction": _masked_mean(outside.to(curr.dtype), mask),
+                "ratio_mean": _masked_mean(ratio, mask),
+                "entropy": _masked_mean(token_entropy(logits).to(curr.dtype), mask),
+                "token_mult_prob_error": _masked_mean(torch.exp(log_is.abs()), mask),
+                "is_weight_mean": _masked_mean(weight, mask),
+                "num_valid_tokens": float(mask.sum().item()),
+            }
+        return loss, metrics
+
+    def _reduce(
+        self, per_token: Tensor, mask: Tensor, global_valid_toks: Tensor, global_valid_seqs: Tensor
+    ) -> Tensor:
+        if self.loss_type == "token":
+            return (per_token * mask).sum() / _as_tensor(global_valid_toks, per_token)
+        tokens_per_seq = mask.sum(-1)  # [B]
+        seq_mean = (per_token * mask).sum(-1) / tokens_per_seq.clamp(min=1)  # [B]
+        seq_valid = (tokens_per_seq > 0).to(per_token.dtype)
+        return (seq_mean * seq_valid).sum() / _as_tensor(global_valid_seqs, per_token)
+
+
+# --------------------------------------------------------------------------------------------
+# Preference losses
+# --------------------------------------------------------------------------------------------
+
+
+class DPOLoss:
+    """Direct Preference Optimisation (sigmoid loss) with an optional SFT term on chosen.
+
+    The batch interleaves pairs: sample ``2i`` is chosen, ``2i + 1`` rejected. `data` needs
+    ``input_ids``, ``token_mask``, ``sample_mask`` and ``reference_policy_logprobs [B, S]``.
+    Per sample, ``logp = sum over token_mask of token logprob`` (or the mean with
+    ``preference_average_log_probs=True``); same for the reference. Per pair:
+
+      reward_c = beta * (logp_c - ref_c),  reward_r = beta * (logp_r - ref_r)
+      pref     = -logsigmoid(reward_c - reward_r)
+      sft      = -logp_c                (same sum/mean aggregation as above)
+      loss     = sum over valid pairs of (pref + sft_loss_weight * sft) / global_valid_seqs
+
+    IMPORTANT: ``global_valid_seqs`` counts PAIRS (valid pairs in the global batch, see
+    `count_valid_pairs`), not samples. ``beta`` is NeMo RL's ``reference_policy_kl_penalty``.
+    Metrics: ``loss``, ``preference_loss``, ``sft_loss`` (both globally normalised),
+    ``preference_accuracy``, ``rewards_chosen_mean``, ``rewards_rejected_mean``,
+    ``reward_margin`` (means over this micro-batch's valid pairs), ``num_valid_pairs``.
+    """
+
+    loss_type: LossType = "sequence"
+
+    def __init__(
+        self,
+        reference_policy_kl_penalty: float = 0.1,
+        preference_average_log_probs: bool = False,
+        sft_loss_weight: float = 0.0,
+    ) -> None:
+        if reference_policy_kl_penalty <= 0:
+            raise ValueError(
+                f"DPO reference_policy_kl_penalty (beta)={reference_policy_kl_penalty} must be > 0."
+            )
+        self.beta = reference_policy_kl_penalty
+        self.preference_average_log_probs = preference_average_log_probs
+        self.sft_loss_weight = sft_loss_weight
+
+    def _sequence_logprob(self, logprobs: Tensor, token_mask: Tensor) -> Tensor:
+        total = (logprobs * token_mask).sum(-1)  # [B]
+        if self.preference_average_log_probs:
+            return total / token_mask.sum(-1).clamp(min=1)
+        return total
+
+    def __call__(
+        self,
+        logits: Tensor,
+        data: Mapping[str, Any],
+        global_valid_toks: Tensor,
+        global_valid_seqs: Tensor,
+    ) -> tuple[Tensor, dict[str, float]]:
+        logprobs = token_logprobs(logits, data["input_ids"])  # [B, S]
+        token_mask = data["token_mask"].to(logprobs.dtype)
+        ref = data["reference_policy_logprobs"].to(logprobs.dtype)
+        pair_mask = _pair_mask(data["sample_mask"].to(logprobs.dtype))  # [B/2]
+
+        seq_lp = self._sequence_logprob(logprobs, token_mask)  # [B]
+        seq_ref = self._sequence_logprob(ref, token_mask)  # [B]
+        rewards = self.beta * (seq_lp - seq_ref)  # [B]
+        r_chosen, r_rejected = rewards[0::2], rewards[1::2]  # [B/2]
+        margin = r_chosen - r_rejected
+
+        denom = _as_tensor(global_valid_seqs, logprobs)
+        pref_loss = (-F.logsigmoid(margin) * pair_mask).sum() / denom
+        sft_loss = (-seq_lp[0::2] * pair_mask).sum() / denom
+        loss = pref_loss + self.sft_loss_weight * sft_loss
+
+        with torch.no_grad():
+            metrics = {
+                "loss": float(loss.item()),
+                "preference_loss": float(pref_loss.item()),
+                "sft_loss": float(sft_loss.item()),
+                "preference_accuracy": _masked_mean((margin > 0).to(margin.dtype), pair_mask),
+                "rewards_chosen_mean": _masked_mean(r_chosen, pair_mask),
+                "rewards_rejected_mean": _masked_mean(r_rejected, pair_mask),
+                "reward_margin": _masked_mean(margin, pair_mask),
+                "num_valid_pairs": float(pair_mask.sum().item()),
+            }
+        return loss, metrics
+
+
+class BradleyTerryLoss:
+    """Bradley-Terry pairwise loss for reward models; takes scores, not logits.
+
+    ``scores`` is ``[B]`` (one scalar per sequence), interleaved: ``2i`` chosen, ``2i + 1``
+    rejected. loss = sum over valid pairs of ``-logsigmoid(s_c - s_r)`` / global_valid_seqs,
+    where ``global_valid_seqs`` counts PAIRS (see `count_valid_pairs`); `data` needs only
+    ``sample_mask``. Metrics: ``loss``, ``accuracy`` (share of pairs with s_c > s_r),
+    ``margin`` (mean s_c - s_r), ``num_valid_pairs``.
+    """
+
+    loss_type: LossType = "sequence"
+
+    def __call__(
+        self,
+        scores: Tensor,
+        data: Mapping[str, Any],
+        global_valid_toks: Tensor,
+        global_valid_seqs: Tensor,
+    ) -> tuple[Tensor, dict[str, float]]:
+        if scores.dim() == 2 and scores.shape[-1] == 1:
+            scores = scores.squeeze(-1)
+        if scores.dim() != 1:
+            raise ValueError(
+                f"BradleyTerryLoss expects scores of shape [B] (or [B, 1]); got {tuple(scores.shape)}."
+            )
+        scores = _upcast(scores)
+        pair_mask = _pair_mask(data["sample_mask"].to(scores.dtype))
+        margin = scores[0::2] - scores[1::2]
+        loss = (-F.logsigmoid(margin) * pair_mask).sum() / _as_tensor(global_valid_seqs, scores)
+        with torch.no_grad():
+            metrics = {
+                "loss": float(loss.item()),
+                "accuracy": _masked_mean((margin > 0).to(margin.dtype), pair_mask),
+                "margin": _masked_mean(margin, pair_mask),
+                "num_valid_pairs": float(pair_mask.sum().item()),
+            }
+        return loss, metrics

@@ -1,0 +1,82 @@
+"""The environment interface: how rollouts are scored (docs/CONTRACTS.md).
+
+An environment receives a batch of conversations (message logs) and per-sample metadata and
+returns, per sample, a reward, whether the episode ended, the next observation to append
+(for multi-turn tasks), updated metadata, optional stop strings for the next turn, and the
+answer it extracted (for logging). A message log is a list of
+``{"role", "content", "token_ids"}`` dicts; the last assistant message is the one to score.
+
+Environments are plain classes so they can be unit-tested directly; the controller runs
+them as Ray actors (see each module's ``make_*_actor`` / `tempering.environments.registry`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:  # torch stays out of import time: verifier worker processes import this module
+    from torch import Tensor
+
+__all__ = [
+    "EnvironmentInterface",
+    "EnvironmentReturn",
+    "Message",
+    "MessageLog",
+    "last_assistant_content",
+    "prompt_text",
+]
+
+Message = dict[str, Any]  # {"role": str, "content": str, "token_ids": Tensor, ...}
+MessageLog = list[Message]
+
+
+class EnvironmentReturn(NamedTuple):
+    """One `step`'s result; every field has one entry per sample, in input order."""
+
+    observations: list[Message]  # message to append to each log (role "environment")
+    metadata: list[dict[str, Any] | None]  # updated per-sample metadata
+    next_stop_strings: list[list[str] | None]  # stop strings for the next turn, or None
+    rewards: Tensor  # [B] float
+    terminateds: Tensor  # [B] bool: True when the episode is over
+    answers: list[str | None]  # what the environment extracted/judged, for logging
+
+
+class EnvironmentInterface(ABC):
+    """Scores a batch of conversations. Implementations must keep sample order."""
+
+    @abstractmethod
+    def step(
+        self, message_logs: list[MessageLog], metadata: list[dict[str, Any]]
+    ) -> EnvironmentReturn:
+        """Score the last assistant turn of each conversation."""
+
+    def global_post_process_and_metrics(
+        self, batch: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, float]]:
+        """Post-process the full step's batch and return ``(batch, metrics)``.
+
+        Called once per step on the controller's whole batch (after all `step` calls).
+        The default returns the batch unchanged and no metrics.
+        """
+        return batch, {}
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook, a no-op by default
+        """Release resources (worker processes). Safe to call twice."""
+
+
+def last_assistant_content(message_log: MessageLog) -> str:
+    """Content of the last assistant message ("" when the log has none)."""
+    for message in reversed(message_log):
+        if message.get("role") == "assistant":
+            return str(message.get("content", ""))
+    return ""
+
+
+def prompt_text(message_log: MessageLog) -> str:
+    """Contents of the messages before the last assistant message, joined by newlines."""
+    last = max(
+        (i for i, m in enumerate(message_log) if m.get("role") == "assistant"),
+        default=len(message_log),
+    )
+    return "\n".join(str(m.get("content", "")) for m in message_log[:last])

@@ -1,0 +1,296 @@
+"""Math answer verification environment (math-verify), safe against runaway verification.
+
+`MathEnvironment` scores the last assistant message of each conversation against
+``metadata[i]["ground_truth"]`` with the ``math-verify`` library: ``\\boxed{1/2}``, ``0.5`` and
+``\\frac{1}{2}`` are all the same answer. math-verify enforces its own time limits with
+``signal.alarm``, which does not work in threaded/async Ray actors, so we call it with
+``parsing_timeout=None`` / ``timeout_seconds=None`` and enforce the per-sample limit
+ourselves: a `VerifierPool` of ``num_workers`` worker processes, each sample sent to one
+worker with a deadline. A worker that misses the deadline is killed and replaced; the sample
+scores 0 and is counted (``env/math_timeouts``). Unparseable answers score 0 and are counted
+(``env/math_parse_failures``), as are verifier exceptions (``env/math_errors``). Nothing here
+crashes the training step.
+
+Workers are started with the ``forkserver`` method: safe inside threaded Ray actors, and a
+replacement worker forks from a server that has math-verify (sympy) imported already, so it
+is ready in milliseconds instead of the seconds a fresh interpreter needs. This module does
+not import torch at import time, to keep those worker processes lean.
+
+The class is plain (unit-testable without Ray); the controller runs it as an actor with
+`make_math_environment_actor` (``ray.remote(num_cpus=0)``: it only waits on its workers).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from collections import deque
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from typing import Any, NamedTuple
+
+from math_verify import parse, verify
+
+from tempering.environments.interfaces import (
+    EnvironmentInterface,
+    EnvironmentReturn,
+    MessageLog,
+    last_assistant_content,
+)
+
+__all__ = [
+    "MathEnvironment",
+    "VerifierPool",
+    "VerifyOutcome",
+    "make_math_environment_actor",
+    "math_verify_score",
+]
+
+# verify_fn(response, ground_truth) -> (reward, extracted answer or None when unparseable)
+VerifyFn = Callable[[str, str], tuple[float, str | None]]
+
+
+def math_verify_score(response: str, ground_truth: str) -> tuple[float, str | None]:
+    """Score `response` against `ground_truth` with math-verify.
+
+    The ground truth is parsed as ``\\boxed{ground_truth}``; the response is parsed with
+    math-verify's default extraction (``\\boxed{}`` preferred, then LaTeX/expressions).
+    Returns ``(1.0 or 0.0, extracted answer)``, or ``(0.0, None)`` when the response has no
+    parseable answer. No internal timeouts: run it under `VerifierPool` for a time limit.
+    """
+    gold = parse("\\boxed{" + str(ground_truth) + "}", parsing_timeout=None)
+    if not gold:
+        raise ValueError(f"math-verify cannot parse the ground truth {ground_truth!r}.")
+    pred = parse(response, parsing_timeout=None)
+    if not pred:
+        return 0.0, None
+    correct = verify(gold, pred, timeout_seconds=None)
+    return (1.0 if correct else 0.0), str(pred[-1])  # parse() gives [sympy value, its text]
+
+
+class VerifyOutcome(NamedTuple):
+    status: str  # "ok" | "parse_failure" | "timeout" | "error"
+    reward: float
+    answer: str | None
+
+
+def _worker_main(conn: Connection, verify_fn: VerifyFn) -> None:
+    """Worker process loop: receive (response, ground_truth), send a VerifyOutcome tuple."""
+    conn.send("ready")
+    while True:
+        try:
+            task = conn.recv()
+        except EOFError:
+            return
+        if task is None:
+            return
+        response, ground_truth = task
+        try:
+            reward, answer = verify_fn(response, ground_truth)
+            status = "ok" if answer is not None else "parse_failure"
+            outcome = (status, float(reward) if answer is not None else 0.0, answer)
+        except Exception as exc:  # a bad sample must not kill the worker
+            outcome = ("error", 0.0, f"{type(exc).__name__}: {exc}")
+        conn.send(outcome)
+
+
+class _Worker:
+    def __init__(self, ctx: Any, verify_fn: VerifyFn) -> None:
+        self.conn, child = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(target=_worker_main, args=(child, verify_fn), daemon=True)
+        self.process.start()
+        child.close()
+        self.ready = False
+        self.started_at = time.monotonic()
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(timeout=5)
+        self.conn.close()
+
+
+class VerifierPool:
+    """``num_workers`` processes running `verify_fn`, each sample with a time limit.
+
+    `map` sends samples to idle workers; a sample whose worker has not answered within
+    ``timeout_s`` (counted from when the sample was sent to a ready worker) gets a
+    ``"timeout"`` outcome and its worker is killed and replaced. `verify_fn` must be
+    importable by reference (a module-level function); with ``forkserver`` its module is
+    preloaded in the fork server along with this one (when this pool starts the server).
+    """
+
+    def __init__(
+        self,
+        verify_fn: VerifyFn,
+        num_workers: int = 2,
+        timeout_s: float = 10.0,
+        startup_timeout_s: float = 120.0,
+        start_method: str = "forkserver",
+    ) -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers={num_workers} must be >= 1.")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s={timeout_s} must be > 0 seconds.")
+        self._ctx = mp.get_context(start_method)
+        if start_method == "forkserver":
+            preload = [__name__, getattr(verify_fn, "__module__", __name__)]
+            self._ctx.set_forkserver_preload([m for m in dict.fromkeys(preload) if m != "__main__"])
+        self._verify_fn = verify_fn
+        self.timeout_s = timeout_s
+        self.startup_timeout_s = startup_timeout_s
+        self.num_replaced = 0
+        self._workers = [_Worker(self._ctx, verify_fn) for _ in range(num_workers)]
+
+    def _replace(self, worker: _Worker) -> None:
+        worker.kill()
+        self._workers[self._workers.index(worker)] = _Worker(self._ctx, self._verify_fn)
+        self.num_replaced += 1
+
+    def _startup_error(self, what: str) -> RuntimeError:
+        name = getattr(self._verify_fn, "__qualname__", repr(self._verify_fn))
+        module = getattr(self._verify_fn, "__module__", "?")
+        return RuntimeError(
+            f"A math verifier worker process {what}. Check that the verify function "
+            f"{module}.{name} is importable in a fresh interpreter (module-level, no lambdas)."
+        )
+
+    def map(self, items: list[tuple[str, str]]) -> list[VerifyOutcome]:
+        """Verify ``(response, ground_truth)`` pairs; outcomes come back in input order."""
+        results: list[VerifyOutcome | None] = [None] * len(items)
+        pending = deque(enumerate(items))
+        busy: dict[_Worker, tuple[int, float]] = {}  # worker -> (item index, deadline)
+        while pending or busy:
+            for worker in list(self._workers):
+                if pending and worker.ready and worker not in busy:
+                    index, item = pending.popleft()
+                    worker.conn.send(item)
+                    busy[worker] = (index, time.monotonic() + self.timeout_s)
+            starting = [w for w in self._workers if not w.ready]
+            if any(time.monotonic() > w.started_at + self.startup_timeout_s for w in starting):
+                raise self._startup_error(f"did not start within {self.startup_timeout_s} s")
+            deadlines = [deadline for _, deadline in busy.values()]
+            deadlines += [w.started_at + self.startup_timeout_s for w in starting]
+            wait_s = max(0.0, min(deadlines) - time.monotonic())
+            watched = {w.conn: w for w in self._workers if w in busy or not w.ready}
+            for conn in wait(list(watched), timeout=wait_s):
+                worker = watched[conn]
+                try:
+                    message = conn.recv()
+                except (EOFError, OSError):  # the worker died
+                    if not worker.ready:
+                        raise self._startup_error(
+                            f"exited during start-up (exit code {worker.process.exitcode})"
+                        ) from None
+                    if worker in busy:
+                        index, _ = busy.pop(worker)
+                        results[index] = VerifyOutcome("error", 0.0, "verifier process died")
+                    self._replace(worker)
+                    continue
+                if message == "ready":
+                    worker.ready = True
+                    continue
+                index, _ = busy.pop(worker)
+                results[index] = VerifyOutcome(*message)
+            now = time.monotonic()
+            for worker, (index, deadline) in list(busy.items()):
+                if now >= deadline:
+                    busy.pop(worker)
+                    results[index] = VerifyOutcome("timeout", 0.0, None)
+                    self._replace(worker)
+        return [r for r in results if r is not None]
+
+    def close(self) -> None:
+        for worker in self._workers:
+            try:
+                worker.conn.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+            worker.process.join(timeout=2)
+            worker.kill()
+        self._workers = []
+
+
+class MathEnvironment(EnvironmentInterface):
+    """Single-turn math: reward 1 when the last assistant answer equals the ground truth.
+
+    ``metadata[i]["ground_truth"]`` holds the reference answer (a string such as ``"1/2"``).
+    Counters (``env/math_timeouts``, ``env/math_parse_failures``, ``env/math_errors``,
+    ``env/math_samples``) accumulate over `step` calls and are reported and reset by
+    `global_post_process_and_metrics`.
+    """
+
+    def __init__(
+        self,
+        num_workers: int = 2,
+        timeout_s: float = 10.0,
+        verify_fn: VerifyFn = math_verify_score,
+    ) -> None:
+        self._pool = VerifierPool(verify_fn, num_workers=num_workers, timeout_s=timeout_s)
+        self._counts = dict.fromkeys(("timeout", "parse_failure", "error", "ok"), 0)
+        self._replaced_reported = 0
+
+    def step(
+        self, message_logs: list[MessageLog], metadata: list[dict[str, Any]]
+    ) -> EnvironmentReturn:
+        if len(message_logs) != len(metadata):
+            raise ValueError(
+                f"MathEnvironment.step got {len(message_logs)} message logs but "
+                f"{len(metadata)} metadata entries; they must match one to one."
+            )
+        items = []
+        for i, (log, meta) in enumerate(zip(message_logs, metadata, strict=True)):
+            if not meta or "ground_truth" not in meta:
+                raise KeyError(
+                    f"Sample {i} has no metadata['ground_truth'] (metadata={meta!r}); the math "
+                    f"dataset must put the reference answer there."
+                )
+            items.append((last_assistant_content(log), str(meta["ground_truth"])))
+        import torch  # lazily: see the module docstring
+
+        outcomes = self._pool.map(items)
+        for outcome in outcomes:
+            self._counts[outcome.status] += 1
+        rewards = torch.tensor([o.reward for o in outcomes], dtype=torch.float32)
+        observations = [
+            {"role": "environment", "content": "correct" if o.reward > 0 else "incorrect"}
+            for o in outcomes
+        ]
+        return EnvironmentReturn(
+            observations=observations,
+            metadata=list(metadata),
+            next_stop_strings=[None] * len(items),
+            rewards=rewards,
+            terminateds=torch.ones(len(items), dtype=torch.bool),
+            answers=[o.answer if o.status == "ok" else None for o in outcomes],
+        )
+
+    def global_post_process_and_metrics(
+        self, batch: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, float]]:
+        """Report (and reset) the verification counters; ``env/math_accuracy`` when the batch
+        carries ``rewards``."""
+        metrics = {
+            "env/math_samples": float(sum(self._counts.values())),
+            "env/math_timeouts": float(self._counts["timeout"]),
+            "env/math_parse_failures": float(self._counts["parse_failure"]),
+            "env/math_errors": float(self._counts["error"]),
+            "env/math_workers_replaced": float(self._pool.num_replaced - self._replaced_reported),
+        }
+        self._replaced_reported = self._pool.num_replaced
+        if "rewards" in batch:
+            import torch
+
+            metrics["env/math_accuracy"] = float(torch.as_tensor(batch["rewards"]).float().mean())
+        self._counts = dict.fromkeys(self._counts, 0)
+        return batch, metrics
+
+    def shutdown(self) -> None:
+        self._pool.close()
+
+
+def make_math_environment_actor(**kwargs: Any) -> Any:
+    """Start `MathEnvironment` as a Ray actor (``num_cpus=0``); returns the actor handle."""
+    import ray
+
+    return ray.remote(num_cpus=0)(MathEnvironment).remote(**kwargs)

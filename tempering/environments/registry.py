@@ -1,0 +1,134 @@
+"""Which environment scores which task, and routing a mixed batch to them.
+
+`ENVIRONMENT_REGISTRY` is the one literal map from task name (a dataset row's ``task_name``)
+to environment class; plugins add theirs with `register_environment`. `route_step` splits a
+batch by task name, calls each task's environment (a plain instance or a Ray actor handle;
+actors are called concurrently) and reassembles the results in the original sample order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from tempering.environments.arithmetic import ArithmeticEnvironment
+from tempering.environments.interfaces import EnvironmentInterface, EnvironmentReturn, MessageLog
+from tempering.environments.math import MathEnvironment
+from tempering.environments.reward_fn import RewardFunctionEnvironment
+
+__all__ = [
+    "ENVIRONMENT_REGISTRY",
+    "create_environment",
+    "create_environment_actor",
+    "get_environment_class",
+    "register_environment",
+    "route_step",
+]
+
+ENVIRONMENT_REGISTRY: dict[str, type[EnvironmentInterface]] = {
+    "math": MathEnvironment,
+    "arithmetic": ArithmeticEnvironment,
+    "reward_fn": RewardFunctionEnvironment,
+}
+
+
+def register_environment(
+    name: str, cls: type[EnvironmentInterface], overwrite: bool = False
+) -> None:
+    """Add an environment class under task name `name`."""
+    if not (isinstance(cls, type) and issubclass(cls, EnvironmentInterface)):
+        raise TypeError(
+            f"register_environment('{name}', {cls!r}): not an EnvironmentInterface subclass."
+        )
+    if name in ENVIRONMENT_REGISTRY and not overwrite and ENVIRONMENT_REGISTRY[name] is not cls:
+        raise ValueError(
+            f"Environment '{name}' is already registered to {ENVIRONMENT_REGISTRY[name].__name__}; "
+            f"pick another name or pass overwrite=True."
+        )
+    ENVIRONMENT_REGISTRY[name] = cls
+
+
+def get_environment_class(name: str) -> type[EnvironmentInterface]:
+    try:
+        return ENVIRONMENT_REGISTRY[name]
+    except KeyError:
+        raise KeyError(
+            f"No environment registered for task '{name}'; known: {sorted(ENVIRONMENT_REGISTRY)}. "
+            f"Add one with tempering.environments.registry.register_environment()."
+        ) from None
+
+
+def create_environment(name: str, **kwargs: Any) -> EnvironmentInterface:
+    """A plain (in-process) instance of the environment registered as `name`."""
+    return get_environment_class(name)(**kwargs)
+
+
+def create_environment_actor(name: str, **kwargs: Any) -> Any:
+    """The environment registered as `name`, started as a Ray actor with ``num_cpus=0``."""
+    import ray
+
+    return ray.remote(num_cpus=0)(get_environment_class(name)).remote(**kwargs)
+
+
+def route_step(
+    environments: Mapping[str, Any],
+    message_logs: Sequence[MessageLog],
+    metadata: Sequence[dict[str, Any]],
+    task_names: Sequence[str],
+) -> EnvironmentReturn:
+    """Call each sample's environment (by task name) and return results in input order.
+
+    `environments` maps task name to a plain environment or a Ray actor handle.
+    """
+    if not len(message_logs) == len(metadata) == len(task_names):
+        raise ValueError(
+            f"route_step got {len(message_logs)} message logs, {len(metadata)} metadata "
+            f"entries and {len(task_names)} task names; they must be equal."
+        )
+    groups: dict[str, list[int]] = {}
+    for i, name in enumerate(task_names):
+        groups.setdefault(name, []).append(i)
+    missing = sorted(set(groups) - set(environments))
+    if missing:
+        raise KeyError(
+            f"No environment for task(s) {missing}; environments given: {sorted(environments)}."
+        )
+
+    pending: dict[str, Any] = {}
+    for name, idx in groups.items():
+        env = environments[name]
+        logs = [message_logs[i] for i in idx]
+        metas = [metadata[i] for i in idx]
+        step = env.step
+        pending[name] = step.remote(logs, metas) if hasattr(step, "remote") else step(logs, metas)
+    refs = {n: r for n, r in pending.items() if not isinstance(r, EnvironmentReturn)}
+    if refs:
+        import ray
+
+        pending.update(zip(refs, ray.get(list(refs.values())), strict=True))
+
+    n = len(task_names)
+    observations: list[Any] = [None] * n
+    metas_out: list[Any] = [None] * n
+    stops: list[Any] = [None] * n
+    answers: list[Any] = [None] * n
+    rewards = torch.zeros(n, dtype=torch.float32)
+    terminateds = torch.zeros(n, dtype=torch.bool)
+    for name, idx in groups.items():
+        ret: EnvironmentReturn = pending[name]
+        if len(ret.rewards) != len(idx):
+            raise RuntimeError(
+                f"Environment for task '{name}' returned {len(ret.rewards)} rewards for "
+                f"{len(idx)} samples."
+            )
+        for j, i in enumerate(idx):
+            observations[i] = ret.observations[j]
+            metas_out[i] = ret.metadata[j]
+            stops[i] = ret.next_stop_strings[j]
+            answers[i] = ret.answers[j]
+        position = torch.tensor(idx, dtype=torch.long)
+        rewards[position] = ret.rewards.to(torch.float32)
+        terminateds[position] = ret.terminateds.to(torch.bool)
+    return EnvironmentReturn(observations, metas_out, stops, rewards, terminateds, answers)

@@ -1,0 +1,273 @@
+"""Environments: math-verify scoring, runaway-verification timeouts, arithmetic exact match,
+reward functions by import path, and routing by task name (plain classes, then one Ray test)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tempering.environments.arithmetic import ArithmeticEnvironment, first_integer
+from tempering.environments.interfaces import EnvironmentInterface, EnvironmentReturn
+from tempering.environments.math import MathEnvironment, math_verify_score
+from tempering.environments.registry import (
+    ENVIRONMENT_REGISTRY,
+    create_environment,
+    get_environment_class,
+    register_environment,
+    route_step,
+)
+from tempering.environments.reward_fn import RewardFunctionEnvironment, load_reward_fn
+
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 2.0
+
+
+# The verifier workers import the verify function by reference. Defining it in a tiny module
+# (instead of this test file) keeps each worker from importing pytest and torch.
+FAULTY_VERIFY_SOURCE = """
+import os, time
+from tempering.environments.math import math_verify_score
+
+def faulty_verify(response, ground_truth):
+    # math-verify, except: HANG loops forever, CRASH raises, DIE kills the worker process
+    if "HANG" in response:
+        while True:
+            time.sleep(0.05)
+    if "CRASH" in response:
+        raise ValueError("verifier bug")
+    if "DIE" in response:
+        os._exit(3)
+    return math_verify_score(response, ground_truth)
+"""
+
+
+def log(answer: str, prompt: str = "What is it?") -> list[dict]:
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+
+
+@pytest.fixture(scope="module")
+def math_env(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("verify_mod")
+    (folder / "tempering_test_faulty_verify.py").write_text(FAULTY_VERIFY_SOURCE)
+    sys.path.insert(0, str(folder))
+    module = importlib.import_module("tempering_test_faulty_verify")
+    env = MathEnvironment(num_workers=2, timeout_s=TIMEOUT_S, verify_fn=module.faulty_verify)
+    yield env
+    env.shutdown()
+    sys.path.remove(str(folder))
+
+
+def test_math_verify_score_equivalent_forms():
+    assert math_verify_score("so \\boxed{0.5}", "1/2")[0] == 1.0
+    assert math_verify_score("\\boxed{\\frac{1}{2}}", "0.5")[0] == 1.0
+    assert math_verify_score("The answer is $x+1$", "1+x")[0] == 1.0
+    assert math_verify_score("the answer is \\boxed{3}", "4") == (0.0, "3")
+    assert math_verify_score("I do not know", "2") == (0.0, None)
+
+
+def test_math_env_scores_right_wrong_unparseable(math_env):
+    math_env.global_post_process_and_metrics({})  # reset counters
+    cases = [
+        ("\\boxed{0.5}", "1/2", 1.0),
+        ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
+        ("So the answer is \\boxed{3}.", "4", 0.0),
+        ("I do not know", "2", 0.0),
+        ("#### 72", "72", 1.0),
+    ]
+    ret = math_env.step([log(a) for a, _, _ in cases], [{"ground_truth": g} for _, g, _ in cases])
+    assert isinstance(ret, EnvironmentReturn)
+    assert ret.rewards.tolist() == [c[2] for c in cases]
+    assert ret.terminateds.tolist() == [True] * 5
+    assert ret.answers[2] == "3" and ret.answers[3] is None
+    assert ret.observations[0] == {"role": "environment", "content": "correct"}
+    _, metrics = math_env.global_post_process_and_metrics({"rewards": ret.rewards})
+    assert metrics["env/math_samples"] == 5
+    assert metrics["env/math_parse_failures"] == 1
+    assert metrics["env/math_timeouts"] == 0
+    assert metrics["env/math_accuracy"] == pytest.approx(0.6)
+    # counters were reset by the report
+    assert math_env.global_post_process_and_metrics({})[1]["env/math_samples"] == 0
+
+
+def test_math_env_cuts_runaway_verification_and_recovers(math_env):
+    math_env.global_post_process_and_metrics({})
+    logs = [log("HANG"), log("\\boxed{2}"), log("CRASH"), log("DIE"), log("\\boxed{7}")]
+    meta = [{"ground_truth": "2"}] * 4 + [{"ground_truth": "7"}]
+    start = time.monotonic()
+    ret = math_env.step(logs, meta)
+    elapsed = time.monotonic() - start
+    assert ret.rewards.tolist() == [0.0, 1.0, 0.0, 0.0, 1.0]
+    # bounded by the timeout plus a fork from the preloaded fork server, not 'forever'
+    assert elapsed < TIMEOUT_S + 10
+    _, metrics = math_env.global_post_process_and_metrics({})
+    assert metrics["env/math_timeouts"] == 1
+    assert metrics["env/math_errors"] == 2  # the exception and the dead process
+    assert metrics["env/math_workers_replaced"] == 2  # the hung worker and the dead one
+    # the replaced workers serve the next step normally
+    ret = math_env.step([log("\\boxed{1/3}"), log("HANG")], [{"ground_truth": "1/3"}] * 2)
+    assert ret.rewards.tolist() == [1.0, 0.0]
+    assert math_env.global_post_process_and_metrics({})[1]["env/math_timeouts"] == 1
+
+
+def test_math_env_requires_ground_truth(math_env):
+    with pytest.raises(KeyError, match="ground_truth"):
+        math_env.step([log("1")], [{"answer": "1"}])
+
+
+def test_arithmetic_env_first_integer():
+    assert first_integer("  42 because") == 42
+    assert first_integer("-7") == -7
+    assert first_integer("the answer is 42") is None
+    env = ArithmeticEnvironment()
+    answers = [" 12", "12\n+3", "13", "answer: 12", "", "120"]
+    ret = env.step(
+        [log(a) for a in answers], [{"ground_truth": 12}] * 5 + [{"ground_truth": "120"}]
+    )
+    assert ret.rewards.tolist() == [1.0, 1.0, 0.0, 0.0, 0.0, 1.0]
+    assert ret.answers == ["12", "12", "13", None, None, "120"]
+    _, metrics = env.global_post_process_and_metrics({"rewards": ret.rewards})
+    assert metrics["env/arithmetic_no_integer"] == 2
+    assert metrics["env/arithmetic_accuracy"] == pytest.approx(0.5)
+
+
+def test_reward_fn_loading_and_scoring(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))
+    env = RewardFunctionEnvironment("examples.custom_reward:length_penalty")
+    long_answer = " ".join(["w"] * 15)
+    ret = env.step(
+        [log("one two three"), log(long_answer), log("")],
+        [{"target_words": 10}, {"target_words": 10}, {}],
+    )
+    # 3 words <= 10 -> 1; 15 words -> 1 - 5/10 = 0.5; empty -> 0
+    assert ret.rewards.tolist() == pytest.approx([1.0, 0.5, 0.0])
+    # dotted form and file form name the same function
+    assert load_reward_fn("examples.custom_reward.length_penalty").__name__ == "length_penalty"
+    monkeypatch.chdir(REPO)
+    fn = load_reward_fn("examples/custom_reward.py:length_penalty")
+    assert fn("p", "a b", {"target_words": 1}) == 0.0
+
+
+def test_reward_fn_errors(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))
+    with pytest.raises(ImportError, match="no_such_module_xyz"):
+        load_reward_fn("no_such_module_xyz:fn")
+    with pytest.raises(AttributeError, match="has no attribute 'nope'.*length_penalty"):
+        load_reward_fn("examples.custom_reward:nope")
+    with pytest.raises(ValueError, match="not an import path"):
+        load_reward_fn("justaname")
+    with pytest.raises(ImportError, match="does not exist"):
+        load_reward_fn("missing/file.py:fn")
+
+
+def test_reward_fn_receives_prompt_and_completion(tmp_path, monkeypatch):
+    module = tmp_path / "my_rewards_mod.py"
+    module.write_text(
+        "def echo(prompt, completion, metadata):\n"
+        "    return len(prompt) * 100 + len(completion) + metadata['bonus']\n"
+        "def broken(prompt, completion, metadata):\n"
+        "    raise RuntimeError('boom')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = RewardFunctionEnvironment("my_rewards_mod:echo")
+    ret = env.step([log("abc", prompt="hello")], [{"bonus": 0.5}])
+    assert ret.rewards.tolist() == [5 * 100 + 3 + 0.5]
+    with pytest.raises(RuntimeError, match="failed on sample 0.*boom"):
+        RewardFunctionEnvironment("my_rewards_mod:broken").step([log("x")], [{}])
+
+
+class _Constant(EnvironmentInterface):
+    """Test environment: reward = a constant, answer = the task's name (to trace routing)."""
+
+    def __init__(self, value: float, label: str) -> None:
+        self.value, self.label, self.batch_sizes = value, label, []
+
+    def step(self, message_logs, metadata):
+        self.batch_sizes.append(len(message_logs))
+        n = len(message_logs)
+        return EnvironmentReturn(
+            [{"role": "environment", "content": m[-1]["content"]} for m in message_logs],
+            list(metadata),
+            [None] * n,
+            torch.full((n,), self.value),
+            torch.ones(n, dtype=torch.bool),
+            [self.label] * n,
+        )
+
+
+def test_route_step_preserves_order():
+    envs = {"a": _Constant(1.0, "a"), "b": _Constant(2.0, "b")}
+    tasks = ["b", "a", "b", "b", "a"]
+    logs = [log(f"ans{i}") for i in range(5)]
+    metas = [{"i": i} for i in range(5)]
+    ret = route_step(envs, logs, metas, tasks)
+    assert ret.rewards.tolist() == [2.0, 1.0, 2.0, 2.0, 1.0]
+    assert ret.answers == tasks
+    assert [o["content"] for o in ret.observations] == [f"ans{i}" for i in range(5)]
+    assert ret.metadata == metas
+    assert envs["a"].batch_sizes == [2] and envs["b"].batch_sizes == [3]  # one call per task
+    with pytest.raises(KeyError, match=r"\['c'\]"):
+        route_step(envs, logs[:1], metas[:1], ["c"])
+
+
+def test_registry():
+    assert set(ENVIRONMENT_REGISTRY) >= {"math", "arithmetic", "reward_fn"}
+    assert get_environment_class("arithmetic") is ArithmeticEnvironment
+    assert isinstance(create_environment("arithmetic"), ArithmeticEnvironment)
+    with pytest.raises(KeyError, match="nope.*arithmetic"):
+        get_environment_class("nope")
+    register_environment("constant_test", _Constant)
+    try:
+        assert create_environment("constant_test", value=3.0, label="x").value == 3.0
+        with pytest.raises(ValueError, match="already registered"):
+            register_environment("constant_test", ArithmeticEnvironment)
+    finally:
+        del ENVIRONMENT_REGISTRY["constant_test"]
+    with pytest.raises(TypeError, match="EnvironmentInterface"):
+        register_environment("bad", dict)
+
+
+@pytest.fixture(scope="module")
+def ray_running():
+    """Reuse a running Ray (a session fixture's) or start one for this module."""
+    import ray
+
+    from tempering.distributed.virtual_cluster import init_ray
+
+    started = not ray.is_initialized()
+    init_ray(num_cpus=4)
+    yield
+    if started:
+        ray.shutdown()
+
+
+@pytest.mark.slow  # Ray start-up + two actors importing torch/sympy: ~90 s on a busy 2-core box
+def test_math_and_arithmetic_as_ray_actors(ray_running):
+    import ray
+
+    from tempering.environments.math import make_math_environment_actor
+    from tempering.environments.registry import create_environment_actor
+
+    math_actor = make_math_environment_actor(num_workers=1, timeout_s=TIMEOUT_S)
+    arith_actor = create_environment_actor("arithmetic")
+    try:
+        tasks = ["math", "arithmetic", "math", "arithmetic"]
+        logs = [log("\\boxed{0.5}"), log(" 5"), log("\\boxed{9}"), log("6")]
+        metas = [
+            {"ground_truth": "1/2"},
+            {"ground_truth": 5},
+            {"ground_truth": "8"},
+            {"ground_truth": 5},
+        ]
+        ret = route_step({"math": math_actor, "arithmetic": arith_actor}, logs, metas, tasks)
+        assert ret.rewards.tolist() == [1.0, 1.0, 0.0, 0.0]
+        _, metrics = ray.get(math_actor.global_post_process_and_metrics.remote({}))
+        assert metrics["env/math_samples"] == 2
+    finally:
+        ray.get(math_actor.shutdown.remote())
+        ray.kill(math_actor)
+        ray.kill(arith_actor)

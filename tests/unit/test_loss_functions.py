@@ -1,0 +1,397 @@
+"""Loss functions against hand computations written out here (float64 loops over samples and
+tokens, not calling the library's helpers), plus micro-batch invariance and clip behaviour."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tempering.algorithms.loss_functions import (
+    BradleyTerryLoss,
+    ClippedPGLoss,
+    DPOLoss,
+    NLLLoss,
+    count_valid_pairs,
+    kl_estimate,
+    token_logprobs,
+)
+
+B, S, V = 4, 7, 5
+
+
+def hand_lp(logits: torch.Tensor, ids: torch.Tensor, b: int, t: int) -> torch.Tensor:
+    """log p(ids[b, t] | prefix) from the logits at position t - 1, written out."""
+    row = logits[b, t - 1]
+    norm = torch.log(sum(torch.exp(row[v]) for v in range(row.shape[0])))
+    return row[ids[b, t]] - norm
+
+
+def hand_entropy(logits: torch.Tensor, b: int, t: int) -> float:
+    row = logits[b, t - 1].detach()
+    z = sum(math.exp(float(x)) for x in row)
+    return -sum((math.exp(float(x)) / z) * (float(x) - math.log(z)) for x in row)
+
+
+def valid(data: dict, b: int, t: int) -> bool:
+    return bool(data["token_mask"][b, t] * data["sample_mask"][b])
+
+
+@pytest.fixture
+def batch() -> dict:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, V, (B, S), generator=g)
+    token_mask = torch.zeros(B, S)
+    # prompt = first 2 tokens; response lengths differ; the rest is padding
+    for b, end in enumerate([7, 5, 6, 4]):
+        token_mask[b, 2:end] = 1
+    sample_mask = torch.tensor([1.0, 1.0, 0.0, 1.0])
+    return {
+        "input_ids": ids,
+        "token_mask": token_mask,
+        "sample_mask": sample_mask,
+        "logits": torch.randn(B, S, V, generator=g, dtype=torch.float64) * 2,
+        "noise": torch.rand(B, S, generator=g, dtype=torch.float64) * 1.6 - 0.8,
+        "noise2": torch.rand(B, S, generator=g, dtype=torch.float64) * 0.6 - 0.3,
+        "noise3": torch.rand(B, S, generator=g, dtype=torch.float64) * 0.6 - 0.3,
+    }
+
+
+def leaf(batch: dict) -> torch.Tensor:
+    return batch["logits"].clone().requires_grad_(True)
+
+
+def counts(data: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    toks = (data["token_mask"] * data["sample_mask"][:, None]).sum()
+    return toks, data["sample_mask"].sum()
+
+
+def test_token_logprobs_alignment_and_values(batch):
+    logits = batch["logits"]
+    lp = token_logprobs(logits, batch["input_ids"])
+    assert lp.shape == (B, S)
+    assert torch.all(lp[:, 0] == 0)
+    for b in range(B):
+        for t in range(1, S):
+            assert lp[b, t].item() == pytest.approx(
+                hand_lp(logits, batch["input_ids"], b, t).item(), abs=1e-12
+            )
+    # half precision is computed in fp32; huge logits stay finite
+    big = (logits * 1e4).to(torch.bfloat16)
+    lp_big = token_logprobs(big, batch["input_ids"])
+    assert lp_big.dtype == torch.float32 and torch.isfinite(lp_big).all()
+
+
+def test_nll_loss_and_grad(batch):
+    data = {k: batch[k] for k in ("input_ids", "token_mask", "sample_mask")}
+    toks, seqs = counts(data)
+    logits = leaf(batch)
+    loss, metrics = NLLLoss()(logits, data, toks, seqs)
+    loss.backward()
+
+    ref_logits = leaf(batch)
+    total, n = 0.0, 0
+    for b in range(B):
+        for t in range(1, S):
+            if valid(data, b, t):
+                total = total - hand_lp(ref_logits, data["input_ids"], b, t)
+                n += 1
+    hand = total / n
+    hand.backward()
+    assert n == 10 and metrics["num_valid_tokens"] == 10
+    assert loss.item() == pytest.approx(hand.item(), abs=1e-6)
+    assert torch.allclose(logits.grad, ref_logits.grad, atol=1e-6)
+    assert metrics["loss"] == pytest.approx(hand.item(), abs=1e-6)
+
+
+def pg_data(batch: dict) -> dict:
+    ids = batch["input_ids"]
+    curr = token_logprobs(batch["logits"], ids)
+    prev = curr + batch["noise"]  # ratios exp(-noise) in [0.45, 2.2]: some clipped
+    prev[:, 0] = 0
+    return {
+        "input_ids": ids,
+        "token_mask": batch["token_mask"],
+        "sample_mask": batch["sample_mask"],
+        "advantages": torch.tensor([1.5, -0.7, 0.3, -2.0], dtype=torch.float64),
+        "prev_logprobs": prev,
+        "generation_logprobs": prev + batch["noise2"],
+        "reference_policy_logprobs": curr + batch["noise3"],
+    }
+
+
+def hand_pg(logits, data, lo, hi, c, beta, estimator, level, cap, use_is):
+    """Per-token clipped PG + KL, reduced per `level`, all written out as scalar ops."""
+    per_seq, total, n_tok, n_seq = [], 0.0, 0, 0
+    for b in range(B):
+        seq_sum, seq_n = 0.0, 0
+        a = float(data["advantages"][b])
+        for t in range(1, S):
+            if not valid(data, b, t):
+                continue
+            lp = hand_lp(logits, data["input_ids"], b, t)
+            prev = float(data["prev_logprobs"][b, t])
+            ratio = torch.exp(lp - prev)
+            clipped = torch.clamp(ratio, 1 - lo, 1 + hi)
+            pg = torch.maximum(-a * ratio, -a * clipped)
+            if c is not None and a < 0:
+                pg = torch.minimum(pg, torch.tensor(-a * c, dtype=torch.float64))
+            log_r = lp - float(data["reference_policy_logprobs"][b, t])
+            if estimator == "k1":
+                kl = log_r
+            elif estimator == "k2":
+                kl = 0.5 * log_r * log_r
+            else:
+                kl = torch.exp(-log_r) - 1 + log_r
+            w = 1.0
+            if use_is:
+                w = math.exp(prev - float(data["generation_logprobs"][b, t]))
+                if cap is not None:
+                    w = min(w, cap)
+            term = w * (pg + beta * kl)
+            total = total + term
+            seq_sum = seq_sum + term
+            seq_n += 1
+            n_tok += 1
+        if seq_n:
+            per_seq.append(seq_sum / seq_n)
+            n_seq += 1
+    if level == "token":
+        return total / n_tok
+    return sum(per_seq) / n_seq
+
+
+@pytest.mark.parametrize(
+    "level,estimator,c,use_is,cap",
+    [
+        ("token", "k3", None, False, None),
+        ("token", "k1", 1.3, True, 1.2),
+        ("sequence", "k2", 1.3, True, None),
+        ("sequence", "k3", None, True, 1.1),
+    ],
+)
+def test_clipped_pg_loss_and_grad(batch, level, estimator, c, use_is, cap):
+    data = pg_data(batch)
+    toks, seqs = counts(data)
+    loss_fn = ClippedPGLoss(
+        ratio_clip_min=0.2,
+        ratio_clip_max=0.28,
+        ratio_clip_c=c,
+        reference_policy_kl_penalty=0.05,
+        kl_estimator=estimator,
+        loss_type=level,
+        use_importance_sampling_correction=use_is,
+        truncated_importance_sampling_ratio=cap,
+    )
+    logits = leaf(batch)
+    loss, metrics = loss_fn(logits, data, toks, seqs)
+    loss.backward()
+
+    ref_logits = leaf(batch)
+    hand = hand_pg(ref_logits, data, 0.2, 0.28, c, 0.05, estimator, level, cap, use_is)
+    hand.backward()
+    assert loss.item() == pytest.approx(hand.item(), abs=1e-6)
+    assert torch.allclose(logits.grad, ref_logits.grad, atol=1e-6)
+    assert logits.grad.abs().sum() > 0
+
+    # metrics by hand over valid tokens
+    vals = [(b, t) for b in range(B) for t in range(1, S) if valid(data, b, t)]
+    curr = {bt: hand_lp(batch["logits"], data["input_ids"], *bt).item() for bt in vals}
+    ratios = [math.exp(curr[bt] - float(data["prev_logprobs"][bt])) for bt in vals]
+    err = [
+        math.exp(abs(float(data["prev_logprobs"][bt]) - float(data["generation_logprobs"][bt])))
+        for bt in vals
+    ]
+    clipped = [r < 0.8 or r > 1.28 for r in ratios]
+    assert 0 < sum(clipped) < len(vals)  # the fixture really exercises clipping
+    assert metrics["ratio_mean"] == pytest.approx(sum(ratios) / len(vals), abs=1e-9)
+    assert metrics["clip_fraction"] == pytest.approx(sum(clipped) / len(vals), abs=1e-9)
+    assert metrics["token_mult_prob_error"] == pytest.approx(sum(err) / len(vals), abs=1e-9)
+    ent = [hand_entropy(batch["logits"], *bt) for bt in vals]
+    assert metrics["entropy"] == pytest.approx(sum(ent) / len(vals), abs=1e-9)
+    assert metrics["num_valid_tokens"] == len(vals)
+
+
+def test_kl_estimators_hand_worked():
+    # pi = 0.5, pi_ref = 0.25 -> log r = ln 2
+    lp, ref = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])
+    assert kl_estimate(lp, ref, "k1").item() == pytest.approx(0.693147, abs=1e-6)
+    assert kl_estimate(lp, ref, "k2").item() == pytest.approx(0.240227, abs=1e-6)
+    assert kl_estimate(lp, ref, "k3").item() == pytest.approx(0.5 - 1 + 0.693147, abs=1e-6)
+    # swapped: log r = -ln 2; k3 = 2 - 1 - ln 2 = 0.306853 (k3 >= 0 both ways, k1 is not)
+    assert kl_estimate(ref, lp, "k1").item() == pytest.approx(-0.693147, abs=1e-6)
+    assert kl_estimate(ref, lp, "k3").item() == pytest.approx(0.306853, abs=1e-6)
+    assert kl_estimate(lp, lp, "k3").item() == 0.0
+    with pytest.raises(ValueError, match="k4"):
+        kl_estimate(lp, ref, "k4")
+
+
+def one_token_case(ratio: float, advantage: float, **loss_kwargs) -> tuple[float, float]:
+    """One sample, one response token with a chosen ratio; returns (loss, |dloss/dlogits|)."""
+    logits = torch.tensor([[[0.3, -0.4], [0.0, 0.0]]], dtype=torch.float64, requires_grad=True)
+    ids = torch.tensor([[1, 0]])
+    curr = token_logprobs(logits.detach(), ids)[0, 1].item()
+    prev = torch.tensor([[0.0, curr - math.log(ratio)]], dtype=torch.float64)
+    data = {
+        "input_ids": ids,
+        "token_mask": torch.tensor([[0.0, 1.0]]),
+        "sample_mask": torch.tensor([1.0]),
+        "advantages": torch.tensor([advantage], dtype=torch.float64),
+        "prev_logprobs": prev,
+        "generation_logprobs": prev.clone(),
+    }
+    loss, _ = ClippedPGLoss(**loss_kwargs)(logits, data, torch.tensor(1.0), torch.tensor(1.0))
+    loss.backward()
+    return loss.item(), logits.grad.abs().sum().item()
+
+
+def test_clip_behaviour_hand_picked():
+    sym = {"ratio_clip_min": 0.2, "ratio_clip_max": 0.2}
+    # A > 0, ratio 1.5: clipped to 1.2 -> loss -1.2, no gradient
+    loss, grad = one_token_case(1.5, 1.0, **sym)
+    assert loss == pytest.approx(-1.2) and grad == 0
+    # A < 0, ratio 1.5: pessimistic branch keeps the unclipped ratio -> 1.5, gradient flows
+    loss, grad = one_token_case(1.5, -1.0, **sym)
+    assert loss == pytest.approx(1.5) and grad > 0
+    # A > 0, ratio 0.5: unclipped -> -0.5, gradient flows
+    loss, grad = one_token_case(0.5, 1.0, **sym)
+    assert loss == pytest.approx(-0.5) and grad > 0
+    # A < 0, ratio 0.5: clipped at 0.8 -> 0.8, no gradient
+    loss, grad = one_token_case(0.5, -1.0, **sym)
+    assert loss == pytest.approx(0.8) and grad == 0
+    # clip-higher (DAPO): ratio 1.25 is inside [0.8, 1.28]
+    loss, grad = one_token_case(1.25, 1.0, ratio_clip_min=0.2, ratio_clip_max=0.28)
+    assert loss == pytest.approx(-1.25) and grad > 0
+    # dual clip: A = -1, ratio 4 -> min(max(4, 1.2), 3) = 3, no gradient; without it: 4
+    loss, grad = one_token_case(4.0, -1.0, ratio_clip_c=3.0, **sym)
+    assert loss == pytest.approx(3.0) and grad == 0
+    loss, grad = one_token_case(4.0, -1.0, **sym)
+    assert loss == pytest.approx(4.0) and grad > 0
+    # dual clip never touches positive advantages
+    loss, _ = one_token_case(4.0, 1.0, ratio_clip_c=3.0, **sym)
+    assert loss == pytest.approx(-1.2)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_microbatch_invariance(batch, level):
+    data = pg_data(batch)
+    toks, seqs = counts(data)
+    loss_fn = ClippedPGLoss(
+        ratio_clip_c=1.5, reference_policy_kl_penalty=0.1, loss_type=level,
+        use_importance_sampling_correction=True, truncated_importance_sampling_ratio=2.0,
+    )  # fmt: skip
+    full_logits = leaf(batch)
+    full, _ = loss_fn(full_logits, data, toks, seqs)
+    full.backward()
+
+    mb_logits = leaf(batch)
+    total = 0.0
+    for lo, hi in [(0, 1), (1, 4)]:
+        part = {k: v[lo:hi] for k, v in data.items()}
+        loss, _ = loss_fn(mb_logits[lo:hi], part, toks, seqs)
+        loss.backward()
+        total += loss.item()
+    assert total == pytest.approx(full.item(), abs=1e-10)
+    assert torch.allclose(mb_logits.grad, full_logits.grad, atol=1e-10)
+
+    # the same for NLL
+    nll_full_logits, nll_mb_logits = leaf(batch), leaf(batch)
+    full, _ = NLLLoss()(nll_full_logits, data, toks, seqs)
+    full.backward()
+    total = 0.0
+    for lo, hi in [(0, 3), (3, 4)]:
+        part = {k: v[lo:hi] for k, v in data.items()}
+        loss, _ = NLLLoss()(nll_mb_logits[lo:hi], part, toks, seqs)
+        loss.backward()
+        total += loss.item()
+    assert total == pytest.approx(full.item(), abs=1e-10)
+    assert torch.allclose(nll_mb_logits.grad, nll_full_logits.grad, atol=1e-10)
+
+
+def dpo_data(batch: dict, masked_pair: bool) -> dict:
+    ids = batch["input_ids"]
+    curr = token_logprobs(batch["logits"], ids)
+    return {
+        "input_ids": ids,
+        "token_mask": batch["token_mask"],
+        "sample_mask": torch.tensor([1.0, 1.0, 0.0, 1.0] if masked_pair else [1.0] * 4),
+        "reference_policy_logprobs": curr + batch["noise"],
+    }
+
+
+@pytest.mark.parametrize("average", [False, True])
+@pytest.mark.parametrize("masked_pair", [False, True])
+def test_dpo_loss_and_grad(batch, average, masked_pair):
+    beta, sft_w = 0.3, 0.5
+    data = dpo_data(batch, masked_pair)
+    pairs = count_valid_pairs(data["sample_mask"])
+    assert pairs.item() == (1 if masked_pair else 2)
+    logits = leaf(batch)
+    loss_fn = DPOLoss(beta, preference_average_log_probs=average, sft_loss_weight=sft_w)
+    loss, metrics = loss_fn(logits, data, torch.tensor(0.0), pairs)
+    loss.backward()
+
+    ref_logits = leaf(batch)
+
+    def seq(b: int, policy: bool):
+        total, n = 0.0, 0
+        for t in range(1, S):
+            if data["token_mask"][b, t]:
+                if policy:
+                    total = total + hand_lp(ref_logits, data["input_ids"], b, t)
+                else:
+                    total = total + float(data["reference_policy_logprobs"][b, t])
+                n += 1
+        return total / n if average else total
+
+    hand, accs, margins, rc = 0.0, [], [], []
+    for i in range(B // 2):
+        c, r = 2 * i, 2 * i + 1
+        if not (data["sample_mask"][c] and data["sample_mask"][r]):
+            continue
+        reward_c = beta * (seq(c, True) - seq(c, False))
+        reward_r = beta * (seq(r, True) - seq(r, False))
+        margin = reward_c - reward_r
+        pref = -torch.log(1 / (1 + torch.exp(-margin)))
+        hand = hand + pref + sft_w * (-seq(c, True))
+        accs.append(float(margin > 0))
+        margins.append(margin.item())
+        rc.append(reward_c.item())
+    hand = hand / len(margins)
+    hand.backward()
+    assert loss.item() == pytest.approx(hand.item(), abs=1e-6)
+    assert torch.allclose(logits.grad, ref_logits.grad, atol=1e-6)
+    assert metrics["preference_accuracy"] == pytest.approx(sum(accs) / len(accs))
+    assert metrics["reward_margin"] == pytest.approx(sum(margins) / len(margins), abs=1e-9)
+    assert metrics["rewards_chosen_mean"] == pytest.approx(sum(rc) / len(rc), abs=1e-9)
+    if masked_pair:  # the masked pair contributes no gradient
+        assert logits.grad[2:].abs().sum() == 0
+
+
+def test_bradley_terry_loss_and_grad():
+    scores = torch.tensor([2.0, 0.5, -1.0, 0.3, 0.7, 0.7], dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 1.0])
+    pairs = count_valid_pairs(mask)
+    loss, metrics = BradleyTerryLoss()(scores, {"sample_mask": mask}, torch.tensor(0.0), pairs)
+    loss.backward()
+    # hand: pairs (2.0, 0.5) and (-1.0, 0.3); the third is masked
+    m1, m2 = 1.5, -1.3
+    hand = (math.log(1 + math.exp(-m1)) + math.log(1 + math.exp(-m2))) / 2
+    assert loss.item() == pytest.approx(hand, abs=1e-12)
+    # d/ds_c of -logsigmoid(s_c - s_r) = -(1 - sigmoid(m)); divided by 2 pairs
+    g1, g2 = -(1 - 1 / (1 + math.exp(-m1))) / 2, -(1 - 1 / (1 + math.exp(-m2))) / 2
+    expected = torch.tensor([g1, -g1, g2, -g2, 0.0, 0.0], dtype=torch.float64)
+    assert torch.allclose(scores.grad, expected, atol=1e-12)
+    assert metrics["accuracy"] == 0.5
+    assert metrics["margin"] == pytest.approx((m1 + m2) / 2)
+    assert metrics["num_valid_pairs"] == 2
+
+
+def test_errors_name_the_problem():
+    with pytest.raises(ValueError, match="ratio_clip_c=0.5"):
+        ClippedPGLoss(ratio_clip_c=0.5)
+    with pytest.raises(ValueError, match="even"):
+        count_valid_pairs(torch.ones(3))
+    with pytest.raises(KeyError, match="token_mask"):
+        NLLLoss()(torch.zeros(1, 2, 3), {"input_ids": torch.zeros(1, 2, dtype=torch.long)}, 1, 1)
