@@ -1,0 +1,189 @@
+"""Generation throughput: the vLLM worker vs the torch-native engine, same model, same prompts.
+
+Builds a tiny random Llama (hidden 128, 2 heads of head_dim 64, 2 layers; vLLM's CPU attention
+has no head size 16) unless --model is given, then samples --batch prompts x --new-tokens
+tokens with each engine and prints generated tokens/s and the vLLM/torch ratio. The torch
+engine runs in this process (the main venv); vLLM runs in a child process in the vLLM extra's
+own venv (built on first use by tempering.distributed.actor_environments), exactly where a
+worker group would run it. Each engine gets one untimed warm-up call (vLLM compiles its
+log-prob ranking op on the first request), then the median of --repeats timed calls.
+
+    uv run --frozen python bench/bench_generation.py                  # 128 x 16, fp32
+    uv run --frozen python bench/bench_generation.py --batch 32 --dtype bfloat16
+
+A benchmark prints ratios; it never passes or fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+FQN = "tempering.models.generation.vllm_worker.VllmGenerationWorker"
+
+
+def build_tiny_llama(folder: Path, seed: int = 0) -> None:
+    """A random Llama with a small byte-level BPE tokenizer, saved as an HF folder (fp32)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog 12+34=46"] * 4, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="</s>"
+    )
+    tokenizer.save_pretrained(folder)
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+
+
+def make_prompts(vocab: int, batch: int, max_len: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Right-padded random prompts of lengths in [max_len // 2, max_len] (no special tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(max(1, max_len // 2), max_len + 1, (batch,), generator=gen)
+    input_ids = torch.full((batch, max_len), 2, dtype=torch.long)
+    for b, n in enumerate(lengths.tolist()):
+        input_ids[b, :n] = torch.randint(3, vocab, (n,), generator=gen)
+    return {"input_ids": input_ids, "input_lengths": lengths}
+
+
+def time_engine(engine, data, repeats: int) -> dict[str, float]:
+    """One untimed warm-up call, then the median tokens/s over `repeats` calls."""
+    engine.generate(data)
+    rates, tokens = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = engine.generate(data)
+        elapsed = time.perf_counter() - start
+        n = int(out["generation_lengths"].sum())
+        rates.append(n / elapsed)
+        tokens.append(n)
+    return {"tokens_per_s": statistics.median(rates), "generated_tokens": statistics.median(tokens)}
+
+
+def run_engine(args: argparse.Namespace) -> dict[str, float]:
+    """Build one engine on args.model and time it (runs in the engine's own venv)."""
+    from tempering.distributed.batched_data_dict import BatchedDataDict
+
+    sampling = {"temperature": 1.0, "max_new_tokens": args.new_tokens, "seed": 0}
+    start = time.perf_counter()
+    if args.engine == "vllm":
+        from tempering.models.generation.vllm_worker import VllmGenerationWorker
+
+        engine = VllmGenerationWorker(
+            args.model,
+            dtype=args.dtype,
+            enforce_eager=True,
+            max_model_len=args.prompt_len + args.new_tokens,
+            kv_cache_memory_bytes=512 * 2**20,
+            **sampling,
+        )
+        vocab = len(engine.llm.get_tokenizer())
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from tempering.models.generation.torch_engine import TorchGenerationEngine
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
+        engine = TorchGenerationEngine(model.eval(), tokenizer, **sampling)
+        vocab = len(tokenizer)
+    startup_s = time.perf_counter() - start
+    data = BatchedDataDict(make_prompts(vocab, args.batch, args.prompt_len))
+    result = time_engine(engine, data, args.repeats)
+    result["startup_s"] = startup_s
+    if args.engine == "vllm":
+        engine.shutdown()
+    return result
+
+
+def vllm_python() -> str:
+    from tempering.distributed.actor_environments import get_actor_executable, resolve_python
+
+    return resolve_python(FQN, get_actor_executable(FQN))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=32, help="longest prompt (tokens)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model", help="HF model folder (default: a tiny random Llama)")
+    parser.add_argument("--engine", choices=["vllm", "torch"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.engine:  # child mode: time one engine, print one JSON line
+        print("RESULT " + json.dumps(run_engine(args)), flush=True)
+        os._exit(0)  # skip vLLM's slow interpreter teardown
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model is None:
+            args.model = str(Path(tmp) / "tiny-llama")
+            build_tiny_llama(Path(args.model))
+        common = [
+            "--model", args.model, "--batch", str(args.batch), "--new-tokens",
+            str(args.new_tokens), "--prompt-len", str(args.prompt_len), "--dtype", args.dtype,
+            "--repeats", str(args.repeats),
+        ]  # fmt: skip
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "2"}
+        env.pop("VIRTUAL_ENV", None)
+        results = {}
+        for engine, python in (("torch", sys.executable), ("vllm", vllm_python())):
+            proc = subprocess.run(
+                [python, __file__, "--engine", engine, *common],
+                env=env,
+                capture_output=True,
+                text=True,
+            )
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            if proc.returncode != 0 or not lines:
+                sys.exit(f"{engine} engine failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+            results[engine] = json.loads(lines[-1].removeprefix("RESULT "))
+
+    print(
+        f"generation, {args.batch} prompts (<= {args.prompt_len} tokens) x {args.new_tokens} "
+        f"new tokens, {args.dtype}, CPU threads 2"
+    )
+    for engine, r in results.items():
+        print(
+            f"  {engine:5s}: {r['tokens_per_s']:9.1f} generated tokens/s "
+            f"({r['generated_tokens']:.0f} tokens/call, engine start {r['startup_s']:.1f} s)"
+        )
+    ratio = results["vllm"]["tokens_per_s"] / results["torch"]["tokens_per_s"]
+    print(f"  ratio vllm/torch: {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

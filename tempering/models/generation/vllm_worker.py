@@ -1,0 +1,238 @@
+"""vLLM generation worker: fast batched sampling with in-place weight refit.
+
+`VllmGenerationWorker` implements `GenerationInterface` (docs/CONTRACTS.md, "Generation") on
+top of one `vllm.LLM` engine. It runs inside a Ray actor in the vLLM extra's own venv
+(`ACTOR_ENVIRONMENT_REGISTRY` maps this class's FQN to `uv run --locked --extra vllm`), so the
+driver never imports vLLM. Standalone use, in that venv:
+
+    worker = VllmGenerationWorker("/path/to/hf_model", temperature=1.0, max_new_tokens=64)
+    out = worker.generate(BatchedDataDict(input_ids=ids, input_lengths=lengths))
+    worker.update_weights(policy_state_dict)   # refit, into the running engine
+    worker.shutdown()
+
+vLLM 0.32 details this module relies on:
+
+- Prompts go in as token ids (`TokensPrompt`), never as text.
+- Log-probs: the engine is built with `logprobs_mode="processed_logprobs"` and each request
+  asks for `logprobs=0` (just the sampled token). vLLM's default, "raw_logprobs", is
+  `log_softmax(logits)` at temperature 1; "processed_logprobs" is `log_softmax` after
+  temperature AND top-k/top-p. With top-k/top-p off that is exactly the contract's
+  `log_softmax(logits / temperature)`, so this worker refuses top-k/top-p (vLLM cannot return
+  the pre-filter distribution at temperature T). Greedy requests (vLLM temperature 0) get
+  `log_softmax(logits)`, i.e. temperature 1: exact only when `temperature == 1`.
+- Refit: `update_weights` sends `(name, tensor)` pairs through `LLM.collective_rpc` to
+  `WeightUpdateExtension.tempering_load_weights` (vllm_extension.py), which uses vLLM's
+  in-place `reload_weights`; then the prefix cache is reset so no KV computed with the old
+  weights is reused. The engine is never restarted.
+- `VLLM_ENABLE_V1_MULTIPROCESSING=0` (set here unless already set) keeps the engine core in
+  this process: `LLM()` starts in seconds instead of ~75 s on CPU, and `collective_rpc`
+  arguments (the weights) are passed by reference instead of serialised.
+- CPU: run with `enforce_eager=True` and pass `kv_cache_memory_bytes` (vLLM's CPU default
+  reserves a large share of RAM). fp32 and bf16 both work, refit included. Sleep mode
+  (`enable_sleep_mode`) exists only on GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from tempering.distributed.batched_data_dict import BatchedDataDict
+from tempering.models.generation.interfaces import SamplingConfig
+from tempering.models.generation.vllm_extension import EXTENSION_FQN
+
+logger = logging.getLogger(__name__)
+
+_FINISH_REASONS = ("stop", "length")
+
+
+class VllmGenerationWorker:
+    """One vLLM engine behind `GenerationInterface` (see module docstring)."""
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        config: SamplingConfig | None = None,
+        *,
+        dtype: str = "auto",
+        gpu_memory_utilization: float = 0.9,
+        tensor_parallel_size: int = 1,
+        max_model_len: int | None = None,
+        enforce_eager: bool = False,
+        enable_sleep_mode: bool = False,
+        kv_cache_memory_bytes: int | None = None,
+        **sampling_args: Any,
+    ) -> None:
+        """`config`, or the `SamplingConfig` fields as keywords (temperature, top_p, top_k,
+        max_new_tokens, stop_token_ids, stop_strings, greedy, seed), not both.
+
+        Engine arguments go to `vllm.LLM` unchanged; `dtype` is "auto" (the checkpoint's),
+        "bfloat16", "float16" or "float32". `enable_sleep_mode=True` (GPU only) lets
+        `finish_generation` free the GPU for training in colocated mode.
+        """
+        if config is not None and sampling_args:
+            raise TypeError(
+                "VllmGenerationWorker takes a SamplingConfig or sampling keywords "
+                f"({sorted(sampling_args)}), not both; put them into the SamplingConfig."
+            )
+        self.config = config if config is not None else SamplingConfig(**sampling_args)
+        if self.config.top_k is not None or self.config.top_p < 1.0:
+            raise ValueError(
+                f"VllmGenerationWorker: top_k={self.config.top_k}, top_p={self.config.top_p} "
+                "is not supported: vLLM 0.32 reports log-probs either before temperature or "
+                "after top-k/top-p, never log_softmax(logits / temperature) before filtering as "
+                "docs/CONTRACTS.md requires. Set top_k=None and top_p=1.0, or use the torch "
+                "engine (policy.generation.backend=torch)."
+            )
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        import vllm  # deferred: only this worker's venv has vLLM
+
+        if enable_sleep_mode and not torch.cuda.is_available():
+            raise ValueError(
+                "enable_sleep_mode=True needs a GPU (vLLM sleep mode offloads GPU memory); "
+                "on CPU set enable_sleep_mode=False."
+            )
+        self._vllm = vllm
+        self.model_path = str(model_path)
+        self.enable_sleep_mode = enable_sleep_mode
+        self.llm = vllm.LLM(
+            model=self.model_path,
+            dtype=dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+            max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
+            enable_sleep_mode=enable_sleep_mode,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            seed=self.config.seed if self.config.seed is not None else 0,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=EXTENSION_FQN,
+        )
+        tokenizer = self.llm.get_tokenizer()
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else None
+        if pad is None:
+            pad = tokenizer.eos_token_id
+        if pad is None:
+            raise ValueError(
+                f"The tokenizer of {self.model_path} has neither a pad nor an eos token; add "
+                "one to its tokenizer_config.json."
+            )
+        self.pad_token_id = int(pad)
+        self._asleep = False
+
+    # ---- GenerationInterface ---------------------------------------------------------------
+
+    def prepare_for_generation(self) -> None:
+        """Colocated mode: wake the engine (weights back on the GPU, KV cache reallocated)."""
+        if self.enable_sleep_mode and self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    def finish_generation(self) -> None:
+        """Colocated mode: sleep (level 1: weights offloaded to CPU, KV cache discarded)."""
+        if self.enable_sleep_mode and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def update_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Refit: load a (full or per-layer partial) HF-named state dict into the running engine."""
+        if self._asleep:
+            raise RuntimeError(
+                "update_weights called while the vLLM engine sleeps; call "
+                "prepare_for_generation() first (sleep level 1 keeps no writable weights)."
+            )
+        pairs = [(name, tensor.detach()) for name, tensor in weights.items()]
+        loaded = self.llm.collective_rpc("tempering_load_weights", args=(pairs,))
+        if any(n != len(pairs) for n in loaded):
+            raise RuntimeError(f"vLLM workers loaded {loaded} tensors, expected {len(pairs)}.")
+        # KV blocks cached for a prompt prefix were computed with the old weights.
+        self.llm.reset_prefix_cache()
+
+    def generate(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict:
+        """Continue each right-padded prompt; returns the contract's BatchedDataDict."""
+        greedy = greedy or self.config.greedy
+        input_ids = data["input_ids"].long().cpu()  # [B, S] right-padded
+        lengths = data["input_lengths"].long().cpu()  # [B]
+        B, S = input_ids.shape
+        if lengths.shape != (B,) or bool((lengths < 1).any()) or bool((lengths > S).any()):
+            raise ValueError(
+                f"input_lengths must be [B]={B} values in [1, {S}] (prompt width); got "
+                f"{lengths.tolist()}."
+            )
+        if greedy and self.config.temperature != 1.0:
+            logger.warning(
+                "greedy generation with temperature=%s: vLLM reports log-probs at "
+                "temperature 1 for greedy requests.",
+                self.config.temperature,
+            )
+        prompts = [
+            self._vllm.TokensPrompt(prompt_token_ids=input_ids[b, : lengths[b]].tolist())
+            for b in range(B)
+        ]
+        outputs = self.llm.generate(prompts, self._sampling_params(greedy), use_tqdm=False)
+
+        completions = [out.outputs[0] for out in outputs]
+        gen_lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.long)
+        T = int(gen_lengths.max()) if B else 0
+        # Right-padded output: prompt, then generated tokens, then padding.  [B, S + T]
+        output_ids = torch.full((B, S + T), self.pad_token_id, dtype=torch.long)
+        logprobs = torch.zeros((B, S + T), dtype=torch.float32)
+        finish_reasons = []
+        for b, completion in enumerate(completions):
+            L, n = int(lengths[b]), len(completion.token_ids)
+            output_ids[b, :L] = input_ids[b, :L]
+            output_ids[b, L : L + n] = torch.tensor(completion.token_ids, dtype=torch.long)
+            steps = zip(completion.token_ids, completion.logprobs, strict=True)
+            logprobs[b, L : L + n] = torch.tensor([step[tok].logprob for tok, step in steps])
+            if completion.finish_reason not in _FINISH_REASONS:
+                raise RuntimeError(
+                    f"vLLM finished sequence {b} with reason {completion.finish_reason!r} "
+                    f"({completion.stop_reason!r}); expected one of {_FINISH_REASONS}."
+                )
+            finish_reasons.append(completion.finish_reason)
+        return BatchedDataDict(
+            output_ids=output_ids,
+            logprobs=logprobs,
+            generation_lengths=gen_lengths,
+            unpadded_sequence_lengths=lengths + gen_lengths,
+            finish_reasons=finish_reasons,
+        )
+
+    # ---- extras ----------------------------------------------------------------------------
+
+    def engine_info(self) -> dict[str, Any]:
+        """Identity of the running engine: this process's pid, the LLM object's id, and each
+        vLLM worker's pid/model id (tests use it to prove a refit did not restart anything)."""
+        return {
+            "pid": os.getpid(),
+            "llm_id": id(self.llm),
+            "workers": self.llm.collective_rpc("tempering_worker_info"),
+        }
+
+    def shutdown(self) -> None:
+        """Stop the engine and free its memory; the worker is unusable afterwards."""
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        engine_core = getattr(llm.llm_engine, "engine_core", None)
+        if engine_core is not None:
+            engine_core.shutdown()
+        self.llm = None
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _sampling_params(self, greedy: bool) -> Any:
+        cfg = self.config
+        return self._vllm.SamplingParams(
+            temperature=0.0 if greedy else cfg.temperature,
+            max_tokens=cfg.max_new_tokens,
+            stop_token_ids=list(cfg.stop_token_ids),
+            stop=list(cfg.stop_strings) or None,
+            include_stop_str_in_output=True,  # the contract keeps the stop tokens
+            detokenize=bool(cfg.stop_strings),  # text is only needed to spot stop strings
+            logprobs=0,  # the sampled token's log-prob only
+        )
