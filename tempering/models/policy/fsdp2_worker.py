@@ -1,0 +1,639 @@
+"""FSDP2 training worker: one data-parallel rank of the policy.
+
+A plain class. A Ray worker group builds one per bundle by its FQN
+``tempering.models.policy.fsdp2_worker.FSDP2PolicyWorker`` (RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT come from the environment); a test may also construct it directly in its own
+process (without those variables it runs as a single rank on a free local port).
+
+What it does:
+- joins ``torch.distributed`` (gloo on CPU; ``cpu:gloo,cuda:nccl`` on GPU), loads the HF causal
+  LM (`tempering.models.hf.load_causal_lm`: a registry name or a local folder), and shards it
+  with ``fully_shard`` per decoder layer and at the root (bf16 `MixedPrecisionPolicy` on GPU
+  when ``precision="bfloat16"``; fp32 on CPU);
+- `train`: for each global batch in its shard, all-reduces the valid token/sequence counts
+  BEFORE any micro-batch runs, so the micro-batch losses (each divided by the global counts
+  and multiplied by the DP size, because FSDP2 averages gradients) add up to one big batch's
+  gradient; clips, steps AdamW and the LR schedule once per global batch;
+- `get_logprobs` / `get_reference_policy_logprobs` in the contract layout (docs/CONTRACTS.md);
+  the reference model is a second FSDP-sharded copy of the initial weights, without optimizer
+  (``init_reference_model=True``);
+- `save_checkpoint` / `load_checkpoint`: sharded model + optimizer state with
+  ``torch.distributed.checkpoint`` (DCP), scheduler state beside it;
+- `export_hf` (a folder that ``from_pretrained`` loads) and `state_dict_for_refit` (full
+  gathered CPU tensors on rank 0, for the generation workers).
+
+Sequence packing is not implemented yet (`BatchedDataDict.pack_sequences` exists; it needs
+varlen attention); dynamic micro-batches by token budget are (``max_tokens_per_microbatch``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from tempering.algorithms.loss_functions import (
+    BradleyTerryLoss,
+    DPOLoss,
+    LossFunction,
+    count_valid_pairs,
+    token_logprobs,
+)
+from tempering.distributed.batched_data_dict import BatchedDataDict
+from tempering.models.policy.optim import build_lr_scheduler, build_optimizer
+
+logger = logging.getLogger(__name__)
+
+PRECISIONS = ("float32", "bfloat16")
+SCHEDULER_FILE = "scheduler.pt"
+# Losses whose ``global_valid_seqs`` counts chosen/rejected PAIRS (see loss_functions).
+PAIRWISE_LOSSES = (DPOLoss, BradleyTerryLoss)
+# Loss metrics that are already divided by the global count: summed over micro-batches/ranks.
+_GLOBALLY_NORMALISED = ("loss", "kl_penalty")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class FSDP2PolicyWorker:
+    """One rank of an FSDP2-sharded causal LM with optimizer, schedule and reference copy.
+
+    Args:
+        model_path: registry name or local HF folder (`tempering.models.registry`).
+        learning_rate, weight_decay, betas, eps: AdamW (``optimizer="sgd"`` for plain SGD).
+        max_grad_norm: clip the global gradient norm to this; None = no clipping.
+        lr_schedule, warmup_steps, total_steps, min_lr_ratio: see `optim.build_lr_scheduler`.
+        precision: "float32" or "bfloat16" (bf16 compute with fp32 master weights; GPU only).
+        activation_checkpointing: recompute each decoder layer in backward.
+        init_optimizer: False for an inference-only policy.
+        init_reference_model: keep a frozen, sharded copy of the initial weights.
+        seed: torch seed on every rank.
+        num_threads: ``torch.set_num_threads`` (CPU tests use 1).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        learning_rate: float = 1e-5,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        optimizer: str = "adamw",
+        max_grad_norm: float | None = 1.0,
+        lr_schedule: str = "constant",
+        warmup_steps: int = 0,
+        total_steps: int | None = None,
+        min_lr_ratio: float = 0.0,
+        precision: str = "float32",
+        activation_checkpointing: bool = False,
+        init_optimizer: bool = True,
+        init_reference_model: bool = False,
+        seed: int = 42,
+        num_threads: int | None = None,
+    ) -> None:
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision={precision!r} is unknown; use one of {PRECISIONS}")
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        torch.manual_seed(seed)
+        self.model_path = str(model_path)
+        self.max_grad_norm = max_grad_norm
+        self._init_distributed()
+
+        if self.device.type == "cuda" and precision == "bfloat16":
+            self.mp_policy = MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+            )
+        else:
+            if precision == "bfloat16":
+                logger.warning(
+                    "precision=bfloat16 ignored on CPU (bf16 is ~20x slower there); using fp32"
+                )
+            self.mp_policy = MixedPrecisionPolicy()
+        self.model = self._load_sharded(activation_checkpointing)
+        self.reference_model = None
+        if init_reference_model:
+            self.reference_model = self._load_sharded(False)
+            self.reference_model.requires_grad_(False)
+            self.reference_model.eval()
+
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        if init_optimizer:
+            self.optimizer = build_optimizer(
+                self.model.parameters(),
+                name=optimizer,
+                lr=learning_rate,
+                weight_decay=weight_decay,
+                betas=tuple(betas),
+                eps=eps,
+            )
+            self.scheduler = build_lr_scheduler(
+                self.optimizer,
+                schedule=lr_schedule,
+                warmup_steps=warmup_steps,
+                total_steps=total_steps,
+                min_lr_ratio=min_lr_ratio,
+            )
+        self._optimizer_offloaded = False
+
+    # ------------------------------------------------------------------ set-up
+    def _init_distributed(self) -> None:
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if torch.cuda.is_available():
+            index = local_rank if torch.cuda.device_count() > local_rank else 0
+            self.device = torch.device("cuda", index)
+            torch.cuda.set_device(self.device)
+            backend = "cpu:gloo,cuda:nccl"
+        else:
+            self.device = torch.device("cpu")
+            backend = "gloo"
+        if not dist.is_initialized():
+            addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+            port = os.environ.get("MASTER_PORT")
+            if port is None:
+                if self.world_size != 1:
+                    raise RuntimeError(
+                        f"FSDP2PolicyWorker: WORLD_SIZE={self.world_size} but MASTER_PORT is not "
+                        "set; start workers through a RayWorkerGroup or set MASTER_ADDR/MASTER_PORT"
+                    )
+                port = str(_free_port())
+            dist.init_process_group(
+                backend=backend,
+                init_method=f"tcp://{addr}:{port}",
+                rank=self.rank,
+                world_size=self.world_size,
+            )
+        # A group started earlier in this process (e.g. by a test) is reused as it is.
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
+
+    def _load_sharded(self, activation_checkpointing: bool) -> torch.nn.Module:
+        from tempering.models.hf import load_causal_lm
+
+        model = load_causal_lm(self.model_path, dtype=torch.float32)
+        self.hf_config = model.config
+        if activation_checkpointing:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        layer_names = set(getattr(model, "_no_split_modules", None) or [])
+        layers = [m for m in model.modules() if type(m).__name__ in layer_names]
+        if not layers:
+            raise ValueError(
+                f"FSDP2PolicyWorker: found no decoder layers in {type(model).__name__} "
+                f"(_no_split_modules={sorted(layer_names)}); this model class is not supported"
+            )
+        for layer in layers:
+            fully_shard(layer, mesh=self.mesh, mp_policy=self.mp_policy)
+        fully_shard(model, mesh=self.mesh, mp_policy=self.mp_policy)
+        return model
+
+    # ------------------------------------------------------------ collectives
+    def _all_reduce(
+        self, values: list[float], op: dist.ReduceOp = dist.ReduceOp.SUM
+    ) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=op)  # gloo handles CPU tensors in both backends
+        return t.tolist()
+
+    # ------------------------------------------------------------- forward
+    def _forward_logits(self, model: torch.nn.Module, mb: BatchedDataDict) -> torch.Tensor:
+        input_ids = mb["input_ids"]
+        seq = torch.arange(input_ids.shape[1], device=input_ids.device)
+        attention_mask = (seq[None, :] < mb["input_lengths"][:, None]).long()  # [B, S]
+        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return out.logits.float()  # [B, S, V]
+
+    def _microbatches(
+        self, data: BatchedDataDict, micro_batch_size: int | None, max_tokens: int | None
+    ) -> tuple[list[BatchedDataDict], torch.Tensor | None]:
+        """Micro-batches trimmed to their longest sequence, plus the row permutation (or None)."""
+        if max_tokens is not None:
+            return data.make_microbatches_by_tokens(max_tokens)
+        mbs = data.make_microbatches(micro_batch_size or max(1, data.size))
+        return [_trim(mb) for mb in mbs], None
+
+    def _equalise(self, count: int) -> int:
+        """Every rank must run the same number of forward passes (FSDP2 collectives)."""
+        return int(self._all_reduce([float(count)], op=dist.ReduceOp.MAX)[0])
+
+    # ---------------------------------------------------------------- train
+    def train(
+        self,
+        data: BatchedDataDict,
+        loss_fn: LossFunction,
+        global_batch_size: int | None = None,
+        micro_batch_size: int | None = None,
+        max_tokens_per_microbatch: int | None = None,
+        eval_mode: bool = False,
+    ) -> dict[str, float]:
+        """Train on this rank's shard: one optimizer step per global batch it holds.
+
+        ``global_batch_size`` is the size over ALL ranks (None: the whole shard is one global
+        batch); the shard is walked in local steps of ``global_batch_size // world_size``
+        (the layout of `BatchedDataDict.shard_by_batch_size`). Returns global metrics
+        (identical on every rank): loss, grad_norm, lr, num_tokens, num_valid_tokens,
+        tokens_per_s, num_steps, and the loss function's metrics.
+        """
+        if self.optimizer is None and not eval_mode:
+            raise RuntimeError("FSDP2PolicyWorker.train: built with init_optimizer=False")
+        local_gbs = self._local_batch_size(data.size, global_batch_size)
+        pairwise = isinstance(loss_fn, PAIRWISE_LOSSES)
+        if pairwise and micro_batch_size is not None and micro_batch_size % 2:
+            raise ValueError(
+                f"micro_batch_size={micro_batch_size} must be even for {type(loss_fn).__name__}: "
+                "its batches interleave chosen/rejected pairs"
+            )
+        if pairwise and max_tokens_per_microbatch is not None:
+            raise ValueError(
+                f"{type(loss_fn).__name__} needs chosen/rejected pairs kept together; dynamic "
+                "micro-batches (max_tokens_per_microbatch) reorder rows: use micro_batch_size"
+            )
+        self.model.train(not eval_mode)
+        steps: list[dict[str, float]] = []
+        for start in range(0, data.size, local_gbs):
+            batch = data.slice(start, start + local_gbs)
+            if eval_mode:
+                with torch.no_grad():
+                    steps.append(
+                        self._run_global_batch(
+                            batch,
+                            loss_fn,
+                            pairwise,
+                            micro_batch_size,
+                            max_tokens_per_microbatch,
+                            False,
+                        )
+                    )
+            else:
+                steps.append(
+                    self._run_global_batch(
+                        batch, loss_fn, pairwise, micro_batch_size, max_tokens_per_microbatch, True
+                    )
+                )
+        return _combine_steps(steps)
+
+    def _local_batch_size(self, shard_size: int, global_batch_size: int | None) -> int:
+        if global_batch_size is None:
+            if shard_size == 0:
+                raise ValueError("FSDP2PolicyWorker.train got an empty batch")
+            return shard_size
+        if global_batch_size % self.world_size:
+            raise ValueError(
+                f"global_batch_size={global_batch_size} is not divisible by the data-parallel "
+                f"size {self.world_size}; pick a multiple of {self.world_size}"
+            )
+        local = global_batch_size // self.world_size
+        if shard_size == 0 or shard_size % local:
+            raise ValueError(
+                f"this rank got {shard_size} samples, not a positive multiple of "
+                f"global_batch_size/world_size={local}; the data size must be a multiple of "
+                f"global_batch_size={global_batch_size}"
+            )
+        return local
+
+    def _run_global_batch(
+        self,
+        batch: BatchedDataDict,
+        loss_fn: LossFunction,
+        pairwise: bool,
+        micro_batch_size: int | None,
+        max_tokens: int | None,
+        do_step: bool,
+    ) -> dict[str, float]:
+        t0 = time.perf_counter()
+        sample_mask = batch.get("sample_mask")
+        if sample_mask is None:
+            sample_mask = torch.ones(batch.size)
+        if "token_mask" not in batch:
+            raise KeyError(f"train data needs 'token_mask' [B, S]; it has {sorted(batch)}")
+        if "sample_mask" not in batch:
+            batch["sample_mask"] = sample_mask
+        sample_mask = sample_mask.float()
+        valid_toks = float((batch["token_mask"].float() * sample_mask[:, None]).sum())
+        valid_seqs = float(count_valid_pairs(sample_mask) if pairwise else sample_mask.sum())
+        num_tokens = float(batch["input_lengths"].sum())
+        g_toks, g_seqs, g_tokens = self._all_reduce([valid_toks, valid_seqs, num_tokens])
+        global_valid_toks = torch.tensor(g_toks, device=self.device)
+        global_valid_seqs = torch.tensor(g_seqs, device=self.device)
+
+        mbs, _ = self._microbatches(batch, micro_batch_size, max_tokens)
+        n_mbs = self._equalise(len(mbs))
+        loss_sum = 0.0
+        mb_metrics: list[dict[str, float]] = []
+        for i in range(n_mbs):
+            if i < len(mbs):
+                mb = mbs[i].to(self.device)
+                logits = self._forward_logits(self.model, mb)
+                loss, metrics = loss_fn(logits, mb, global_valid_toks, global_valid_seqs)
+                loss_sum += float(loss.detach())
+                mb_metrics.append(metrics)
+            else:  # padding pass so every rank joins the same FSDP2 collectives
+                loss = self._forward_logits(self.model, _dummy_batch(self.device)).sum() * 0.0
+            if do_step:
+                # FSDP2 averages gradients over DP ranks; the loss is already a global sum.
+                (loss * self.world_size).backward()
+
+        result: dict[str, float] = {}
+        if do_step:
+            assert self.optimizer is not None and self.scheduler is not None
+            max_norm = self.max_grad_norm if self.max_grad_norm is not None else float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+            result["grad_norm"] = float(_full(grad_norm))
+            result["lr"] = float(self.optimizer.param_groups[0]["lr"])
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - t0
+        (global_loss,) = self._all_reduce([loss_sum])
+        (elapsed,) = self._all_reduce([elapsed], op=dist.ReduceOp.MAX)
+        result.update(self._aggregate_loss_metrics(mb_metrics))
+        result.update(
+            loss=global_loss,
+            num_tokens=g_tokens,
+            num_valid_tokens=g_toks,
+            tokens_per_s=g_tokens / max(elapsed, 1e-9),
+            step_time_s=elapsed,
+        )
+        return result
+
+    def _aggregate_loss_metrics(self, mb_metrics: list[dict[str, float]]) -> dict[str, float]:
+        """Loss metrics over micro-batches and ranks, following loss_functions' conventions:
+        ``loss``/``kl_penalty``/``*_loss`` are globally normalised (summed), ``num_*`` are counts
+        (summed), the rest are per-micro-batch means (weighted by num_valid_tokens/pairs)."""
+        gathered: list[list[dict[str, float]]] = [[] for _ in range(self.world_size)]
+        dist.all_gather_object(gathered, mb_metrics)
+        all_mbs = [m for rank_mbs in gathered for m in rank_mbs]
+        keys = sorted({k for m in all_mbs for k in m})
+        out: dict[str, float] = {}
+        for key in keys:
+            rows = [m for m in all_mbs if key in m]
+            if key in _GLOBALLY_NORMALISED or key.endswith("_loss") or key.startswith("num_"):
+                out[key] = float(sum(m[key] for m in rows))
+                continue
+            weights = [
+                float(m.get("num_valid_tokens", m.get("num_valid_pairs", 1.0))) for m in rows
+            ]
+            total = sum(weights)
+            if total > 0:
+                out[key] = sum(w * m[key] for w, m in zip(weights, rows, strict=True)) / total
+            else:
+                out[key] = sum(m[key] for m in rows) / len(rows)
+        return out
+
+    # ------------------------------------------------------------- logprobs
+    def get_logprobs(
+        self,
+        data: BatchedDataDict,
+        micro_batch_size: int | None = None,
+        max_tokens_per_microbatch: int | None = None,
+        temperature: float = 1.0,
+    ) -> BatchedDataDict:
+        """``{"logprobs": [B, S]}`` (CPU float32) in the contract layout; 0 at t=0 and padding."""
+        return BatchedDataDict(
+            logprobs=self._logprobs(
+                self.model, data, micro_batch_size, max_tokens_per_microbatch, temperature
+            )
+        )
+
+    def get_reference_policy_logprobs(
+        self,
+        data: BatchedDataDict,
+        micro_batch_size: int | None = None,
+        max_tokens_per_microbatch: int | None = None,
+        temperature: float = 1.0,
+    ) -> BatchedDataDict:
+        """``{"reference_policy_logprobs": [B, S]}`` from the frozen initial weights."""
+        if self.reference_model is None:
+            raise RuntimeError(
+                "get_reference_policy_logprobs: the worker was built without a reference model; "
+                "pass init_reference_model=True"
+            )
+        return BatchedDataDict(
+            reference_policy_logprobs=self._logprobs(
+                self.reference_model, data, micro_batch_size, max_tokens_per_microbatch, temperature
+            )
+        )
+
+    @torch.no_grad()
+    def _logprobs(
+        self,
+        model: torch.nn.Module,
+        data: BatchedDataDict,
+        micro_batch_size: int | None,
+        max_tokens: int | None,
+        temperature: float,
+    ) -> torch.Tensor:
+        was_training = model.training
+        model.eval()
+        full_len = data["input_ids"].shape[1]
+        view = BatchedDataDict(input_ids=data["input_ids"], input_lengths=data["input_lengths"])
+        mbs, perm = (
+            self._microbatches(view, micro_batch_size, max_tokens) if view.size else ([], None)
+        )
+        n_mbs = self._equalise(len(mbs))
+        pieces: list[torch.Tensor] = []
+        for i in range(n_mbs):
+            if i >= len(mbs):  # padding pass, result dropped
+                self._forward_logits(model, _dummy_batch(self.device))
+                continue
+            mb = mbs[i].to(self.device)
+            logits = self._forward_logits(model, mb)
+            if temperature != 1.0:
+                logits = logits / temperature
+            lp = token_logprobs(logits, mb["input_ids"])  # [b, s]
+            seq = torch.arange(lp.shape[1], device=lp.device)
+            lp = lp * (seq[None, :] < mb["input_lengths"][:, None])
+            pieces.append(torch.nn.functional.pad(lp.cpu(), (0, full_len - lp.shape[1])))
+        model.train(was_training)
+        if not pieces:
+            return torch.zeros(0, full_len)
+        out = torch.cat(pieces)
+        if perm is not None:
+            out = out[torch.argsort(perm)]
+        return out
+
+    # ----------------------------------------------------------- checkpoints
+    def save_checkpoint(self, path: str) -> None:
+        """Sharded model + optimizer state (DCP) under `path`, scheduler state beside it."""
+        Path(path).mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        state: dict[str, Any] = {}
+        if self.optimizer is not None:
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            state = {"model": model_sd, "optim": optim_sd}
+        else:
+            state = {"model": get_model_state_dict(self.model)}
+        dcp.save(state, checkpoint_id=path)
+        if self.rank == 0 and self.scheduler is not None:
+            torch.save(self.scheduler.state_dict(), Path(path) / SCHEDULER_FILE)
+        dist.barrier()
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what `save_checkpoint(path)` wrote (same or another DP size)."""
+        if not (Path(path) / ".metadata").exists():
+            raise FileNotFoundError(
+                f"load_checkpoint: {path} holds no DCP checkpoint (.metadata missing); pass the "
+                "'policy' folder of a complete step_N checkpoint"
+            )
+        if self.optimizer is not None:
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            state = {"model": model_sd, "optim": optim_sd}
+            dcp.load(state, checkpoint_id=path)
+            set_state_dict(
+                self.model,
+                self.optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optim"],
+            )
+        else:
+            state = {"model": get_model_state_dict(self.model)}
+            dcp.load(state, checkpoint_id=path)
+            set_model_state_dict(self.model, state["model"])
+        sched_file = Path(path) / SCHEDULER_FILE
+        if self.scheduler is not None and sched_file.exists():
+            self.scheduler.load_state_dict(torch.load(sched_file, weights_only=False))
+        dist.barrier()
+
+    def _full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Gathered full parameters on rank 0 (CPU); empty on the other ranks. Collective."""
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.model, options=opts)
+
+    def state_dict_for_refit(self, dtype: str | None = None) -> dict[str, torch.Tensor] | None:
+        """Full CPU tensors by HF name on rank 0 (None elsewhere), optionally cast to `dtype`."""
+        sd = self._full_state_dict()
+        if self.rank != 0:
+            return None
+        if dtype is not None:
+            target = getattr(torch, dtype)
+            sd = {k: v.to(target) if v.is_floating_point() else v for k, v in sd.items()}
+        return sd
+
+    def export_hf(self, path: str) -> None:
+        """Write an HF folder (config, safetensors, tokenizer when the source has one)."""
+        sd = self._full_state_dict()
+        if self.rank == 0:
+            from transformers import AutoModelForCausalLM
+
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(self.hf_config)
+            model.load_state_dict(sd, assign=True, strict=True)
+            model.tie_weights()
+            model.save_pretrained(path)
+            self._save_tokenizer(path)
+        dist.barrier()
+
+    def _save_tokenizer(self, path: str) -> None:
+        from tempering.models.hf import load_tokenizer
+
+        try:
+            tokenizer = load_tokenizer(self.model_path)
+        except (OSError, ValueError) as err:
+            logger.warning("export_hf: no tokenizer saved (%s has none: %s)", self.model_path, err)
+            return
+        tokenizer.save_pretrained(path)
+
+    # ------------------------------------------------- colocation with generation
+    def prepare_for_generation(self) -> None:
+        """On GPU, move optimizer state to CPU to make room for a colocated generator."""
+        if self.device.type == "cuda" and self.optimizer is not None:
+            _move_optimizer_state(self.optimizer, torch.device("cpu"))
+            self._optimizer_offloaded = True
+            torch.cuda.empty_cache()
+
+    def prepare_for_training(self) -> None:
+        """Undo `prepare_for_generation`."""
+        if self._optimizer_offloaded and self.optimizer is not None:
+            _move_optimizer_state(self.optimizer, self.device)
+            self._optimizer_offloaded = False
+
+    # ------------------------------------------------------------------ misc
+    def get_rank_info(self) -> dict[str, Any]:
+        return {"rank": self.rank, "world_size": self.world_size, "device": str(self.device)}
+
+    def shutdown(self) -> None:
+        """Leave the process group (for workers built directly in a test process)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------- helpers
+def _trim(mb: BatchedDataDict) -> BatchedDataDict:
+    """Cut sequence keys (dim 1 == input_ids' dim 1) to the micro-batch's longest sequence."""
+    width = mb["input_ids"].shape[1]
+    keep = int(mb["input_lengths"].max()) if mb.size else width
+    if keep >= width:
+        return mb
+    return BatchedDataDict(
+        {
+            k: v[:, :keep]
+            if isinstance(v, torch.Tensor) and v.ndim >= 2 and v.shape[1] == width
+            else v
+            for k, v in mb.items()
+        }
+    )
+
+
+def _dummy_batch(device: torch.device) -> BatchedDataDict:
+    return BatchedDataDict(
+        input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
+        input_lengths=torch.ones(1, dtype=torch.long, device=device),
+    )
+
+
+def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                state[key] = value.to(device, non_blocking=True)
+
+
+def _combine_steps(steps: list[dict[str, float]]) -> dict[str, float]:
+    """One dict for a call that ran several global batches: means of per-step values, except
+    token counts (summed), tokens_per_s (total tokens / total time) and lr (the last step's)."""
+    if len(steps) == 1:
+        return {**steps[0], "num_steps": 1.0}
+    out: dict[str, float] = {}
+    for key in steps[0]:
+        values = [s[key] for s in steps if key in s]
+        if key in ("num_tokens", "num_valid_tokens", "step_time_s") or key.startswith("num_"):
+            out[key] = float(sum(values))
+        elif key == "lr":
+            out[key] = values[-1]
+        else:
+            out[key] = float(sum(values) / len(values))
+    out["tokens_per_s"] = out["num_tokens"] / max(out["step_time_s"], 1e-9)
+    out["num_steps"] = float(len(steps))
+    return out
+
+
+__all__ = ["FSDP2PolicyWorker"]

@@ -1,0 +1,229 @@
+"""`Policy`: the controller's handle on a causal LM trained by a Ray worker group.
+
+It implements `PolicyInterface` (plus `RefittablePolicy` and `HFExportablePolicy`) over a
+`RayWorkerGroup` of `FSDP2PolicyWorker`s, one per bundle of a `RayVirtualCluster`. Each call
+names the worker method and how the data is split, and gathers results in rank order:
+
+    cluster = RayVirtualCluster([2], num_cpus_per_bundle=1)
+    policy = build_policy(cluster, "tiny-arith", train_global_batch_size=32,
+                          train_micro_batch_size=8, learning_rate=3e-3)
+    metrics = policy.train(batch, NLLLoss())          # {"loss", "grad_norm", "lr", ...}
+    lp = policy.get_logprobs(batch)["logprobs"]       # [B, S], contract layout
+    policy.save_checkpoint("ckpt/step_10/policy")
+    policy.shutdown()
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tempering.algorithms.loss_functions import LossFunction
+from tempering.distributed.batched_data_dict import BatchedDataDict
+from tempering.distributed.virtual_cluster import RayVirtualCluster
+from tempering.distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup
+from tempering.models.policy.interfaces import PolicyInterface
+
+POLICY_WORKER_FQN = "tempering.models.policy.fsdp2_worker.FSDP2PolicyWorker"
+_LOGPROB_KEYS = ("input_ids", "input_lengths")
+
+
+class Policy(PolicyInterface):
+    """A data-parallel policy over `worker_group` (built by `build_policy`).
+
+    Args:
+        worker_group: a group of `FSDP2PolicyWorker`s.
+        train_global_batch_size: samples per optimizer step, over all DP ranks.
+        train_micro_batch_size: samples per forward/backward pass on one rank.
+        logprob_micro_batch_size: samples per forward pass in `get_logprobs` (default: the
+            train micro-batch size).
+        max_tokens_per_microbatch: dynamic micro-batches under this padded-token budget
+            instead of a fixed micro-batch size (train and log-probs); None = fixed size.
+    """
+
+    def __init__(
+        self,
+        worker_group: RayWorkerGroup,
+        *,
+        train_global_batch_size: int,
+        train_micro_batch_size: int,
+        logprob_micro_batch_size: int | None = None,
+        max_tokens_per_microbatch: int | None = None,
+    ) -> None:
+        dp = worker_group.dp_size
+        if train_global_batch_size % dp:
+            raise ValueError(
+                f"policy.train_global_batch_size={train_global_batch_size} is not divisible by "
+                f"the data-parallel size {dp}; use a multiple of {dp}"
+            )
+        self.worker_group = worker_group
+        self.train_global_batch_size = train_global_batch_size
+        self.train_micro_batch_size = train_micro_batch_size
+        self.logprob_micro_batch_size = logprob_micro_batch_size or train_micro_batch_size
+        self.max_tokens_per_microbatch = max_tokens_per_microbatch
+
+    @property
+    def dp_size(self) -> int:
+        return self.worker_group.dp_size
+
+    # ------------------------------------------------------------------ train
+    def train(
+        self,
+        data: BatchedDataDict,
+        loss_fn: LossFunction,
+        *,
+        eval_mode: bool = False,
+        global_batch_size: int | None = None,
+        micro_batch_size: int | None = None,
+    ) -> dict[str, float]:
+        """One optimizer step per `global_batch_size` samples of `data` (default: the
+        policy's train_global_batch_size); returns global metrics (see FSDP2PolicyWorker.train)."""
+        gbs = global_batch_size or self.train_global_batch_size
+        if data.size % gbs:
+            raise ValueError(
+                f"Policy.train got {data.size} samples, not a multiple of the global batch size "
+                f"{gbs}; drop or pad the remainder (set sample_mask=0 on padding rows)"
+            )
+        futures = self.worker_group.run_all_workers_sharded_data(
+            "train",
+            data,
+            batch_size=gbs,
+            loss_fn=loss_fn,
+            global_batch_size=gbs,
+            micro_batch_size=micro_batch_size or self.train_micro_batch_size,
+            max_tokens_per_microbatch=self.max_tokens_per_microbatch,
+            eval_mode=eval_mode,
+        )
+        results = self.worker_group.get_all_worker_results(futures)
+        return results[0]  # all-reduced inside the workers: every rank returns the same
+
+    # --------------------------------------------------------------- log-probs
+    def get_logprobs(self, data: BatchedDataDict, temperature: float = 1.0) -> BatchedDataDict:
+        """``{"logprobs": [B, S]}`` in the contract layout, rows in the order of `data`."""
+        return self._sharded_logprobs("get_logprobs", data, temperature)
+
+    def get_reference_policy_logprobs(
+        self, data: BatchedDataDict, temperature: float = 1.0
+    ) -> BatchedDataDict:
+        """``{"reference_policy_logprobs": [B, S]}`` from the frozen initial weights
+        (needs ``init_reference_model=True`` in `build_policy`)."""
+        return self._sharded_logprobs("get_reference_policy_logprobs", data, temperature)
+
+    def _sharded_logprobs(
+        self, method: str, data: BatchedDataDict, temperature: float
+    ) -> BatchedDataDict:
+        n = data.size
+        view = BatchedDataDict({k: data[k] for k in _LOGPROB_KEYS})
+        pad = (-n) % self.dp_size
+        if pad:  # shards must be equal: repeat row 0, drop the extra results below
+            view = BatchedDataDict.from_batches([view, view.select_indices([0] * pad)])
+        futures = self.worker_group.run_all_workers_sharded_data(
+            method,
+            view,
+            micro_batch_size=self.logprob_micro_batch_size,
+            max_tokens_per_microbatch=self.max_tokens_per_microbatch,
+            temperature=temperature,
+        )
+        merged = BatchedDataDict.from_batches(self.worker_group.get_all_worker_results(futures))
+        return merged.slice(0, n) if pad else merged
+
+    # ------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, path: str) -> None:
+        """Every worker writes its shard of model + optimizer state under `path` (DCP)."""
+        self._all("save_checkpoint", str(path))
+
+    def load_checkpoint(self, path: str) -> None:
+        self._all("load_checkpoint", str(path))
+
+    def export_hf(self, path: str) -> None:
+        """Gather the full weights and write an HF folder (rank 0) that ``from_pretrained`` loads."""
+        self._all("export_hf", str(path))
+
+    def state_dict_for_refit(self, dtype: str | None = None) -> dict[str, Any]:
+        """Full (gathered) CPU tensors by HF parameter name, for the generation workers."""
+        return self._all("state_dict_for_refit", dtype)[0]
+
+    # ---------------------------------------------------------- colocation
+    def prepare_for_generation(self) -> None:
+        self._all("prepare_for_generation")
+
+    def prepare_for_training(self) -> None:
+        self._all("prepare_for_training")
+
+    def shutdown(self) -> None:
+        self.worker_group.shutdown()
+
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        futures = self.worker_group.run_all_workers_single_data(method, *args)
+        return self.worker_group.get_all_worker_results(futures)
+
+
+def build_policy(
+    cluster: RayVirtualCluster,
+    model_path: str,
+    *,
+    train_global_batch_size: int,
+    train_micro_batch_size: int,
+    logprob_micro_batch_size: int | None = None,
+    max_tokens_per_microbatch: int | None = None,
+    learning_rate: float = 1e-5,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    optimizer: str = "adamw",
+    max_grad_norm: float | None = 1.0,
+    lr_schedule: str = "constant",
+    warmup_steps: int = 0,
+    total_steps: int | None = None,
+    min_lr_ratio: float = 0.0,
+    precision: str = "float32",
+    activation_checkpointing: bool = False,
+    init_optimizer: bool = True,
+    init_reference_model: bool = False,
+    seed: int = 42,
+    num_threads: int | None = None,
+    name_prefix: str = "policy",
+    env_vars: dict[str, str] | None = None,
+) -> Policy:
+    """Start one `FSDP2PolicyWorker` per bundle of `cluster` and wrap them in a `Policy`.
+
+    Plain arguments only (the algorithm's builder reads them from the config); see
+    `FSDP2PolicyWorker` for the worker-side ones.
+    """
+    dp = sum(cluster.bundle_ct_per_node_list)
+    if train_global_batch_size % dp:
+        raise ValueError(
+            f"policy.train_global_batch_size={train_global_batch_size} is not divisible by "
+            f"the data-parallel size {dp} (one worker per bundle); use a multiple of {dp}"
+        )
+    builder = RayWorkerBuilder(
+        POLICY_WORKER_FQN,
+        model_path,
+        learning_rate=learning_rate,
+        weight_decay=weight_decay,
+        betas=tuple(betas),
+        eps=eps,
+        optimizer=optimizer,
+        max_grad_norm=max_grad_norm,
+        lr_schedule=lr_schedule,
+        warmup_steps=warmup_steps,
+        total_steps=total_steps,
+        min_lr_ratio=min_lr_ratio,
+        precision=precision,
+        activation_checkpointing=activation_checkpointing,
+        init_optimizer=init_optimizer,
+        init_reference_model=init_reference_model,
+        seed=seed,
+        num_threads=num_threads,
+    )
+    group = RayWorkerGroup(cluster, builder, name_prefix=name_prefix, env_vars=env_vars)
+    try:
+        return Policy(
+            group,
+            train_global_batch_size=train_global_batch_size,
+            train_micro_batch_size=train_micro_batch_size,
+            logprob_micro_batch_size=logprob_micro_batch_size,
+            max_tokens_per_microbatch=max_tokens_per_microbatch,
+        )
+    except BaseException:
+        group.shutdown()
+        raise

@@ -1,0 +1,238 @@
+"""Checkpoints of a training run: ``<checkpoint_dir>/step_<N>/``, written atomically.
+
+A checkpoint folder holds
+
+- ``policy/``: written by the policy workers (`Policy.save_checkpoint`: sharded DCP state);
+- ``training_info.json``: step, metric values, dataloader position, and the controller's RNG
+  states (python, numpy, torch) so a resumed run draws the same numbers;
+- ``config.yaml``: the resolved config of the run.
+
+It is built under a temporary name and renamed to ``step_<N>`` only when everything is written
+(`tempering.utils.atomic.atomic_directory`), so a crash mid-save leaves no ``step_<N>`` behind
+and `latest_complete` never returns a half-written checkpoint. An algorithm uses it like this:
+
+    ckpt = CheckpointManager(cfg.checkpoint_dir, save_period=10, keep_top_k=3,
+                             metric_name="val/loss", higher_is_better=False)
+    resumed = ckpt.maybe_resume()            # (step, training_info) or None
+    if resumed:
+        step, info = resumed
+        policy.load_checkpoint(str(ckpt.policy_dir(step)))
+        restore_rng_state(info["rng_state"])
+    ...
+    if ckpt.should_save(step):
+        with ckpt.save(step, {"metrics": metrics, "dataloader": pos}, config) as folder:
+            policy.save_checkpoint(str(folder / "policy"))
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import logging
+import random
+import re
+import shutil
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+from tempering.utils.atomic import TMP_MARKER, atomic_directory
+
+logger = logging.getLogger(__name__)
+
+TRAINING_INFO = "training_info.json"
+CONFIG_FILE = "config.yaml"
+POLICY_DIR = "policy"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+# ------------------------------------------------------------------------ RNG state
+def capture_rng_state() -> dict[str, Any]:
+    """The controller's python / numpy / torch (CPU) RNG states as JSON-able values."""
+    py_version, py_state, py_gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    return {
+        "python": [py_version, list(py_state), py_gauss],
+        "numpy": [np_name, np_keys.tolist(), int(np_pos), int(np_has_gauss), float(np_gauss)],
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii"),
+    }
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Inverse of `capture_rng_state`."""
+    py_version, py_state, py_gauss = state["python"]
+    random.setstate((py_version, tuple(py_state), py_gauss))
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = state["numpy"]
+    np.random.set_state(
+        (np_name, np.array(np_keys, dtype=np.uint32), np_pos, np_has_gauss, np_gauss)
+    )
+    raw = np.frombuffer(base64.b64decode(state["torch"]), dtype=np.uint8).copy()
+    torch.set_rng_state(torch.from_numpy(raw))
+
+
+# ------------------------------------------------------------------------ manager
+class CheckpointManager:
+    """Saves, finds, prunes and resumes ``step_<N>`` checkpoints under `checkpoint_dir`.
+
+    Args:
+        checkpoint_dir: the run's checkpoint folder (created on first save).
+        save_period: save every this many steps (`should_save`).
+        keep_top_k: keep this many best checkpoints by `metric_name` (the newest ones when
+            no metric is named), plus always the newest (for resuming). None keeps all.
+        metric_name: key in ``training_info["metrics"]`` that ranks checkpoints.
+        higher_is_better: rank direction for `metric_name`.
+    """
+
+    def __init__(
+        self,
+        checkpoint_dir: str | Path,
+        save_period: int,
+        keep_top_k: int | None = None,
+        metric_name: str | None = None,
+        higher_is_better: bool = False,
+    ) -> None:
+        if save_period < 1:
+            raise ValueError(f"checkpointing.save_period={save_period} must be >= 1")
+        if keep_top_k is not None and keep_top_k < 1:
+            raise ValueError(
+                f"checkpointing.keep_top_k={keep_top_k} must be >= 1 or null (keep all)"
+            )
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.save_period = save_period
+        self.keep_top_k = keep_top_k
+        self.metric_name = metric_name
+        self.higher_is_better = higher_is_better
+
+    # ---------------------------------------------------------------- paths
+    def step_dir(self, step: int) -> Path:
+        return self.checkpoint_dir / f"step_{step}"
+
+    def policy_dir(self, step: int) -> Path:
+        return self.step_dir(step) / POLICY_DIR
+
+    def should_save(self, step: int, *, is_last_step: bool = False) -> bool:
+        """True every `save_period` steps, and on the last step of a run."""
+        return step > 0 and (step % self.save_period == 0 or is_last_step)
+
+    # ---------------------------------------------------------------- saving
+    @contextlib.contextmanager
+    def save(
+        self,
+        step: int,
+        training_info: Mapping[str, Any] | None = None,
+        config: Mapping[str, Any] | None = None,
+    ) -> Iterator[Path]:
+        """Context manager yielding the temporary checkpoint folder to write `policy/` into.
+
+        On a clean exit it writes ``training_info.json`` (with ``step`` and the controller's
+        RNG states added) and ``config.yaml``, renames the folder to ``step_<step>`` and prunes
+        to `keep_top_k`. On an exception nothing named ``step_<step>`` is left behind.
+        An existing ``step_<step>`` is replaced.
+        """
+        info = dict(training_info or {})
+        info["step"] = step
+        info.setdefault("metrics", {})
+        info["rng_state"] = capture_rng_state()
+        with atomic_directory(self.step_dir(step), overwrite=True) as tmp:
+            yield tmp
+            (tmp / CONFIG_FILE).write_text(yaml.safe_dump(_plain(config or {}), sort_keys=False))
+            # Written last: its presence marks a finished folder even before the rename.
+            (tmp / TRAINING_INFO).write_text(json.dumps(_plain(info)))
+        self._prune()
+
+    # ---------------------------------------------------------------- finding
+    def complete_checkpoints(self) -> list[tuple[int, Path]]:
+        """``(step, folder)`` of every complete checkpoint, oldest first.
+
+        Complete = named exactly ``step_<N>`` (temporary names carry a ``.tmp-`` marker and
+        never match) and holding ``training_info.json``.
+        """
+        if not self.checkpoint_dir.is_dir():
+            return []
+        found = []
+        for child in self.checkpoint_dir.iterdir():
+            match = _STEP_DIR.match(child.name)
+            if match and TMP_MARKER not in child.name and (child / TRAINING_INFO).is_file():
+                found.append((int(match.group(1)), child))
+        return sorted(found)
+
+    def latest_complete(self) -> Path | None:
+        """The newest complete checkpoint folder, or None."""
+        complete = self.complete_checkpoints()
+        return complete[-1][1] if complete else None
+
+    def load_training_info(self, folder: str | Path) -> dict[str, Any]:
+        return json.loads((Path(folder) / TRAINING_INFO).read_text())
+
+    def maybe_resume(self) -> tuple[int, dict[str, Any]] | None:
+        """``(step, training_info)`` of the newest complete checkpoint, or None for a fresh run.
+
+        The caller restores its policy from ``policy_dir(step)`` and, if it wants identical
+        random draws, ``restore_rng_state(training_info["rng_state"])``.
+        """
+        latest = self.latest_complete()
+        if latest is None:
+            return None
+        info = self.load_training_info(latest)
+        logger.info("resuming from %s (step %s)", latest, info["step"])
+        return int(info["step"]), info
+
+    # ---------------------------------------------------------------- pruning
+    def _prune(self) -> None:
+        if self.keep_top_k is None:
+            return
+        complete = self.complete_checkpoints()
+        if len(complete) <= self.keep_top_k:
+            return
+        latest_step = complete[-1][0]
+        if self.metric_name is None:
+            keep = {step for step, _ in complete[-self.keep_top_k :]}
+        else:
+            keep = {latest_step} | set(self._best_steps(complete))
+        for step, folder in complete:
+            if step not in keep:
+                shutil.rmtree(folder, ignore_errors=True)
+                logger.info("removed checkpoint %s (keep_top_k=%d)", folder, self.keep_top_k)
+
+    def _best_steps(self, complete: list[tuple[int, Path]]) -> list[int]:
+        """The `keep_top_k` best steps by metric; checkpoints without it rank last."""
+        assert self.keep_top_k is not None and self.metric_name is not None
+        scored, unscored = [], []
+        for step, folder in complete:
+            value = self.load_training_info(folder).get("metrics", {}).get(self.metric_name)
+            if value is None:
+                unscored.append(step)
+            else:
+                scored.append((float(value), step))
+        if unscored:
+            logger.warning(
+                "checkpoints at steps %s have no metric %r; they rank last for keep_top_k",
+                unscored,
+                self.metric_name,
+            )
+        # Best first; among equal values the newer step wins.
+        scored.sort(
+            key=lambda vs: (vs[0] if self.higher_is_better else -vs[0], vs[1]), reverse=True
+        )
+        ranked = [s for _, s in scored] + sorted(unscored, reverse=True)
+        return ranked[: self.keep_top_k]
+
+
+def _plain(value: Any) -> Any:
+    """JSON/YAML-safe copy: tensors and numpy scalars become Python numbers/lists."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return value

@@ -1,0 +1,130 @@
+"""`Policy` over a Ray worker group of 2 FSDP2 workers (gloo, CPU, fp32): sharded DCP
+checkpoints resume exactly, the reference model stays at the initial weights, HF export from
+two ranks loads with `from_pretrained`, and refit weights equal the exported ones.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from tempering.algorithms.loss_functions import NLLLoss
+from tempering.distributed.batched_data_dict import BatchedDataDict
+from tempering.distributed.virtual_cluster import RayVirtualCluster
+from tempering.models.policy.interfaces import HFExportablePolicy, PolicyInterface, RefittablePolicy
+from tempering.models.policy.lm_policy import Policy, build_policy
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    path = tmp_path_factory.mktemp("policy_model")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session):
+    c = RayVirtualCluster([2], num_cpus_per_bundle=1, name="lm_policy_test")
+    yield c
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def policy(cluster, model_dir):
+    p = build_policy(
+        cluster,
+        model_dir,
+        train_global_batch_size=4,
+        train_micro_batch_size=1,
+        learning_rate=1e-2,
+        lr_schedule="cosine",
+        warmup_steps=1,
+        total_steps=8,
+        init_reference_model=True,
+        num_threads=1,
+    )
+    yield p
+    p.shutdown()
+
+
+def _batch(seed: int, n: int = 8) -> BatchedDataDict:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(3, 11, (n,), generator=g)
+    mask = (torch.arange(10)[None] < lens[:, None]).float()
+    ids = torch.randint(1, 100, (n, 10), generator=g) * mask.long()
+    return BatchedDataDict(
+        input_ids=ids, input_lengths=lens, token_mask=mask, sample_mask=torch.ones(n)
+    )
+
+
+def _plain_logprobs(model: torch.nn.Module, data: BatchedDataDict) -> torch.Tensor:
+    ids = data["input_ids"]
+    attn = (torch.arange(ids.shape[1])[None] < data["input_lengths"][:, None]).long()
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits, -1)
+    return torch.nn.functional.pad(logp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0], (1, 0)) * attn
+
+
+def test_policy_implements_the_interfaces(policy) -> None:
+    assert isinstance(policy, PolicyInterface)
+    assert isinstance(policy, RefittablePolicy) and isinstance(policy, HFExportablePolicy)
+    assert policy.dp_size == 2
+
+
+def test_sharded_checkpoint_resumes_exactly_and_exports(policy, model_dir, tmp_path) -> None:
+    loss_fn = NLLLoss()
+    first = policy.train(_batch(0), loss_fn)  # 8 samples / global batch 4 -> 2 optimizer steps
+    assert first["num_steps"] == 2.0
+    policy.save_checkpoint(str(tmp_path / "policy"))
+    after_save = [policy.train(_batch(s), loss_fn) for s in (1, 2)]
+    policy.load_checkpoint(str(tmp_path / "policy"))
+    replay = [policy.train(_batch(s), loss_fn) for s in (1, 2)]
+    for a, b in zip(after_save, replay, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
+        assert b["lr"] == pytest.approx(a["lr"], rel=1e-9)
+    assert after_save[1]["loss"] != pytest.approx(after_save[0]["loss"], abs=1e-4)  # it trains
+
+    # The reference model is still the initial weights.
+    data = _batch(5, n=6)
+    initial = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ref = policy.get_reference_policy_logprobs(data)["reference_policy_logprobs"]
+    torch.testing.assert_close(ref, _plain_logprobs(initial, data), atol=1e-5, rtol=0)
+
+    # HF export (gathered from 2 ranks) loads and scores like the live policy.
+    policy.export_hf(str(tmp_path / "hf"))
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    live = policy.get_logprobs(data)["logprobs"]
+    torch.testing.assert_close(_plain_logprobs(exported, data), live, atol=1e-5, rtol=0)
+    assert (live - ref).abs().max() > 1e-2  # the policy moved away from the reference
+
+    refit = policy.state_dict_for_refit()
+    for name, tensor in exported.state_dict().items():
+        torch.testing.assert_close(refit[name], tensor, atol=0, rtol=0, msg=name)
+    half = policy.state_dict_for_refit(dtype="bfloat16")
+    assert half["model.embed_tokens.weight"].dtype == torch.bfloat16
+
+    policy.prepare_for_generation()  # CPU: no-op, but must leave training intact
+    policy.prepare_for_training()
+    assert policy.train(_batch(3), loss_fn)["loss"] > 0
+
+
+def test_build_policy_rejects_indivisible_batch_before_starting_workers(cluster, model_dir) -> None:
+    with pytest.raises(ValueError, match=r"train_global_batch_size=5 .* data-parallel size 2"):
+        build_policy(cluster, model_dir, train_global_batch_size=5, train_micro_batch_size=1)
+
+
+def test_train_rejects_partial_global_batch(policy) -> None:
+    assert isinstance(policy, Policy)
+    with pytest.raises(ValueError, match="not a multiple of the global batch size 4"):
+        policy.train(_batch(0, n=6), NLLLoss())
