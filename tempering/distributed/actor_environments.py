@@ -1,0 +1,313 @@
+"""Which Python environment each worker class runs in, and building those environments.
+
+Workers are named by fully qualified class name (FQN). Each FQN maps to an *executable*:
+
+- ``PY_EXECUTABLES.SYSTEM``: the driver's own interpreter (``sys.executable``), no venv.
+- ``PY_EXECUTABLES.BASE``: ``uv run --locked`` -- the project's locked dependencies.
+- one entry per extra, e.g. ``PY_EXECUTABLES.VLLM`` = ``uv run --locked --extra vllm``.
+- any other string is a path (or a name on ``PATH``) of a ready interpreter or launcher,
+  e.g. a frozen ``python-<WorkerClass>`` written by ``tools/freeze_worker_venvs.py``.
+
+For a ``uv ...`` executable, :func:`create_local_venv` builds a venv under
+``<venvs root>/<fqn>`` with ``uv sync --locked --no-dev`` plus the executable's extras and
+groups (uv hard-links packages from its cache, so this takes seconds), and writes a marker
+file recording the lock hash and the sync arguments. The next start reuses the venv when the
+marker matches; ``NRL_FORCE_REBUILD_VENVS=true`` rebuilds it. A file lock keeps two builders
+(two Ray nodes on a shared filesystem, two test processes) from colliding;
+:func:`create_venv_on_nodes` runs the build once on every node of a multi-node cluster.
+
+One place chooses CPU or GPU torch: ``TEMPERING_TORCH_GROUP=cpu|gpu`` (default ``cpu``).
+With ``gpu`` the torch group becomes ``gpu`` and the vLLM extra ``vllm-gpu``.
+
+Environment variables: ``TEMPERING_VENVS_DIR`` (venvs root, default ``<repo>/venvs``),
+``TEMPERING_TORCH_GROUP``, ``NRL_FORCE_REBUILD_VENVS``, ``TEMPERING_FROZEN_ENVS_DIR`` (a folder
+of ``python-<WorkerClass>`` launchers to use instead of building venvs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import filelock
+
+logger = logging.getLogger(__name__)
+
+TORCH_GROUP_ENV = "TEMPERING_TORCH_GROUP"
+VENVS_DIR_ENV = "TEMPERING_VENVS_DIR"
+FORCE_REBUILD_ENV = "NRL_FORCE_REBUILD_VENVS"
+FROZEN_ENVS_DIR_ENV = "TEMPERING_FROZEN_ENVS_DIR"
+MARKER_FILE = ".tempering-venv.json"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def torch_group() -> str:
+    """The uv dependency group that provides torch: ``cpu`` (default) or ``gpu``."""
+    group = os.environ.get(TORCH_GROUP_ENV, "cpu").strip().lower()
+    if group not in ("cpu", "gpu"):
+        raise ValueError(f"{TORCH_GROUP_ENV}={group!r} is not valid; set it to 'cpu' or 'gpu'.")
+    return group
+
+
+@dataclass(frozen=True)
+class PyExecutables:
+    """The executables worker classes can run under (see the module docstring)."""
+
+    SYSTEM: str
+    BASE: str
+    VLLM: str
+    ISOLATION_PROBE: str
+
+
+def make_py_executables(group: str) -> PyExecutables:
+    """Build the executable table for torch group ``group`` (``cpu`` or ``gpu``)."""
+    base = "uv run --locked" if group == "cpu" else "uv run --locked --no-group cpu --group gpu"
+    vllm_extra = "vllm" if group == "cpu" else "vllm-gpu"
+    return PyExecutables(
+        SYSTEM=sys.executable,
+        BASE=base,
+        VLLM=f"{base} --extra {vllm_extra}",
+        ISOLATION_PROBE=f"{base} --extra isolation-probe",
+    )
+
+
+PY_EXECUTABLES = make_py_executables(torch_group())
+
+# The one registry: worker class FQN -> executable. Plugins call register_actor_environment().
+ACTOR_ENVIRONMENT_REGISTRY: dict[str, str] = {
+    "tempering.models.policy.fsdp2_worker.FSDP2PolicyWorker": PY_EXECUTABLES.SYSTEM,
+    "tempering.models.policy.reward_model_worker.RewardModelWorker": PY_EXECUTABLES.SYSTEM,
+    "tempering.models.generation.torch_worker.TorchGenerationWorker": PY_EXECUTABLES.SYSTEM,
+    "tempering.models.generation.vllm_worker.VllmGenerationWorker": PY_EXECUTABLES.VLLM,
+    "tempering.distributed.testing_workers.EchoWorker": PY_EXECUTABLES.SYSTEM,
+    "tempering.distributed.testing_workers.AllReduceWorker": PY_EXECUTABLES.SYSTEM,
+    "tempering.distributed.testing_workers.RaisingWorker": PY_EXECUTABLES.SYSTEM,
+    "tempering.distributed.testing_workers.DyingWorker": PY_EXECUTABLES.SYSTEM,
+    "tempering.distributed.testing_workers.CowsayWorker": PY_EXECUTABLES.ISOLATION_PROBE,
+}
+
+
+def register_actor_environment(fqn: str, executable: str) -> None:
+    """Say which executable worker class ``fqn`` runs under (overrides an existing entry)."""
+    if "." not in fqn:
+        raise ValueError(f"worker class {fqn!r} must be a fully qualified name, e.g. 'pkg.mod.Cls'")
+    ACTOR_ENVIRONMENT_REGISTRY[fqn] = executable
+
+
+def get_actor_executable(fqn: str) -> str:
+    """The registered executable for ``fqn``; an actionable error when it has none."""
+    try:
+        return ACTOR_ENVIRONMENT_REGISTRY[fqn]
+    except KeyError:
+        raise KeyError(
+            f"worker class {fqn!r} has no entry in ACTOR_ENVIRONMENT_REGISTRY; call "
+            f"tempering.distributed.actor_environments.register_actor_environment({fqn!r}, "
+            "PY_EXECUTABLES.SYSTEM) (or BASE / an extra), or pass py_executable= to "
+            "RayWorkerBuilder."
+        ) from None
+
+
+def is_uv_executable(executable: str) -> bool:
+    """True for ``uv run ...`` executables, which need a venv built for them."""
+    return shlex.split(executable)[:2] == ["uv", "run"]
+
+
+def uv_sync_args(executable: str) -> list[str]:
+    """Translate ``uv run --locked [--extra X] [--group G] [--no-group H]`` to sync flags."""
+    words = shlex.split(executable)
+    if words[:2] != ["uv", "run"]:
+        raise ValueError(f"executable {executable!r} is not a 'uv run ...' command")
+    args, i = ["--locked", "--no-dev"], 2
+    while i < len(words):
+        word = words[i]
+        if word in ("--locked", "--frozen"):
+            i += 1
+        elif word in ("--extra", "--group", "--no-group") and i + 1 < len(words):
+            args += [word, words[i + 1]]
+            i += 2
+        else:
+            raise ValueError(
+                f"executable {executable!r}: option {word!r} is not supported; use only "
+                "--locked, --extra X, --group G and --no-group H."
+            )
+    return args
+
+
+def venvs_root() -> Path:
+    """Where worker venvs live: ``$TEMPERING_VENVS_DIR`` or ``<repo>/venvs``."""
+    return Path(os.environ.get(VENVS_DIR_ENV) or REPO_ROOT / "venvs").resolve()
+
+
+def force_rebuild_requested() -> bool:
+    """``NRL_FORCE_REBUILD_VENVS`` set to true/1/yes."""
+    return os.environ.get(FORCE_REBUILD_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def frozen_launcher(fqn: str) -> Path | None:
+    """The ``python-<WorkerClass>`` launcher in ``$TEMPERING_FROZEN_ENVS_DIR``, if present."""
+    folder = os.environ.get(FROZEN_ENVS_DIR_ENV)
+    if not folder:
+        return None
+    launcher = Path(folder) / f"python-{fqn.rsplit('.', 1)[-1]}"
+    return launcher if os.access(launcher, os.X_OK) else None
+
+
+def _file_md5(path: Path) -> str:
+    return hashlib.md5(path.read_bytes(), usedforsecurity=False).hexdigest()
+
+
+def _expected_marker(sync_args: list[str]) -> dict[str, object]:
+    return {
+        "uv_lock_md5": _file_md5(REPO_ROOT / "uv.lock"),
+        "pyproject_md5": _file_md5(REPO_ROOT / "pyproject.toml"),
+        "sync_args": sync_args,
+        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+    }
+
+
+def _marker_matches(venv: Path, expected: dict[str, object]) -> bool:
+    try:
+        found = json.loads((venv / MARKER_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return found == expected and (venv / "bin" / "python").exists()
+
+
+def create_local_venv(
+    executable: str,
+    venv_name: str,
+    *,
+    force_rebuild: bool | None = None,
+    lock_timeout_s: float = 600.0,
+) -> str:
+    """Build (or reuse) the venv for ``executable`` on this machine; return its python path.
+
+    ``venv_name`` is usually the worker FQN. Reused when its marker (lock hash, pyproject hash,
+    sync arguments, Python minor) matches; rebuilt when ``force_rebuild`` (default: the
+    ``NRL_FORCE_REBUILD_VENVS`` variable) is true.
+    """
+    if shutil.which("uv") is None:
+        raise RuntimeError(
+            f"building the worker venv for {venv_name!r} needs `uv` on PATH; install it "
+            "(pip install uv) or register a ready interpreter for this worker class."
+        )
+    sync_args = uv_sync_args(executable)
+    force = force_rebuild_requested() if force_rebuild is None else force_rebuild
+    root = venvs_root()
+    root.mkdir(parents=True, exist_ok=True)
+    venv = root / venv_name
+    expected = _expected_marker(sync_args)
+    lock = filelock.FileLock(str(root / f".{venv_name}.lock"), timeout=lock_timeout_s)
+    try:
+        with lock:
+            if not force and _marker_matches(venv, expected):
+                return str(venv / "bin" / "python")
+            if venv.exists():
+                shutil.rmtree(venv)
+            start = time.perf_counter()
+            env = {**os.environ, "UV_PROJECT_ENVIRONMENT": str(venv)}
+            env.pop("VIRTUAL_ENV", None)
+            cmd = ["uv", "sync", *sync_args, "--python", sys.executable, "--quiet"]
+            proc = subprocess.run(
+                cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=lock_timeout_s
+            )
+            if proc.returncode != 0:
+                raise RuntimeError(
+                    f"building worker venv {venv} failed (exit {proc.returncode}): "
+                    f"{shlex.join(cmd)}\n{proc.stderr.strip()}\nFix the error above, or set "
+                    f"{FORCE_REBUILD_ENV}=true to start from a clean venv."
+                )
+            (venv / MARKER_FILE).write_text(json.dumps(expected, indent=1))
+            logger.info("built worker venv %s in %.1f s", venv, time.perf_counter() - start)
+    except filelock.Timeout:
+        raise TimeoutError(
+            f"waited {lock_timeout_s:.0f} s for the lock {lock.lock_file} guarding worker venv "
+            f"{venv}; another process is building it or left the lock behind -- check for a "
+            "running build, then delete the lock file."
+        ) from None
+    return str(venv / "bin" / "python")
+
+
+def _build_on_this_node(
+    executable: str, venv_name: str, force_rebuild: bool, env: dict[str, str]
+) -> str:
+    os.environ.update(env)
+    return create_local_venv(executable, venv_name, force_rebuild=force_rebuild)
+
+
+def create_venv_on_nodes(
+    executable: str,
+    venv_name: str,
+    node_ids: list[str],
+    *,
+    timeout_s: float = 900.0,
+) -> str:
+    """Build the venv on every node in ``node_ids`` (Ray node ids); return the python path.
+
+    The driver's node builds in-process; every other node runs a Ray task pinned to it with
+    ``NodeAffinitySchedulingStrategy``. The path is the same on every node (same venvs root).
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    force = force_rebuild_requested()
+    here = ray.get_runtime_context().get_node_id()
+    remote_nodes = sorted(set(node_ids) - {here})
+    env = {
+        k: os.environ[k]
+        for k in (VENVS_DIR_ENV, TORCH_GROUP_ENV, "UV_CACHE_DIR")
+        if k in os.environ
+    }
+    build = ray.remote(num_cpus=0, max_retries=0)(_build_on_this_node)
+    refs = [
+        build.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)
+        ).remote(executable, venv_name, force, env)
+        for node in remote_nodes
+    ]
+    python = create_local_venv(executable, venv_name, force_rebuild=force)
+    if refs:
+        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if pending:
+            raise TimeoutError(
+                f"building worker venv {venv_name!r} on nodes {remote_nodes} did not finish "
+                f"within {timeout_s:.0f} s"
+            )
+        paths = ray.get(ready)
+        if any(p != python for p in paths):
+            raise RuntimeError(
+                f"worker venv {venv_name!r} has different paths on different nodes: {paths} vs "
+                f"{python}; set {VENVS_DIR_ENV} to the same absolute path on every node."
+            )
+    return python
+
+
+def resolve_python(fqn: str, executable: str, node_ids: list[str] | None = None) -> str:
+    """The interpreter path a worker of class ``fqn`` should run under.
+
+    A frozen launcher wins; a ``uv run`` executable gets its venv built (on every node in
+    ``node_ids`` when given, else locally); anything else is a path or a name on PATH.
+    """
+    frozen = frozen_launcher(fqn)
+    if frozen is not None:
+        return str(frozen)
+    if is_uv_executable(executable):
+        if node_ids:
+            return create_venv_on_nodes(executable, fqn, node_ids)
+        return create_local_venv(executable, fqn)
+    found = shutil.which(executable)
+    if found is None:
+        raise FileNotFoundError(
+            f"executable {executable!r} for worker class {fqn!r} is neither a file nor on "
+            "PATH; register an existing interpreter or a 'uv run --locked ...' executable."
+        )
+    return found

@@ -1,0 +1,132 @@
+"""Small worker classes that the distributed-core tests and benchmark build by name.
+
+Each is registered in ``ACTOR_ENVIRONMENT_REGISTRY`` (``actor_environments.py``). None is
+imported by the driver when a worker group builds it: the FQN travels, the class is imported
+inside the worker.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+
+class EchoWorker:
+    """Reports who and where it is; echoes and sums what it is sent."""
+
+    def __init__(self, tag: str = "echo") -> None:
+        self.tag = tag
+
+    def whoami(self) -> dict[str, Any]:
+        import ray
+
+        env = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
+        return {
+            "tag": self.tag,
+            **{k.lower(): os.environ.get(k) for k in env},
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+            "python": sys.executable,
+        }
+
+    def echo(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return {"rank": int(os.environ["RANK"]), "args": args, "kwargs": kwargs}
+
+    def shard_summary(self, data: dict, scale: int = 1) -> dict[str, Any]:
+        """The rank, the ``ids`` it received (as a list) and their scaled sum."""
+        ids = data["ids"].tolist()
+        return {"rank": int(os.environ["RANK"]), "ids": ids, "sum": scale * sum(ids)}
+
+    def noop(self) -> None:
+        return None
+
+    def getenv(self, name: str) -> str | None:
+        return os.environ.get(name)
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+class AllReduceWorker:
+    """Joins a gloo process group from RANK/WORLD_SIZE/MASTER_* and all-reduces a tensor."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+        )
+
+    def all_reduce(self, values: list[float]) -> list[float]:
+        """Sum ``values`` (scaled by rank + 1) over all ranks."""
+        import torch
+        import torch.distributed as dist
+
+        tensor = torch.tensor(values, dtype=torch.float64) * (dist.get_rank() + 1)
+        dist.all_reduce(tensor)
+        return tensor.tolist()
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class CowsayWorker:
+    """Imports ``cowsay``, which only the ``isolation-probe`` extra's venv has."""
+
+    def __init__(self) -> None:
+        import cowsay
+
+        self._cowsay = cowsay
+
+    def say(self, text: str) -> dict[str, str]:
+        return {
+            "said": self._cowsay.get_output_string("cow", text),
+            "python": sys.executable,
+            "cowsay_file": self._cowsay.__file__,
+        }
+
+
+class RaisingWorker:
+    """Raises from a method, or from its constructor when asked."""
+
+    def __init__(self, fail_in_init: bool = False) -> None:
+        if fail_in_init:
+            raise RuntimeError("RaisingWorker was told to fail in __init__")
+
+    def boom(self, message: str = "boom") -> None:
+        raise ValueError(f"rank {os.environ['RANK']}: {message}")
+
+    def ok(self) -> int:
+        return int(os.environ["RANK"])
+
+
+class DyingWorker:
+    """Exits its process without a Python exception (like a kill or an OOM)."""
+
+    def die(self, only_rank: int | None = None) -> int:
+        rank = int(os.environ["RANK"])
+        if only_rank is None or rank == only_rank:
+            os._exit(1)
+        return rank
+
+    def wait_for_peer(self) -> int:
+        """Block in a gloo barrier that never completes if a peer is dead."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+                rank=int(os.environ["RANK"]),
+                world_size=int(os.environ["WORLD_SIZE"]),
+            )
+        dist.barrier()
+        return int(os.environ["RANK"])

@@ -1,0 +1,325 @@
+"""Ray start-up and the virtual cluster: resource bundles grouped into per-node placement groups.
+
+``init_ray()`` starts a quiet local Ray (no dashboard, no usage stats, logs kept out of the
+driver, a short private temp dir) or joins the cluster named by ``RAY_ADDRESS``.
+``RayVirtualCluster`` reserves ``bundle_ct_per_node_list[i]`` bundles on node ``i`` -- one
+placement group per node, strategy ``STRICT_PACK`` so a node's bundles never straddle two
+machines -- waits for them with a timeout, and names the missing resources when the cluster
+is too small. Worker groups place one worker per bundle (see ``worker_groups.py``).
+
+Run as a module to check a cluster: ``uv run python -m tempering.distributed.virtual_cluster``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+
+# Ray reads this when it is first imported: a driver started with `uv run` would otherwise make
+# every Ray worker start through `uv run` with the repo uploaded as working_dir. Worker
+# environments are chosen explicitly here (actor_environments.py); set it to 1 to opt back in.
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+
+import ray  # noqa: E402
+from ray.util.placement_group import (  # noqa: E402
+    PlacementGroup,
+    placement_group,
+    remove_placement_group,
+)
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: E402
+
+# Re-exported here because DESIGN.md places them beside the cluster.
+from tempering.distributed.actor_environments import PY_EXECUTABLES  # noqa: E402, F401
+
+logger = logging.getLogger(__name__)
+
+
+def init_ray(
+    *,
+    num_cpus: int | None = None,
+    num_gpus: int | None = None,
+    address: str | None = None,
+    temp_dir: str | None = None,
+    log_to_driver: bool = False,
+    start_attempts: int = 3,
+) -> dict[str, float]:
+    """Start a local Ray, or join ``address`` / ``$RAY_ADDRESS``; return the cluster resources.
+
+    A local Ray gets ``num_cpus`` logical CPUs (default: twice the machine's, at least 8, so
+    placement groups do not starve controller-side actors on a small box). Does nothing but
+    return the resources when Ray is already initialised.
+    """
+    if ray.is_initialized():
+        return ray.cluster_resources()
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address:
+        ray.init(address=address, log_to_driver=log_to_driver, logging_level=logging.WARNING)
+    else:
+        if num_cpus is None:
+            num_cpus = max(8, 2 * (os.cpu_count() or 1))
+        temp_dir = temp_dir or tempfile.mkdtemp(prefix="ray_", dir="/tmp")
+        for attempt in range(1, start_attempts + 1):
+            try:
+                ray.init(
+                    num_cpus=num_cpus,
+                    num_gpus=num_gpus,
+                    include_dashboard=False,
+                    log_to_driver=log_to_driver,
+                    logging_level=logging.WARNING,
+                    _temp_dir=temp_dir,
+                )
+                break
+            except Exception as exc:
+                # On an overloaded machine Ray's raylet gives up waiting for its own agents
+                # (a fixed 15-30 s); a second start usually succeeds.
+                ray.shutdown()
+                if attempt == start_attempts or "timed out during startup" not in str(exc):
+                    raise
+                logger.warning("Ray start attempt %d failed (%s); retrying", attempt, exc)
+    return ray.cluster_resources()
+
+
+class ClusterTooSmallError(RuntimeError):
+    """The Ray cluster cannot hold the requested bundles."""
+
+
+@dataclass(frozen=True)
+class BundleLocation:
+    """Where one bundle (one worker slot) lives."""
+
+    placement_group: PlacementGroup
+    bundle_index: int  # index inside its placement group
+    node_index: int  # index into bundle_ct_per_node_list
+    node_id: str  # Ray node id
+
+
+class RayVirtualCluster:
+    """Per-node placement groups of equal resource bundles.
+
+    Args:
+        bundle_ct_per_node_list: bundles (worker slots) on each node, e.g. ``[2]`` or ``[8, 8]``.
+        use_gpus: bundles hold ``num_gpus_per_bundle`` GPUs each (else CPU-only bundles).
+        num_cpus_per_bundle: CPUs in each bundle.
+        name: prefix for the placement-group names.
+        num_gpus_per_bundle: GPUs in each bundle when ``use_gpus``.
+        ready_timeout_s: how long to wait for the placement groups.
+    """
+
+    def __init__(
+        self,
+        bundle_ct_per_node_list: list[int],
+        use_gpus: bool = False,
+        num_cpus_per_bundle: float = 1,
+        name: str = "tempering",
+        *,
+        num_gpus_per_bundle: float = 1,
+        ready_timeout_s: float = 60.0,
+    ) -> None:
+        if not bundle_ct_per_node_list or any(n < 1 for n in bundle_ct_per_node_list):
+            raise ValueError(
+                f"bundle_ct_per_node_list={bundle_ct_per_node_list} must list at least one node "
+                "with at least one bundle each"
+            )
+        if not ray.is_initialized():
+            raise RuntimeError("Ray is not running: call init_ray() before RayVirtualCluster")
+        self.bundle_ct_per_node_list = list(bundle_ct_per_node_list)
+        self.use_gpus = use_gpus
+        self.num_cpus_per_bundle = num_cpus_per_bundle
+        self.num_gpus_per_bundle = num_gpus_per_bundle if use_gpus else 0
+        self.name = name
+        self._placement_groups: list[PlacementGroup] = []
+        self._locations: list[BundleLocation] = []
+        self._create_placement_groups(ready_timeout_s)
+
+    @property
+    def bundle(self) -> dict[str, float]:
+        """The resources of one bundle."""
+        bundle = {"CPU": self.num_cpus_per_bundle}
+        if self.num_gpus_per_bundle:
+            bundle["GPU"] = self.num_gpus_per_bundle
+        return bundle
+
+    def world_size(self) -> int:
+        """Total bundles (worker slots)."""
+        return sum(self.bundle_ct_per_node_list)
+
+    def node_count(self) -> int:
+        """Number of nodes (placement groups)."""
+        return len(self.bundle_ct_per_node_list)
+
+    def get_placement_groups(self) -> list[PlacementGroup]:
+        """One placement group per node, in node order."""
+        return list(self._placement_groups)
+
+    def bundle_locations(self) -> list[BundleLocation]:
+        """Every bundle in rank order: node 0's bundles first, then node 1's, ..."""
+        return list(self._locations)
+
+    def _requested(self) -> dict[str, float]:
+        total = self.world_size()
+        return {k: v * total for k, v in self.bundle.items()}
+
+    def _check_capacity(self) -> None:
+        available = ray.cluster_resources()
+        missing = {
+            k: (need, available.get(k, 0.0))
+            for k, need in self._requested().items()
+            if available.get(k, 0.0) < need
+        }
+        if missing:
+            detail = ", ".join(
+                f"{k}: need {n:g}, cluster has {h:g}" for k, (n, h) in missing.items()
+            )
+            raise ClusterTooSmallError(
+                f"virtual cluster {self.name!r} ({self.bundle_ct_per_node_list} bundles of "
+                f"{self.bundle}) does not fit: {detail}. Lower cluster.num_nodes / "
+                "cluster.gpus_per_node (or workers per node), or add nodes to the Ray cluster."
+            )
+
+    def _create_placement_groups(self, ready_timeout_s: float) -> None:
+        self._check_capacity()
+        start = time.perf_counter()
+        for node_index, count in enumerate(self.bundle_ct_per_node_list):
+            pg = placement_group(
+                [dict(self.bundle) for _ in range(count)],
+                strategy="STRICT_PACK",
+                name=f"{self.name}-node{node_index}",
+            )
+            self._placement_groups.append(pg)
+        _, pending = ray.wait(
+            [pg.ready() for pg in self._placement_groups],
+            num_returns=len(self._placement_groups),
+            timeout=ready_timeout_s,
+        )
+        if pending:
+            not_ready = [
+                i
+                for i, pg in enumerate(self._placement_groups)
+                if ray.util.placement_group_table(pg)["state"] != "CREATED"
+            ]
+            self.shutdown()
+            raise ClusterTooSmallError(
+                f"virtual cluster {self.name!r}: placement groups for nodes {not_ready} were not "
+                f"ready after {ready_timeout_s:.0f} s. Each needs "
+                f"{[self.bundle_ct_per_node_list[i] for i in not_ready]} bundles of {self.bundle} "
+                f"on ONE node; available per node: {_per_node_available()}. Use fewer workers "
+                "per node or smaller bundles, or add nodes."
+            )
+        for node_index, pg in enumerate(self._placement_groups):
+            table = ray.util.placement_group_table(pg)
+            for bundle_index in range(self.bundle_ct_per_node_list[node_index]):
+                node_id = table["bundles_to_node_id"][bundle_index]
+                self._locations.append(BundleLocation(pg, bundle_index, node_index, node_id))
+        logger.info(
+            "virtual cluster %s: %s bundles ready in %.2f s",
+            self.name,
+            self.bundle_ct_per_node_list,
+            time.perf_counter() - start,
+        )
+
+    def get_master_address_and_port(self, timeout_s: float = 60.0) -> tuple[str, int]:
+        """IP of the rank-0 bundle's node and a free TCP port on it (for torch.distributed)."""
+        first = self._locations[0]
+        if first.node_id == ray.get_runtime_context().get_node_id():
+            return _node_ip_and_free_port()
+        ref = (
+            ray.remote(num_cpus=0, max_retries=0)(_node_ip_and_free_port)
+            .options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    first.placement_group, placement_group_bundle_index=first.bundle_index
+                )
+            )
+            .remote()
+        )
+        try:
+            return tuple(ray.get(ref, timeout=timeout_s))  # type: ignore[return-value]
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(
+                f"virtual cluster {self.name!r}: finding a free port on node {first.node_id} "
+                f"took longer than {timeout_s:.0f} s"
+            ) from None
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Remove every placement group and wait until Ray reports them removed."""
+        removing = []
+        for pg in self._placement_groups:
+            try:
+                remove_placement_group(pg)
+                removing.append(pg)
+            except Exception as exc:  # already removed, or Ray shut down
+                logger.debug("removing placement group %s: %s", pg.id, exc)
+        self._placement_groups.clear()
+        self._locations.clear()
+        deadline = time.monotonic() + timeout_s
+        while removing and ray.is_initialized():
+            removing = [
+                pg for pg in removing if ray.util.placement_group_table(pg)["state"] != "REMOVED"
+            ]
+            if removing and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"virtual cluster {self.name!r}: {len(removing)} placement groups not "
+                    f"removed within {timeout_s:g} s"
+                )
+            if removing:
+                time.sleep(0.05)
+
+
+def _node_ip_and_free_port() -> tuple[str, int]:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        port = sock.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
+
+
+def _per_node_available() -> dict[str, dict[str, float]]:
+    return {
+        node["NodeID"][:8]: {k: v for k, v in node["Resources"].items() if k in ("CPU", "GPU")}
+        for node in ray.nodes()
+        if node["Alive"]
+    }
+
+
+def cluster_from_config(
+    num_nodes: int,
+    gpus_per_node: int,
+    *,
+    workers_per_node: int = 1,
+    cpus_per_worker: float = 1,
+    name: str = "tempering",
+    ready_timeout_s: float = 60.0,
+) -> RayVirtualCluster:
+    """Turn ``cluster.num_nodes`` / ``cluster.gpus_per_node`` into a virtual cluster.
+
+    ``gpus_per_node > 0``: one one-GPU bundle per GPU. ``gpus_per_node == 0``: CPU workers,
+    ``workers_per_node`` bundles of ``cpus_per_worker`` CPUs on each node.
+    """
+    if num_nodes < 1 or gpus_per_node < 0:
+        raise ValueError(
+            f"cluster.num_nodes={num_nodes} must be >= 1 and cluster.gpus_per_node="
+            f"{gpus_per_node} must be >= 0"
+        )
+    per_node = gpus_per_node if gpus_per_node > 0 else workers_per_node
+    return RayVirtualCluster(
+        [per_node] * num_nodes,
+        use_gpus=gpus_per_node > 0,
+        num_cpus_per_bundle=cpus_per_worker,
+        name=name,
+        ready_timeout_s=ready_timeout_s,
+    )
+
+
+if __name__ == "__main__":
+    resources = init_ray()
+    print(f"Ray resources: {resources}")
+    cluster = cluster_from_config(1, 0, workers_per_node=2)
+    print(
+        f"bundles: {[(b.node_index, b.bundle_index, b.node_id[:8]) for b in cluster.bundle_locations()]}"
+    )
+    print(f"master: {cluster.get_master_address_and_port()}")
+    cluster.shutdown()

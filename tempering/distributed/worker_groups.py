@@ -1,0 +1,379 @@
+"""Worker groups: N Ray actors of one worker class, one per bundle of a virtual cluster.
+
+A worker class is named by its fully qualified name and is imported only inside the
+worker's own interpreter: every worker is an :class:`IsolatedWorkerInitializer` actor that,
+started under the class's Python environment (``actor_environments.py``), imports the class,
+builds it, and runs the methods the controller names. The driver never imports the class.
+
+    cluster = RayVirtualCluster([2], num_cpus_per_bundle=1)
+    group = RayWorkerGroup(cluster, RayWorkerBuilder("pkg.mod.MyWorker", lr=1e-3))
+    refs = group.run_all_workers_sharded_data("train", batch)   # one shard per DP rank
+    results = group.get_all_worker_results(refs)                # rank order
+    group.shutdown()
+
+Each worker sees RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR and
+MASTER_PORT, ready for ``torch.distributed.init_process_group``. An exception in a worker
+reaches the controller as :class:`WorkerError` naming the rank, node and method with the
+worker's traceback; a worker that dies surfaces as :class:`WorkerDiedError`; every wait has
+a timeout that names what it waited for.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+# isort: off
+# virtual_cluster first: it sets Ray's environment defaults before Ray is imported.
+from tempering.distributed.virtual_cluster import RayVirtualCluster
+import ray
+
+# isort: on
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from tempering.distributed.actor_environments import get_actor_executable, resolve_python
+
+if TYPE_CHECKING:
+    from tempering.distributed.batched_data_dict import BatchedDataDict
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerError(RuntimeError):
+    """A worker raised: names the group, rank, node and method, with the worker's traceback."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        group: str,
+        rank: int,
+        node_ip: str,
+        node_id: str,
+        method: str,
+        worker_traceback: str,
+    ) -> None:
+        super().__init__(message)
+        self.group = group
+        self.rank = rank
+        self.node_ip = node_ip
+        self.node_id = node_id
+        self.method = method
+        self.worker_traceback = worker_traceback
+
+
+class WorkerDiedError(WorkerError):
+    """A worker process died (killed, out of memory, ``os._exit``) or failed to start."""
+
+
+class RayWorkerBuilder:
+    """What to build: worker class ``fqn`` with constructor arguments.
+
+    ``py_executable`` overrides ``ACTOR_ENVIRONMENT_REGISTRY[fqn]`` for this builder only.
+    """
+
+    def __init__(self, fqn: str, *args: Any, py_executable: str | None = None, **kwargs: Any):
+        if "." not in fqn:
+            raise ValueError(f"worker class {fqn!r} must be a fully qualified name ('pkg.mod.Cls')")
+        self.fqn = fqn
+        self.args = args
+        self.kwargs = kwargs
+        self.py_executable = py_executable
+
+    @property
+    def executable(self) -> str:
+        """The executable this builder's workers run under."""
+        return self.py_executable or get_actor_executable(self.fqn)
+
+
+class IsolatedWorkerInitializer:
+    """The Ray actor every worker is: imports and builds the worker class in its own interpreter.
+
+    Controller calls arrive as ``execute(method_name, *args, **kwargs)``.
+    """
+
+    def __init__(self, fqn: str, args: tuple, kwargs: dict) -> None:
+        module_name, _, class_name = fqn.rpartition(".")
+        module = importlib.import_module(module_name)
+        try:
+            worker_class = getattr(module, class_name)
+        except AttributeError:
+            raise ImportError(
+                f"module {module_name!r} has no worker class {class_name!r}"
+            ) from None
+        self._fqn = fqn
+        self._worker = worker_class(*args, **kwargs)
+
+    def describe(self) -> dict[str, Any]:
+        """Where this worker runs."""
+        ctx = ray.get_runtime_context()
+        return {
+            "rank": int(os.environ["RANK"]),
+            "node_id": ctx.get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+            "python": sys.executable,
+        }
+
+    def execute(self, _method_name: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``worker.<_method_name>(*args, **kwargs)``."""
+        method = getattr(self._worker, _method_name, None)
+        if method is None or not callable(method):
+            raise AttributeError(f"worker class {self._fqn} has no method {_method_name!r}")
+        return method(*args, **kwargs)
+
+    def shutdown_worker(self) -> None:
+        """Call the worker's own ``shutdown()`` when it has one."""
+        shutdown = getattr(self._worker, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+
+
+class RayWorkerGroup:
+    """One worker per bundle of ``cluster``, addressed by rank.
+
+    Args:
+        cluster: where the workers go (one per bundle, in rank order).
+        builder: which class to build, with which arguments and executable.
+        name_prefix: names the group in logs and errors.
+        env_vars: extra environment variables for every worker.
+        num_cpus_per_worker / num_gpus_per_worker: resources each worker takes from its
+            bundle (default: the whole bundle; use fractions to colocate two groups).
+        start_timeout_s: how long the workers may take to start.
+        call_timeout_s: default limit for :meth:`get_all_worker_results`.
+    """
+
+    def __init__(
+        self,
+        cluster: RayVirtualCluster,
+        builder: RayWorkerBuilder,
+        name_prefix: str = "workers",
+        *,
+        env_vars: dict[str, str] | None = None,
+        num_cpus_per_worker: float | None = None,
+        num_gpus_per_worker: float | None = None,
+        start_timeout_s: float = 300.0,
+        call_timeout_s: float = 3600.0,
+    ) -> None:
+        self.name = name_prefix
+        self.fqn = builder.fqn
+        self.call_timeout_s = call_timeout_s
+        self._ref_info: dict[str, tuple[int, str]] = {}  # ObjectRef hex -> (rank, method)
+        locations = cluster.bundle_locations()
+        self._node_ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+        self._bundle_nodes = [loc.node_id for loc in locations]
+
+        start = time.perf_counter()
+        python = resolve_python(builder.fqn, builder.executable, sorted(set(self._bundle_nodes)))
+        venv_s = time.perf_counter() - start
+        master_addr, master_port = cluster.get_master_address_and_port()
+        world_size = len(locations)
+        actor_class = ray.remote(IsolatedWorkerInitializer)
+        self.workers: list[ray.actor.ActorHandle] = []
+        for rank, loc in enumerate(locations):
+            worker_env = {
+                **(env_vars or {}),
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_RANK": str(loc.bundle_index),
+                "LOCAL_WORLD_SIZE": str(cluster.bundle_ct_per_node_list[loc.node_index]),
+                "NODE_RANK": str(loc.node_index),
+                "MASTER_ADDR": master_addr,
+                "MASTER_PORT": str(master_port),
+            }
+            self.workers.append(
+                actor_class.options(
+                    num_cpus=(
+                        cluster.num_cpus_per_bundle
+                        if num_cpus_per_worker is None
+                        else num_cpus_per_worker
+                    ),
+                    num_gpus=(
+                        cluster.num_gpus_per_bundle
+                        if num_gpus_per_worker is None
+                        else num_gpus_per_worker
+                    ),
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        loc.placement_group, placement_group_bundle_index=loc.bundle_index
+                    ),
+                    runtime_env={"py_executable": python, "env_vars": worker_env},
+                    max_restarts=0,
+                ).remote(builder.fqn, builder.args, builder.kwargs)
+            )
+        try:
+            self.worker_info: list[dict[str, Any]] = self._gather(
+                [w.describe.remote() for w in self.workers],
+                ["__init__"] * world_size,
+                list(range(world_size)),
+                start_timeout_s,
+            )
+        except BaseException:
+            self._kill_all()
+            raise
+        logger.info(
+            "worker group %s: %d x %s up in %.1f s (venv %.1f s) under %s",
+            self.name,
+            world_size,
+            self.fqn,
+            time.perf_counter() - start,
+            venv_s,
+            python,
+        )
+
+    @property
+    def world_size(self) -> int:
+        """Number of workers."""
+        return len(self.workers)
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel size (every worker is its own DP rank until tensor parallelism lands)."""
+        return self.world_size
+
+    def dp_rank(self, rank: int) -> int:
+        """The data-parallel rank of worker ``rank`` (the seam for TP: ranks sharing a DP
+        rank receive the same shard)."""
+        return rank
+
+    def _submit(self, rank: int, method: str, args: tuple, kwargs: dict) -> ray.ObjectRef:
+        ref = self.workers[rank].execute.remote(method, *args, **kwargs)
+        self._ref_info[ref.hex()] = (rank, method)
+        return ref
+
+    def run_all_workers_single_data(self, method: str, *args: Any, **kwargs: Any) -> list:
+        """Call ``method(*args, **kwargs)`` on every worker; futures in rank order."""
+        return [self._submit(rank, method, args, kwargs) for rank in range(self.world_size)]
+
+    def run_all_workers_sharded_data(
+        self,
+        method: str,
+        data: BatchedDataDict,
+        *,
+        batch_size: int | None = None,
+        **replicated_kwargs: Any,
+    ) -> list:
+        """Call ``method(shard, **replicated_kwargs)`` on every worker; futures in rank order.
+
+        ``data`` is split with ``data.shard_by_batch_size(dp_size, batch_size)``; worker ``r``
+        gets shard ``dp_rank(r)``. ``replicated_kwargs`` go to every worker unchanged.
+        """
+        shards = data.shard_by_batch_size(self.dp_size, batch_size=batch_size)
+        if len(shards) != self.dp_size:
+            raise ValueError(
+                f"worker group {self.name!r}: shard_by_batch_size returned {len(shards)} shards "
+                f"for dp_size {self.dp_size}"
+            )
+        return [
+            self._submit(rank, method, (shards[self.dp_rank(rank)],), replicated_kwargs)
+            for rank in range(self.world_size)
+        ]
+
+    def run_single_worker(self, rank: int, method: str, *args: Any, **kwargs: Any):
+        """Call ``method`` on worker ``rank`` only; one future."""
+        if not 0 <= rank < self.world_size:
+            raise IndexError(
+                f"worker group {self.name!r} has ranks 0..{self.world_size - 1}, not {rank}"
+            )
+        return self._submit(rank, method, args, kwargs)
+
+    def get_all_worker_results(
+        self, futures: Sequence[ray.ObjectRef], timeout_s: float | None = None
+    ) -> list[Any]:
+        """Results of ``futures`` in the order given (rank order for ``run_all_workers_*``).
+
+        Raises the first :class:`WorkerError` / :class:`WorkerDiedError` as soon as any worker
+        fails (without waiting for the others), and ``TimeoutError`` naming the ranks and
+        methods still running after ``timeout_s`` (default ``call_timeout_s``).
+        """
+        futures = list(futures)
+        info = [self._ref_info.pop(ref.hex(), (i, "?")) for i, ref in enumerate(futures)]
+        try:
+            return self._gather(
+                futures,
+                [m for _, m in info],
+                [r for r, _ in info],
+                self.call_timeout_s if timeout_s is None else timeout_s,
+            )
+        finally:
+            for ref in futures:
+                self._ref_info.pop(ref.hex(), None)
+
+    def _gather(
+        self, futures: list, methods: list[str], ranks: list[int], timeout_s: float
+    ) -> list[Any]:
+        position = {ref: i for i, ref in enumerate(futures)}
+        results: list[Any] = [None] * len(futures)
+        pending = list(futures)
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            remaining = deadline - time.monotonic()
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(remaining, 0))
+            if not ready:
+                waiting = sorted((ranks[position[r]], methods[position[r]]) for r in pending)
+                raise TimeoutError(
+                    f"worker group {self.name!r} ({self.fqn}): ranks "
+                    f"{[r for r, _ in waiting]} did not finish {sorted({m for _, m in waiting})} "
+                    f"within {timeout_s:g} s; pass a larger timeout_s, or look for a hung worker."
+                )
+            for ref in ready:
+                i = position[ref]
+                results[i] = self._get_ready(ref, ranks[i], methods[i])
+        return results
+
+    def _get_ready(self, ref: ray.ObjectRef, rank: int, method: str) -> Any:
+        node_id = self._bundle_nodes[rank]
+        where = f"rank {rank} on node {self._node_ips.get(node_id, '?')} (id {node_id[:12]})"
+        context = dict(
+            group=self.name,
+            rank=rank,
+            node_ip=self._node_ips.get(node_id, "?"),
+            node_id=node_id,
+            method=method,
+        )
+        try:
+            return ray.get(ref, timeout=60)
+        except ray.exceptions.RayTaskError as exc:
+            tb = str(exc)  # Ray's text: the worker's traceback, pid and ip
+            raise WorkerError(
+                f"worker group {self.name!r} ({self.fqn}) {where} raised in {method!r}:\n{tb}",
+                worker_traceback=tb,
+                **context,
+            ) from None
+        except ray.exceptions.RayActorError as exc:
+            detail = str(exc)
+            what = "failed to start" if exc.actor_init_failed else "died"
+            raise WorkerDiedError(
+                f"worker group {self.name!r} ({self.fqn}) {where} {what} during {method!r} "
+                f"(an exception in __init__, a kill, out of memory, or os._exit); Ray says:\n"
+                f"{detail}\nThe worker's own log is under the Ray session's logs/ folder.",
+                worker_traceback=detail,
+                **context,
+            ) from None
+
+    def _kill_all(self) -> None:
+        for worker in self.workers:
+            try:
+                ray.kill(worker, no_restart=True)
+            except Exception as exc:  # already dead, or Ray shut down
+                logger.debug("killing worker of %s: %s", self.name, exc)
+
+    def shutdown(self, graceful_timeout_s: float = 10.0) -> None:
+        """Call each worker's ``shutdown()`` (when it has one), then kill every worker."""
+        if not self.workers:
+            return
+        refs = [w.shutdown_worker.remote() for w in self.workers]
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=graceful_timeout_s)
+        if pending:
+            logger.warning(
+                "worker group %s: %d workers did not shut down within %g s; killing them",
+                self.name,
+                len(pending),
+                graceful_timeout_s,
+            )
+        self._kill_all()
+        self.workers = []

@@ -1,0 +1,62 @@
+"""Shared pytest fixtures: ONE Ray session for the whole test run, and a temporary venvs root.
+
+``ray.init`` costs 11-14 s on our 2-core machine, so every test that needs Ray asks for the
+session-scoped ``ray_session`` fixture instead of starting its own: it calls
+``init_ray(num_cpus=8)`` (8 logical CPUs oversubscribe the 2 real ones so placement groups do
+not starve other actors), with a private temp dir, and shuts Ray down at the end of the
+session. Tests that need a *different* Ray (e.g. the simulated two-node cluster in
+``tests/unit/test_virtual_cluster.py``) run it in a subprocess, which gets its own Ray next to
+this one without touching it. Tests must give back what they reserve (call
+``cluster.shutdown()`` / ``group.shutdown()``, or use fixtures that do).
+
+``worker_venvs_dir`` points ``TEMPERING_VENVS_DIR`` at a session temp folder so isolated
+worker venvs are built there (once per session), never in the repo's ``venvs/``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+# Before Ray is imported anywhere (see tempering/distributed/virtual_cluster.py).
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[dict[str, float]]:
+    """A Ray shared by the whole session; yields ``ray.cluster_resources()``."""
+    import ray
+
+    from tempering.distributed.virtual_cluster import init_ray
+
+    if ray.is_initialized():  # started by someone else in this process: share it
+        yield ray.cluster_resources()
+        return
+    temp_dir = tempfile.mkdtemp(prefix="ray_t_", dir="/tmp")
+    resources = init_ray(num_cpus=8, temp_dir=temp_dir)
+    try:
+        yield resources
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def worker_venvs_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A session-wide venvs root, exported as ``TEMPERING_VENVS_DIR`` while the session runs."""
+    root = tmp_path_factory.mktemp("venvs")
+    previous = os.environ.get("TEMPERING_VENVS_DIR")
+    os.environ["TEMPERING_VENVS_DIR"] = str(root)
+    try:
+        yield root
+    finally:
+        if previous is None:
+            os.environ.pop("TEMPERING_VENVS_DIR", None)
+        else:
+            os.environ["TEMPERING_VENVS_DIR"] = previous

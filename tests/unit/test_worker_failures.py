@@ -1,0 +1,84 @@
+"""Failures reach the controller quickly and by name: a raising worker, a worker failing in
+``__init__``, and a worker that dies (``os._exit``), also while its peer blocks in a collective."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tempering.distributed.virtual_cluster import RayVirtualCluster
+from tempering.distributed.worker_groups import (
+    RayWorkerBuilder,
+    RayWorkerGroup,
+    WorkerDiedError,
+    WorkerError,
+)
+
+pytestmark = pytest.mark.timeout(120)
+PKG = "tempering.distributed.testing_workers"
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session):
+    cluster = RayVirtualCluster([2], num_cpus_per_bundle=1, name="fail-test")
+    yield cluster
+    cluster.shutdown()
+
+
+def test_raising_worker_reports_rank_node_and_traceback(cluster):
+    group = RayWorkerGroup(cluster, RayWorkerBuilder(f"{PKG}.RaisingWorker"), "raiser")
+    try:
+        start = time.monotonic()
+        with pytest.raises(WorkerError) as info:
+            group.get_all_worker_results([group.run_single_worker(1, "boom", "kaput")])
+        assert time.monotonic() - start < 30
+        err = info.value
+        assert not isinstance(err, WorkerDiedError)
+        assert (err.rank, err.method, err.group) == (1, "boom", "raiser")
+        assert err.node_ip == group.worker_info[1]["node_ip"]
+        assert err.node_id == group.worker_info[1]["node_id"]
+        text = str(err)
+        assert "rank 1 on node" in text and "'boom'" in text
+        # The worker's own traceback, down to the raising line.
+        assert "ValueError: rank 1: kaput" in text
+        assert "testing_workers.py" in text and "in boom" in text
+        # The group still works after a worker raised.
+        assert group.get_all_worker_results(group.run_all_workers_single_data("ok")) == [0, 1]
+    finally:
+        group.shutdown()
+
+
+def test_worker_failing_in_init_is_named(cluster):
+    start = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="failed to start") as info:
+        RayWorkerGroup(
+            cluster, RayWorkerBuilder(f"{PKG}.RaisingWorker", fail_in_init=True), "bad-init"
+        )
+    assert time.monotonic() - start < 60
+    assert info.value.method == "__init__"
+    assert "told to fail in __init__" in str(info.value)
+
+
+def test_dying_worker_is_reported_within_seconds(cluster):
+    group = RayWorkerGroup(cluster, RayWorkerBuilder(f"{PKG}.DyingWorker"), "dier")
+    try:
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError) as info:
+            group.get_all_worker_results(
+                group.run_all_workers_single_data("die", only_rank=1), timeout_s=60
+            )
+        elapsed = time.monotonic() - start
+        assert elapsed < 30, f"death took {elapsed:.1f} s to surface"
+        assert (info.value.rank, info.value.method) == (1, "die")
+        assert "died during 'die'" in str(info.value)
+        # A peer blocked in a collective with the dead rank does not hang the controller:
+        # rank 0 waits in a gloo rendezvous that can never complete; the gather still
+        # surfaces rank 1's death (it is already dead) instead of waiting on rank 0.
+        futures = [group.run_single_worker(0, "wait_for_peer"), group.run_single_worker(1, "die")]
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError) as info:
+            group.get_all_worker_results(futures, timeout_s=60)
+        assert info.value.rank == 1 and time.monotonic() - start < 30
+    finally:
+        group.shutdown(graceful_timeout_s=0)
