@@ -1,0 +1,81 @@
+"""The generation seam: what the controller calls to sample tokens from a generator.
+
+Backends (the torch-native engine here, the vLLM worker elsewhere) implement
+`GenerationInterface`; `SamplingConfig` carries the plain sampling arguments they all accept.
+Data in and out follows docs/CONTRACTS.md ("Generation"):
+
+    generate(BDD{input_ids [B, S] right-padded, input_lengths [B]}, greedy=False)
+      -> BDD{output_ids [B, S+N] right-padded (prompt, then generated tokens),
+             logprobs [B, S+N] (0 on prompt and padding; generated token t scored at its own
+                                position, from log_softmax(logits / temperature) BEFORE
+                                top-k/top-p filtering),
+             generation_lengths [B], unpadded_sequence_lengths [B],
+             finish_reasons: list["stop" | "length"]}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Plain sampling arguments shared by all generation backends."""
+
+    temperature: float = 1.0
+    """Softmax temperature (> 0). Log-probs are reported at this temperature, also when greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens with total probability >= top_p."""
+    top_k: int | None = None
+    """Keep only the k most likely tokens; None keeps all."""
+    max_new_tokens: int = 16
+    """Generate at most this many tokens per sequence (finish_reason "length" when reached)."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end a sequence (kept in the output), in addition to the tokenizer's eos."""
+    stop_strings: list[str] = field(default_factory=list)
+    """Strings that end a sequence once the generated text contains one (tokens kept)."""
+    greedy: bool = False
+    """Take the argmax instead of sampling (a `generate(..., greedy=True)` call also does)."""
+    seed: int | None = None
+    """Seed of the sampler's random generator; None draws one from torch's global RNG."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.temperature > 0:
+            problems.append(f"temperature={self.temperature} must be > 0 (use greedy=True)")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k is not None and self.top_k < 1:
+            problems.append(f"top_k={self.top_k} must be >= 1 or None (no top-k)")
+        if self.max_new_tokens < 1:
+            problems.append(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        if any(not s for s in self.stop_strings):
+            problems.append(f"stop_strings={self.stop_strings!r} must not contain empty strings")
+        if problems:
+            raise ValueError("Invalid SamplingConfig: " + "; ".join(problems))
+
+
+@runtime_checkable
+class GenerationInterface(Protocol):
+    """A generator: samples continuations and receives refitted policy weights."""
+
+    def generate(self, data: Mapping[str, Any], greedy: bool = False) -> Mapping[str, Any]:
+        """Continue each prompt; returns the BatchedDataDict described in the module docstring."""
+        ...
+
+    def prepare_for_generation(self) -> None:
+        """Make the generator ready (e.g. wake it, move weights to the device) before generate."""
+        ...
+
+    def finish_generation(self) -> None:
+        """Release what generation holds (e.g. KV cache memory) so training can use it."""
+        ...
+
+    def update_weights(self, weights: Mapping[str, Any]) -> None:
+        """Refit: load new weights in place, by parameter name (a full or partial state dict;
+        remote backends may accept handles such as Ray object refs to one)."""
+        ...

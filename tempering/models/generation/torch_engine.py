@@ -1,0 +1,232 @@
+"""Torch-native generation engine: batched sampling with a KV cache, no extra dependencies.
+
+For CPU runs and small models (tiny-arith, SmolLM2-135M) where starting vLLM costs more than
+generating. Implements `GenerationInterface` with the token layout of docs/CONTRACTS.md:
+
+- prompts arrive right-padded; the engine left-pads them internally so every row's next token
+  sits in the last column, with an attention mask and position ids that ignore the padding;
+- one prefill forward, then one forward per new token over the whole batch with HF's
+  `DynamicCache` (the loop runs over time steps, never over sequences);
+- rows that emit a stop token (eos or `stop_token_ids`) or whose generated text contains a
+  stop string are finished: later columns are padding, and the loop ends once all are done;
+- sampling (temperature, top-k, top-p) draws from a seeded `torch.Generator`; log-probs are
+  `log_softmax(logits / temperature)` of the chosen token BEFORE top-k/top-p filtering.
+
+    engine = TorchGenerationEngine(model, tokenizer, temperature=0.7, max_new_tokens=8, seed=0)
+    out = engine.generate(BatchedDataDict(input_ids=ids, input_lengths=lengths))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from tempering.distributed.batched_data_dict import BatchedDataDict
+from tempering.models.generation.interfaces import SamplingConfig
+
+# A byte-level token carries at least one byte and a character at most 4, so a stop string of
+# n characters lies within the last 4n tokens (plus slack for tokens that decode to nothing).
+_BYTES_PER_CHAR = 4
+_STOP_WINDOW_SLACK = 4
+
+
+class TorchGenerationEngine:
+    """Batched generation for an HF causal LM held in this process (see module docstring)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        config: SamplingConfig | None = None,
+        **sampling_args: Any,
+    ) -> None:
+        """`config`, or the `SamplingConfig` fields as keywords (not both)."""
+        if config is not None and sampling_args:
+            raise TypeError(
+                "TorchGenerationEngine takes a SamplingConfig or sampling keywords "
+                f"({sorted(sampling_args)}), not both; put them into the SamplingConfig."
+            )
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config if config is not None else SamplingConfig(**sampling_args)
+        eos = tokenizer.eos_token_id
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+        if pad is None:
+            raise ValueError(
+                f"Tokenizer {type(tokenizer).__name__} has neither a pad nor an eos token; "
+                "set tokenizer.pad_token before building the engine."
+            )
+        self.pad_token_id = int(pad)
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        self.stop_token_ids = sorted({*eos_ids, *self.config.stop_token_ids})
+        max_chars = max((len(s) for s in self.config.stop_strings), default=0)
+        self._stop_window = _BYTES_PER_CHAR * max_chars + _STOP_WINDOW_SLACK
+        self.device = next(model.parameters()).device
+        seed = self.config.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+
+    # ---- GenerationInterface ---------------------------------------------------------------
+
+    def prepare_for_generation(self) -> None:
+        """Nothing to wake: the model lives in this process and the KV cache is per call."""
+
+    def finish_generation(self) -> None:
+        """Nothing to release: each `generate` call's KV cache is freed when it returns."""
+
+    def update_weights(self, weights: Mapping[str, Any]) -> None:
+        """Copy tensors into the model's parameters/buffers in place, by state-dict name.
+
+        A partial state dict updates only the named tensors (tied weights share storage).
+        """
+        targets = self.model.state_dict(keep_vars=True)
+        unknown = sorted(set(weights) - set(targets))
+        if unknown:
+            raise KeyError(
+                f"update_weights got {len(unknown)} names the model does not have, e.g. "
+                f"{unknown[:3]}; expected names like {list(targets)[:3]}. Send the policy's "
+                "full (unsharded) state dict with HF parameter names."
+            )
+        with torch.no_grad():
+            for name, value in weights.items():
+                target = targets[name]
+                if tuple(target.shape) != tuple(value.shape):
+                    raise ValueError(
+                        f"update_weights: {name} has shape {tuple(value.shape)}, the model's "
+                        f"has {tuple(target.shape)}; the policy and generator models differ."
+                    )
+                target.copy_(value)
+
+    @torch.inference_mode()
+    def generate(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict:
+        """Continue each right-padded prompt; returns the contract's BatchedDataDict."""
+        cfg = self.config
+        greedy = greedy or cfg.greedy
+        input_ids = data["input_ids"].to(self.device).long()  # [B, S] right-padded
+        lengths = data["input_lengths"].to(self.device).long()  # [B]
+        B, S = input_ids.shape
+        if lengths.shape != (B,) or bool((lengths < 1).any()) or bool((lengths > S).any()):
+            raise ValueError(
+                f"input_lengths must be [B]={B} values in [1, {S}] (prompt width); got "
+                f"{lengths.tolist()}."
+            )
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            generated, gen_logprobs, gen_lengths, stopped = self._decode(input_ids, lengths, greedy)
+        finally:
+            self.model.train(was_training)
+
+        # Right-padded output: prompt, then generated tokens, then padding.  [B, S + T]
+        T = generated.shape[1]
+        cols = torch.arange(S, device=self.device)
+        output_ids = torch.full((B, S + T), self.pad_token_id, dtype=torch.long, device=self.device)
+        output_ids[:, :S] = torch.where(cols < lengths[:, None], input_ids, self.pad_token_id)
+        logprobs = torch.zeros((B, S + T), dtype=torch.float32, device=self.device)
+        dest = lengths[:, None] + torch.arange(T, device=self.device)  # [B, T]
+        in_gen = torch.arange(T, device=self.device) < gen_lengths[:, None]
+        output_ids.scatter_(1, dest, torch.where(in_gen, generated, self.pad_token_id))
+        logprobs.scatter_(1, dest, torch.where(in_gen, gen_logprobs, 0.0))
+        return BatchedDataDict(
+            output_ids=output_ids,
+            logprobs=logprobs,
+            generation_lengths=gen_lengths,
+            unpadded_sequence_lengths=lengths + gen_lengths,
+            finish_reasons=["stop" if s else "length" for s in stopped.tolist()],
+        )
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _decode(
+        self, input_ids: torch.Tensor, lengths: torch.Tensor, greedy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Prefill + per-step decode. Returns generated [B, T], logprobs [B, T], lengths [B],
+        stopped [B] (bool); T <= max_new_tokens is the number of steps run."""
+        B, S = input_ids.shape
+        dev = self.device
+        max_new = self.config.max_new_tokens
+        # Left-pad: row b's L_b tokens move to the last L_b columns.
+        src = torch.arange(S, device=dev)[None, :] - (S - lengths)[:, None]  # [B, S]
+        real = src >= 0
+        left_ids = torch.where(real, input_ids.gather(1, src.clamp(min=0)), self.pad_token_id)
+        attention_mask = real.long()
+        position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(
+            input_ids=left_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        stop_ids = torch.tensor(self.stop_token_ids, dtype=torch.long, device=dev)
+        generated = torch.full((B, max_new), self.pad_token_id, dtype=torch.long, device=dev)
+        gen_logprobs = torch.zeros((B, max_new), dtype=torch.float32, device=dev)
+        gen_lengths = torch.zeros(B, dtype=torch.long, device=dev)
+        finished = torch.zeros(B, dtype=torch.bool, device=dev)
+        next_position = lengths.clone()  # position id of each row's next token
+        steps = 0
+        for step in range(max_new):
+            tokens, token_logprobs = self._sample(out.logits[:, -1, :], greedy)  # [B], [B]
+            active = ~finished
+            generated[:, step] = torch.where(active, tokens, self.pad_token_id)
+            gen_logprobs[:, step] = torch.where(active, token_logprobs, 0.0)
+            gen_lengths += active.long()
+            steps = step + 1
+            hit = active & torch.isin(tokens, stop_ids)
+            if self.config.stop_strings:
+                hit |= self._stop_string_hits(generated[:, :steps], active & ~hit)
+            finished |= hit
+            if bool(finished.all()) or steps == max_new:
+                break
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B, 1)], dim=1)
+            out = self.model(
+                input_ids=generated[:, step : step + 1],
+                attention_mask=attention_mask,
+                position_ids=next_position[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            )
+            next_position += 1
+        return generated[:, :steps], gen_logprobs[:, :steps], gen_lengths, finished
+
+    def _sample(self, logits: torch.Tensor, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Next tokens [B] and their log-probs [B] (at temperature, before filtering)."""
+        cfg = self.config
+        scaled = logits.float() / cfg.temperature  # [B, V]
+        logp = torch.log_softmax(scaled, dim=-1)
+        if greedy:
+            tokens = scaled.argmax(dim=-1)
+        else:
+            filtered = scaled
+            if cfg.top_k is not None and cfg.top_k < filtered.shape[-1]:
+                kth = torch.topk(filtered, cfg.top_k, dim=-1).values[:, -1:]
+                filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+            if cfg.top_p < 1.0:
+                sorted_logits, order = torch.sort(filtered, dim=-1, descending=True)
+                probs = torch.softmax(sorted_logits, dim=-1)
+                mass_before = probs.cumsum(dim=-1) - probs
+                drop = mass_before >= cfg.top_p  # the top token always stays (mass_before = 0)
+                sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+                filtered = torch.empty_like(filtered).scatter_(1, order, sorted_logits)
+            probs = torch.softmax(filtered, dim=-1)
+            tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+        return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+
+    def _stop_string_hits(self, generated: torch.Tensor, check: torch.Tensor) -> torch.Tensor:
+        """Rows in `check` whose generated text (tail window) contains a stop string."""
+        hits = torch.zeros_like(check)
+        rows = check.nonzero().flatten().tolist()
+        if not rows:
+            return hits
+        tails = generated[rows, -self._stop_window :].tolist()
+        texts = self.tokenizer.batch_decode(tails, skip_special_tokens=True)
+        for row, text in zip(rows, texts, strict=True):
+            if any(s in text for s in self.config.stop_strings):
+                hits[row] = True
+        return hits

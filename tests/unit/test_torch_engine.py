@@ -1,0 +1,225 @@
+"""Torch-native generation engine: parity with HF generate, log-prob parity with a
+teacher-forced forward, stops, seeding and in-place weight updates (tiny random Llama, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tempering.models.generation.interfaces import GenerationInterface, SamplingConfig
+from tempering.models.generation.torch_engine import TorchGenerationEngine
+from tempering.models.tiny_arith import build_tokenizer
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One intra-op thread: on the shared 2-core machine, 2 threads spin against other jobs
+    (150 tiny training steps took 120 s with 2 threads under load, 7 s with 1)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+PROMPTS = ["Q: 1+2=? A:", "Q: 23+45=? A: 6", "Hi", "What is it? The answer is the sum of"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def _random_llama(tokenizer, seed: int) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=128,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        initializer_range=0.2,  # peaked distributions: random text with some structure
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return _random_llama(tokenizer, seed=0)
+
+
+@pytest.fixture(scope="module")
+def batch(tokenizer):
+    enc = tokenizer(PROMPTS, add_special_tokens=False, padding=True, return_tensors="pt")
+    lengths = enc["attention_mask"].sum(1)
+    assert len(set(lengths.tolist())) == len(PROMPTS), "prompts must differ in length"
+    return {"input_ids": enc["input_ids"], "input_lengths": lengths}
+
+
+def _generated(out, batch, b: int) -> list[int]:
+    start = int(batch["input_lengths"][b])
+    return out["output_ids"][b, start : start + int(out["generation_lengths"][b])].tolist()
+
+
+def test_engine_implements_generation_interface(model, tokenizer):
+    assert isinstance(TorchGenerationEngine(model, tokenizer), GenerationInterface)
+
+
+def test_greedy_matches_hf_generate_token_for_token(model, tokenizer, batch):
+    n = 12
+    engine = TorchGenerationEngine(model, tokenizer, max_new_tokens=n)
+    out = engine.generate(batch, greedy=True)
+    S = batch["input_ids"].shape[1]
+    for b, prompt in enumerate(PROMPTS):
+        # Reference: HF generate on the prompt alone (no padding at all).
+        ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        ref = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=n,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )[0, ids.shape[1] :].tolist()
+        if tokenizer.eos_token_id in ref:  # HF pads after eos; we stop there
+            ref = ref[: ref.index(tokenizer.eos_token_id) + 1]
+        assert _generated(out, batch, b) == ref, f"row {b} ({prompt!r})"
+        # Prompt copied unchanged, right-padded output, padding after the sequence.
+        L = int(batch["input_lengths"][b])
+        assert out["output_ids"][b, :L].tolist() == batch["input_ids"][b, :L].tolist()
+        end = int(out["unpadded_sequence_lengths"][b])
+        assert end == L + int(out["generation_lengths"][b])
+        assert (out["output_ids"][b, end:] == tokenizer.pad_token_id).all()
+        assert (out["logprobs"][b, :L] == 0).all() and (out["logprobs"][b, end:] == 0).all()
+    assert out["output_ids"].shape[1] <= S + n
+    # Greedy log-probs are those of the argmax token: the largest log-prob at each position.
+    assert (out["logprobs"] <= 0).all()
+
+
+def test_sampled_logprobs_match_teacher_forced_forward(model, tokenizer, batch):
+    temperature = 0.7
+    engine = TorchGenerationEngine(
+        model, tokenizer, temperature=temperature, top_k=20, top_p=0.9, max_new_tokens=10, seed=3
+    )
+    out = engine.generate(batch)
+    ids, seq_lens = out["output_ids"], out["unpadded_sequence_lengths"]
+    cols = torch.arange(ids.shape[1])
+    with torch.no_grad():
+        logits = model(ids, attention_mask=(cols < seq_lens[:, None]).long()).logits
+    # Contract layout: logprobs[b, t] = log p(ids[b, t] | ids[b, :t]) at the same temperature.
+    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    ref = torch.nn.functional.pad(logp.gather(-1, ids[:, 1:, None]).squeeze(-1), (1, 0))
+    gen_mask = (cols >= batch["input_lengths"][:, None]) & (cols < seq_lens[:, None])
+    assert int(gen_mask.sum()) == int(out["generation_lengths"].sum()) > 0
+    torch.testing.assert_close(out["logprobs"][gen_mask], ref[gen_mask], atol=1e-4, rtol=0)
+    assert (out["logprobs"][~gen_mask] == 0).all()
+    # Sampling really happened (not argmax everywhere): some token is not the argmax.
+    greedy_tokens = logits[:, :-1].argmax(-1)
+    assert (greedy_tokens[gen_mask[:, 1:]] != ids[:, 1:][gen_mask[:, 1:]]).any()
+
+
+def test_top_k_1_and_tiny_top_p_equal_greedy(model, tokenizer, batch):
+    greedy = TorchGenerationEngine(model, tokenizer, max_new_tokens=6).generate(batch, True)
+    for args in ({"top_k": 1}, {"top_p": 1e-6}):
+        sampled = TorchGenerationEngine(model, tokenizer, max_new_tokens=6, seed=1, **args)
+        assert torch.equal(sampled.generate(batch)["output_ids"], greedy["output_ids"]), args
+
+
+def test_stop_token_ends_sequence(model, tokenizer, batch):
+    base = TorchGenerationEngine(model, tokenizer, max_new_tokens=8).generate(batch, greedy=True)
+    free = [_generated(base, batch, b) for b in range(len(PROMPTS))]
+    stop_id = free[0][2]  # the third token row 0 generates freely
+    out = TorchGenerationEngine(
+        model, tokenizer, max_new_tokens=8, stop_token_ids=[stop_id]
+    ).generate(batch, greedy=True)
+    for b, tokens in enumerate(free):
+        got = _generated(out, batch, b)
+        if stop_id in tokens:
+            assert got == tokens[: tokens.index(stop_id) + 1]
+            assert out["finish_reasons"][b] == "stop"
+        else:
+            assert got == tokens and out["finish_reasons"][b] == "length"
+    assert out["finish_reasons"][0] == "stop" and len(_generated(out, batch, 0)) <= 3
+
+
+def test_all_rows_stopping_ends_the_loop_early(model, tokenizer, batch):
+    every_token = list(range(len(tokenizer)))
+    engine = TorchGenerationEngine(model, tokenizer, max_new_tokens=8, stop_token_ids=every_token)
+    out = engine.generate(batch, greedy=True)
+    assert out["generation_lengths"].tolist() == [1] * len(PROMPTS)
+    assert out["output_ids"].shape[1] == batch["input_ids"].shape[1] + 1
+    assert out["finish_reasons"] == ["stop"] * len(PROMPTS)
+
+
+def test_stop_string_ends_sequence(model, tokenizer, batch):
+    base = TorchGenerationEngine(model, tokenizer, max_new_tokens=8).generate(batch, greedy=True)
+    free = [_generated(base, batch, b) for b in range(len(PROMPTS))]
+    text0 = tokenizer.decode(free[0], skip_special_tokens=True)
+    stop = next(c for c in text0[1:] if c.strip()) if len(text0) > 1 else text0
+    assert stop, "row 0 generated no visible text; pick other prompts"
+
+    def first_hit(tokens: list[int]) -> int | None:
+        for k in range(1, len(tokens) + 1):
+            if stop in tokenizer.decode(tokens[:k], skip_special_tokens=True):
+                return k
+        return None
+
+    out = TorchGenerationEngine(model, tokenizer, max_new_tokens=8, stop_strings=[stop]).generate(
+        batch, greedy=True
+    )
+    for b, tokens in enumerate(free):
+        k = first_hit(tokens)
+        got = _generated(out, batch, b)
+        if k is None:
+            assert got == tokens and out["finish_reasons"][b] == "length"
+        else:
+            assert got == tokens[:k] and out["finish_reasons"][b] == "stop"
+    assert out["finish_reasons"][0] == "stop"
+
+
+def test_max_new_tokens_gives_length(model, tokenizer, batch):
+    out = TorchGenerationEngine(model, tokenizer, max_new_tokens=3, stop_token_ids=[]).generate(
+        batch, greedy=True
+    )
+    for b in range(len(PROMPTS)):
+        if out["finish_reasons"][b] == "length":
+            assert int(out["generation_lengths"][b]) == 3
+        else:  # eos reached first
+            assert _generated(out, batch, b)[-1] == tokenizer.eos_token_id
+
+
+def test_sampling_seeded_reproducible_and_seed_dependent(model, tokenizer, batch):
+    def run(seed: int) -> torch.Tensor:
+        cfg = SamplingConfig(temperature=1.0, max_new_tokens=10, seed=seed)
+        return TorchGenerationEngine(model, tokenizer, cfg).generate(batch)["output_ids"]
+
+    assert torch.equal(run(7), run(7))
+    assert not torch.equal(run(7), run(8))
+
+
+def test_update_weights_in_place(tokenizer, batch):
+    model_a, model_b = _random_llama(tokenizer, 1), _random_llama(tokenizer, 2)
+    engine = TorchGenerationEngine(model_a, tokenizer, max_new_tokens=6)
+    before = engine.generate(batch, greedy=True)["output_ids"]
+    expected = TorchGenerationEngine(model_b, tokenizer, max_new_tokens=6).generate(batch, True)
+    assert not torch.equal(before, expected["output_ids"])
+    engine.update_weights(model_b.state_dict())
+    assert engine.model is model_a  # same module, new values
+    assert torch.equal(engine.generate(batch, greedy=True)["output_ids"], expected["output_ids"])
+    with pytest.raises(KeyError, match="model.no_such.weight"):
+        engine.update_weights({"model.no_such.weight": torch.zeros(1)})
+    with pytest.raises(ValueError, match="shape"):
+        engine.update_weights({"model.norm.weight": torch.zeros(3)})
+
+
+def test_invalid_sampling_config_names_every_problem():
+    with pytest.raises(ValueError) as e:
+        SamplingConfig(temperature=0, top_p=1.5, max_new_tokens=0)
+    assert "temperature=0" in str(e.value) and "top_p=1.5" in str(e.value)
+    assert "max_new_tokens=0" in str(e.value)
