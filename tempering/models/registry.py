@@ -59,6 +59,20 @@ def _resolve_tiny_arith() -> Path:
     )
 
 
+def _resolve_tiny_arith_untrained() -> Path:
+    """tiny-arith's tokenizer + a seeded random init (the SFT recipe's starting point),
+    built once into the tempering cache."""
+    from tempering.models.gguf import tempering_cache_dir
+    from tempering.models.tiny_arith import build_untrained
+    from tempering.utils.atomic import atomic_directory
+
+    folder = tempering_cache_dir() / "tiny-arith-untrained"
+    if not (folder / "config.json").is_file():
+        with atomic_directory(folder, overwrite=True) as tmp:
+            build_untrained(tmp, seed=0)
+    return folder
+
+
 def _resolve_smollm2() -> Path:
     from tempering.models.gguf import ensure_smollm2_hf
 
@@ -67,6 +81,7 @@ def _resolve_smollm2() -> Path:
 
 MODEL_REGISTRY: dict[str, Callable[[], Path]] = {
     "tiny-arith": _resolve_tiny_arith,
+    "tiny-arith-untrained": _resolve_tiny_arith_untrained,
     "smollm2-135m-instruct": _resolve_smollm2,
 }
 

@@ -28,6 +28,7 @@ varlen attention); dynamic micro-batches by token budget are (``max_tokens_per_m
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -575,6 +576,65 @@ class FSDP2PolicyWorker:
         if self._optimizer_offloaded and self.optimizer is not None:
             _move_optimizer_state(self.optimizer, self.device)
             self._optimizer_offloaded = False
+
+    # ------------------------------------------- colocated generation (torch engine)
+    def init_colocated_generation(self, sampling: dict[str, Any]) -> None:
+        """Build a torch generation engine on an unsharded copy of this policy's weights.
+
+        Each rank generates for its own DP shard of the prompts; `refit_colocated_generation`
+        copies the trained weights into the copy in place, so no tensor leaves this process.
+        """
+        from tempering.models.generation.interfaces import SamplingConfig
+        from tempering.models.generation.torch_engine import TorchGenerationEngine
+        from tempering.models.hf import load_causal_lm, load_tokenizer
+
+        args = dict(sampling)
+        if args.get("seed") is None:  # distinct, reproducible streams per rank
+            args["seed"] = int(torch.initial_seed()) + 1000 * self.rank
+        model = load_causal_lm(self.model_path).to(self.device).eval()
+        self._gen_engines: dict[int, Any] = {}
+        self._gen_model = model
+        self._gen_tokenizer = load_tokenizer(self.model_path)
+        self._gen_sampling = SamplingConfig(**args)
+        self._gen_engine = TorchGenerationEngine(model, self._gen_tokenizer, self._gen_sampling)
+        self.refit_colocated_generation()
+
+    def refit_colocated_generation(self) -> None:
+        """Copy the current (sharded) policy weights into the generation copy. Collective."""
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=False, broadcast_from_rank0=False)
+        full = get_model_state_dict(self.model, options=opts)
+        self._gen_engine.update_weights(full)
+
+    def generate(
+        self, data: BatchedDataDict, greedy: bool = False, max_new_tokens: int | None = None
+    ) -> BatchedDataDict:
+        """Generate for this rank's prompts with the colocated engine (contract layout)."""
+        if not hasattr(self, "_gen_engine"):
+            raise RuntimeError(
+                "FSDP2PolicyWorker.generate: call init_colocated_generation first "
+                "(policy.generation.colocated.enabled=true builds it)"
+            )
+        engine = self._gen_engine
+        if max_new_tokens is not None and max_new_tokens != self._gen_sampling.max_new_tokens:
+            from tempering.models.generation.torch_engine import TorchGenerationEngine
+
+            if max_new_tokens not in self._gen_engines:
+                cfg = dataclasses.replace(self._gen_sampling, max_new_tokens=max_new_tokens)
+                self._gen_engines[max_new_tokens] = TorchGenerationEngine(
+                    self._gen_model, self._gen_tokenizer, cfg
+                )
+            engine = self._gen_engines[max_new_tokens]
+        return engine.generate(data.to(self.device), greedy=greedy).to("cpu")
+
+    def state_dict_ref_for_refit(self, dtype: str | None = None) -> list[Any] | None:
+        """Rank 0 puts the full state dict into Ray's object store and returns ``[ref]``:
+        generation workers fetch it themselves, the controller only passes the ref along."""
+        sd = self.state_dict_for_refit(dtype)
+        if sd is None:
+            return None
+        import ray
+
+        return [ray.put(sd)]
 
     # ------------------------------------------------------------------ misc
     def get_rank_info(self) -> dict[str, Any]:

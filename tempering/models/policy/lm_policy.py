@@ -142,6 +142,28 @@ class Policy(PolicyInterface):
         """Full (gathered) CPU tensors by HF parameter name, for the generation workers."""
         return self._all("state_dict_for_refit", dtype)[0]
 
+    # ------------------------------------------------- colocated generation
+    def init_colocated_generation(self, sampling: dict[str, Any]) -> None:
+        """Give every worker a torch generation engine over its own weights."""
+        self._all("init_colocated_generation", sampling)
+
+    def refit_colocated_generation(self) -> None:
+        self._all("refit_colocated_generation")
+
+    def generate(
+        self, data: BatchedDataDict, greedy: bool = False, max_new_tokens: int | None = None
+    ) -> BatchedDataDict:
+        """Generate in the policy workers, prompts split over DP ranks, rows in input order."""
+        from tempering.models.generation.builders import data_parallel_generate
+
+        return data_parallel_generate(
+            self.worker_group, data, greedy=greedy, max_new_tokens=max_new_tokens
+        )
+
+    def state_dict_ref_for_refit(self, dtype: str | None = None) -> Any:
+        """A Ray object ref to the full state dict (put by rank 0; never fetched here)."""
+        return self._all("state_dict_ref_for_refit", dtype)[0][0]
+
     # ---------------------------------------------------------- colocation
     def prepare_for_generation(self) -> None:
         self._all("prepare_for_generation")

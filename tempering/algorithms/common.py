@@ -1,0 +1,179 @@
+"""What every algorithm's `setup()` does the same way: turn config sections into plain
+arguments for the logger, the Ray cluster, the policy and the checkpoint manager, and resume.
+
+Each builder takes a config section and returns a library object; library classes never see
+the config itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from tempering.config.schemas import (
+    CheckpointingConfig,
+    ClusterConfig,
+    LoggerConfig,
+    PolicyConfig,
+)
+
+log = logging.getLogger(__name__)
+
+_OPTIMIZERS = {
+    "torch.optim.AdamW": "adamw",
+    "adamw": "adamw",
+    "torch.optim.SGD": "sgd",
+    "sgd": "sgd",
+}
+
+
+def start_run(cluster_cfg: ClusterConfig) -> None:
+    """Version check (containers), quiet logging, then Ray. Cheap to call twice."""
+    from tempering.distributed.fingerprint import check_container_fingerprint
+    from tempering.distributed.virtual_cluster import init_ray
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    check_container_fingerprint()
+    gpus = cluster_cfg.gpus_per_node * cluster_cfg.num_nodes
+    init_ray(num_gpus=gpus or None)
+
+
+def build_cluster(cluster_cfg: ClusterConfig, name: str) -> Any:
+    from tempering.distributed.virtual_cluster import cluster_from_config
+
+    return cluster_from_config(
+        cluster_cfg.num_nodes,
+        cluster_cfg.gpus_per_node,
+        workers_per_node=cluster_cfg.workers_per_node,
+        cpus_per_worker=cluster_cfg.cpus_per_worker,
+        name=name,
+    )
+
+
+def build_policy_from_config(
+    policy_cfg: PolicyConfig,
+    cluster: Any,
+    *,
+    total_steps: int,
+    init_reference_model: bool = False,
+    seed: int = 42,
+    name_prefix: str = "policy",
+) -> Any:
+    """An FSDP2 `Policy` over `cluster` with the optimizer and schedule of `policy_cfg`."""
+    from tempering.models.policy.lm_policy import build_policy
+    from tempering.models.registry import resolve_model_path
+
+    opt = policy_cfg.optimizer
+    if opt.name not in _OPTIMIZERS:
+        raise ValueError(
+            f"policy.optimizer.name={opt.name!r} is not supported; use one of {sorted(_OPTIMIZERS)}"
+        )
+    dyn = policy_cfg.dynamic_batching
+    return build_policy(
+        cluster,
+        resolve_model_path(policy_cfg.model_name),
+        train_global_batch_size=policy_cfg.train_global_batch_size,
+        train_micro_batch_size=policy_cfg.train_micro_batch_size,
+        logprob_micro_batch_size=policy_cfg.logprob_batch_size,
+        max_tokens_per_microbatch=dyn.train_mb_tokens if dyn.enabled else None,
+        learning_rate=opt.kwargs.lr,
+        weight_decay=opt.kwargs.weight_decay,
+        betas=opt.kwargs.betas,
+        eps=opt.kwargs.eps,
+        optimizer=_OPTIMIZERS[opt.name],
+        max_grad_norm=policy_cfg.max_grad_norm,
+        lr_schedule=policy_cfg.scheduler.name,
+        warmup_steps=policy_cfg.scheduler.warmup_steps,
+        total_steps=total_steps,
+        min_lr_ratio=policy_cfg.scheduler.min_lr_ratio,
+        precision=policy_cfg.precision,
+        activation_checkpointing=policy_cfg.dtensor_cfg.activation_checkpointing,
+        init_reference_model=init_reference_model,
+        seed=seed,
+        num_threads=policy_cfg.num_threads,
+        name_prefix=name_prefix,
+    )
+
+
+def build_logger(logger_cfg: LoggerConfig, resolved_config: dict[str, Any]) -> Any:
+    from tempering.utils.logger import Logger
+
+    return Logger(
+        logger_cfg.log_dir,
+        tensorboard_enabled=logger_cfg.tensorboard_enabled,
+        wandb_enabled=logger_cfg.wandb_enabled,
+        wandb_project=logger_cfg.wandb.project,
+        wandb_name=logger_cfg.wandb.name,
+        mlflow_enabled=logger_cfg.mlflow_enabled,
+        mlflow_experiment=logger_cfg.mlflow.experiment_name,
+        mlflow_tracking_uri=logger_cfg.mlflow.tracking_uri,
+        config=resolved_config,
+    )
+
+
+def build_checkpointer(ckpt_cfg: CheckpointingConfig) -> Any | None:
+    if not ckpt_cfg.enabled:
+        return None
+    from tempering.utils.checkpoint import CheckpointManager
+
+    return CheckpointManager(
+        ckpt_cfg.checkpoint_dir,
+        save_period=ckpt_cfg.save_period,
+        keep_top_k=ckpt_cfg.keep_top_k,
+        metric_name=ckpt_cfg.metric_name,
+        higher_is_better=ckpt_cfg.higher_is_better,
+    )
+
+
+def maybe_resume(checkpointer: Any | None, policy: Any, dataloader: Any) -> tuple[int, dict]:
+    """Load the newest complete checkpoint, if any: returns (step, training_info)."""
+    if checkpointer is None:
+        return 0, {}
+    found = checkpointer.maybe_resume()
+    if found is None:
+        return 0, {}
+    step, info = found
+    policy.load_checkpoint(str(checkpointer.policy_dir(step)))
+    if dataloader is not None and "dataloader" in info:
+        dataloader.load_state_dict(info["dataloader"])
+    log.info("resumed from %s", checkpointer.step_dir(step))
+    return step, info
+
+
+def save_checkpoint(
+    checkpointer: Any | None,
+    policy: Any,
+    step: int,
+    *,
+    metrics: dict[str, float],
+    dataloader: Any,
+    config: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+) -> Path | None:
+    """Atomically write step_<step>/ with the policy's sharded state and the loop's state."""
+    if checkpointer is None:
+        return None
+    info = {"metrics": metrics, "dataloader": dataloader.state_dict(), **(extra or {})}
+    with checkpointer.save(step, info, config) as tmp:
+        policy.save_checkpoint(str(Path(tmp) / "policy"))
+    return checkpointer.step_dir(step)
+
+
+class Deadline:
+    """Optional wall-clock budget for a run (`max_wall_time_s`)."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.start = time.perf_counter()
+        self.seconds = seconds
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def passed(self) -> bool:
+        return self.seconds is not None and self.elapsed >= self.seconds

@@ -1,0 +1,367 @@
+"""Group Relative Policy Optimisation (GRPO), the project's main job.
+
+    uv run examples/run_grpo_math.py [--config FILE] [dotted.key=value ...]
+
+One step (DESIGN.md "One GRPO step"):
+  1. a batch of prompts, each repeated `num_generations_per_prompt` times
+  2. generation (torch engine colocated in the policy workers, or vLLM workers) -> tokens,
+     sampling log-probs
+  3. environments score the completions (routed by task name) -> rewards
+  4. advantages: leave-one-out baseline per group, optional std normalisation; optional
+     dynamic sampling (drop zero-variance groups and refill) and overlong filtering
+  5. behaviour log-probs from the trainer (and reference log-probs when KL is on)
+  6. policy.train(ClippedPGLoss), normalised by the global count of valid tokens
+  7. refit: the generator sees the new weights (colocated: in place in the workers)
+  8. log, validate every `val_period` steps, checkpoint atomically
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tempering.algorithms import common
+from tempering.config.schemas import DataConfig, GRPOMasterConfig
+
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------- data
+@dataclass
+class Problem:
+    prompt: str
+    answer: str
+    task_name: str
+
+
+def load_problems(data_cfg: DataConfig) -> tuple[list[Problem], list[Problem]]:
+    """(train, held-out) prompts with ground-truth answers and their environment's name."""
+    name = data_cfg.dataset_name
+    if name == "arithmetic":
+        from tempering.models.tiny_arith import make_problems
+
+        def mk(n: int, split: str) -> list[Problem]:
+            rows = make_problems(n, seed=data_cfg.seed, split=split)
+            return [Problem(r["prompt"], r["answer"], "arithmetic") for r in rows]
+
+        return mk(data_cfg.num_train_samples, "train"), mk(data_cfg.num_val_samples, "test")
+    if name == "gsm8k":
+        from tempering.data.gsm8k import gsm8k_rl_pairs, gsm8k_user_prompt
+
+        def gsm(split: str) -> list[Problem]:
+            return [Problem(gsm8k_user_prompt(q), a, "math") for q, a in gsm8k_rl_pairs(split)]
+
+        return gsm("train"), gsm("test")[: data_cfg.num_val_samples]
+    raise ValueError(f"data.dataset_name={name!r} has no GRPO prompts; use 'arithmetic' or 'gsm8k'")
+
+
+# -------------------------------------------------------------------------- setup
+@dataclass
+class GRPORun:
+    cfg: GRPOMasterConfig
+    resolved: dict[str, Any]
+    tokenizer: Any
+    train_problems: list[Problem]
+    val_problems: list[Problem]
+    dataloader: Any
+    policy: Any
+    generation: Any
+    environments: dict[str, Any]
+    logger: Any
+    checkpointer: Any
+    start_step: int
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any]) -> GRPORun:
+    from tempering.data.dataloader import StatefulDataLoader
+    from tempering.models.generation.builders import build_generation
+    from tempering.models.hf import load_tokenizer
+    from tempering.models.registry import resolve_model_path
+
+    common.start_run(cfg.cluster)
+    model_path = resolve_model_path(cfg.policy.model_name)
+    tokenizer = load_tokenizer(resolve_model_path(cfg.policy.tokenizer.name or model_path))
+    train_problems, val_problems = load_problems(cfg.data)
+    dataloader = StatefulDataLoader(
+        train_problems, cfg.grpo.num_prompts_per_step, seed=cfg.grpo.seed
+    )
+    environments = build_environments(cfg, {p.task_name for p in train_problems + val_problems})
+
+    cluster = common.build_cluster(cfg.cluster, "grpo")
+    policy = common.build_policy_from_config(
+        cfg.policy,
+        cluster,
+        total_steps=cfg.grpo.max_num_steps,
+        init_reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0,
+        seed=cfg.grpo.seed,
+    )
+    generation = build_generation(cfg.policy.generation, policy, model_path, tokenizer, cfg.cluster)
+    checkpointer = common.build_checkpointer(cfg.checkpointing)
+    start_step, _ = common.maybe_resume(checkpointer, policy, dataloader)
+    if start_step:
+        generation.refit(policy)
+    logger = common.build_logger(cfg.logger, resolved)
+    return GRPORun(
+        cfg,
+        resolved,
+        tokenizer,
+        train_problems,
+        val_problems,
+        dataloader,
+        policy,
+        generation,
+        environments,
+        logger,
+        checkpointer,
+        start_step,
+    )
+
+
+def build_environments(cfg: GRPOMasterConfig, task_names: set[str]) -> dict[str, Any]:
+    """One environment actor per task name in the data (plus a custom reward fn if set)."""
+    from tempering.environments.registry import create_environment_actor
+
+    kwargs: dict[str, dict[str, Any]] = {
+        "math": {"num_workers": cfg.env.math.num_workers, "timeout_s": cfg.env.math.timeout_s},
+    }
+    envs = {t: create_environment_actor(t, **kwargs.get(t, {})) for t in sorted(task_names)}
+    if cfg.env.reward_fn:  # a custom reward replaces the data's own scoring
+        actor = create_environment_actor("reward_fn", reward_fn=cfg.env.reward_fn)
+        envs = dict.fromkeys(envs, actor)
+    return envs
+
+
+# --------------------------------------------------------------------------- loop
+def train(run: GRPORun) -> dict[str, Any]:
+    """The GRPO loop; returns a summary (start/end validation accuracy, time)."""
+    from tempering.algorithms.loss_functions import ClippedPGLoss
+    from tempering.utils.logger import print_step_summary, track
+
+    cfg = run.cfg
+    lf = cfg.loss_fn
+    loss_fn = ClippedPGLoss(
+        ratio_clip_min=lf.ratio_clip_min,
+        ratio_clip_max=lf.ratio_clip_max,
+        ratio_clip_c=lf.ratio_clip_c,
+        reference_policy_kl_penalty=lf.reference_policy_kl_penalty,
+        kl_estimator=lf.kl_type,
+        loss_type="token" if lf.token_level_loss else "sequence",
+        use_importance_sampling_correction=lf.use_importance_sampling_correction,
+        truncated_importance_sampling_ratio=lf.truncated_importance_sampling_ratio,
+    )
+    deadline = common.Deadline(cfg.grpo.max_wall_time_s)
+    first_val: dict[str, float] = {}
+    val: dict[str, float] = {}
+    if cfg.grpo.val_at_start and cfg.grpo.val_period and run.start_step == 0:
+        first_val = val = validate(run, step=0)
+    step = run.start_step
+    steps = range(run.start_step, cfg.grpo.max_num_steps)
+    with track(steps, total=len(steps), description="grpo") as progress:
+        for _ in progress:
+            metrics = grpo_step(run, loss_fn)
+            step += 1
+            run.logger.log_metrics(metrics, step)
+            is_last = step == cfg.grpo.max_num_steps or deadline.passed()
+            if cfg.grpo.val_period and (step % cfg.grpo.val_period == 0 or is_last):
+                val = validate(run, step)
+            print_step_summary(
+                step, cfg.grpo.max_num_steps, {**metrics, **{f"val/{k}": v for k, v in val.items()}}
+            )
+            if run.checkpointer and run.checkpointer.should_save(step, is_last_step=is_last):
+                common.save_checkpoint(
+                    run.checkpointer,
+                    run.policy,
+                    step,
+                    metrics={f"val/{k}": v for k, v in val.items()},
+                    dataloader=run.dataloader,
+                    config=run.resolved,
+                )
+            if deadline.passed():
+                log.info(
+                    "grpo.max_wall_time_s=%s reached at step %d", cfg.grpo.max_wall_time_s, step
+                )
+                break
+    return {
+        "steps": step,
+        "start_accuracy": first_val.get("accuracy"),
+        "end_accuracy": val.get("accuracy"),
+        "wall_time_s": deadline.elapsed,
+    }
+
+
+TRAIN_KEYS = (
+    "input_ids",
+    "input_lengths",
+    "token_mask",
+    "sample_mask",
+    "advantages",
+    "generation_logprobs",
+)
+
+
+def grpo_step(run: GRPORun, loss_fn: Any) -> dict[str, float]:
+    """Generate, score, compute advantages, train, refit. Returns namespaced metrics."""
+    from tempering.algorithms.dynamic_sampling import DynamicSampler, mask_overlong_samples
+    from tempering.distributed.batched_data_dict import BatchedDataDict
+    from tempering.utils.timers import Timer
+
+    cfg = run.cfg.grpo
+    G = cfg.num_generations_per_prompt
+    timer = Timer()
+    extra: dict[str, float] = {}
+    t0 = time.perf_counter()
+    with timer.time("generation"):
+        batch = rollout_batch(run, run.dataloader.next_batch(), G)
+    rewards_seen = batch["rewards"]
+    if cfg.use_dynamic_sampling:  # DAPO: drop zero-variance groups, refill from new prompts
+        sampler = DynamicSampler(
+            cfg.num_prompts_per_step, G, cfg.dynamic_sampling_max_gen_batches, reward_key="rewards"
+        )
+        sampler.add(batch)
+        while sampler.needs_more():
+            with timer.time("generation"):
+                sampler.add(rollout_batch(run, run.dataloader.next_batch(), G))
+        result = sampler.result(pad_to_target=True)
+        batch = BatchedDataDict(result.batch)
+        extra.update({f"train/{k}": float(v) for k, v in result.metrics.items()})
+    if cfg.overlong_filtering:
+        batch, n_masked = mask_overlong_samples(batch)
+        extra["train/overlong_masked"] = float(n_masked)
+    data = BatchedDataDict({k: batch[k] for k in TRAIN_KEYS})
+
+    with timer.time("logprobs"):
+        data["prev_logprobs"] = run.policy.get_logprobs(data)["logprobs"]
+        if run.cfg.loss_fn.reference_policy_kl_penalty > 0:
+            data["reference_policy_logprobs"] = run.policy.get_reference_policy_logprobs(data)[
+                "reference_policy_logprobs"
+            ]
+    with timer.time("train"):
+        train_metrics = run.policy.train(data, loss_fn)
+    with timer.time("refit"):
+        run.generation.refit(run.policy)
+    step_s = time.perf_counter() - t0
+
+    timing = timer.get_timing_metrics()
+    gen_lens = batch["generation_lengths"].float()
+    reasons = list(batch["finish_reasons"])
+    grouped = rewards_seen.view(-1, G)
+    metrics = {f"train/{k}": v for k, v in train_metrics.items()}
+    metrics.update(
+        {
+            "train/reward_mean": float(rewards_seen.mean()),
+            "train/reward_std": float(rewards_seen.std()),
+            "train/accuracy": float((rewards_seen > 0.5).float().mean()),
+            "train/gen_length_mean": float(gen_lens.mean()),
+            "train/gen_length_max": float(gen_lens.max()),
+            "train/truncated_fraction": sum(r == "length" for r in reasons) / len(reasons),
+            "train/zero_variance_groups": float((grouped.amax(1) == grouped.amin(1)).sum()),
+            "timing/step_s": step_s,
+            "throughput/tokens_per_s": float(data["input_lengths"].sum()) / step_s,
+            "throughput/generated_tokens_per_s": float(gen_lens.sum())
+            / max(timing.get("timing/generation_s", 0.0), 1e-9),
+        }
+    )
+    metrics.update(timing)
+    metrics.update(extra)
+    return metrics
+
+
+def rollout_batch(run: GRPORun, problems: list[Problem], group_size: int) -> Any:
+    """Sample `group_size` completions per problem and score them. Returns one flat
+    per-sample BatchedDataDict: the train keys plus rewards, generation_lengths, finish_reasons."""
+    from tempering.algorithms.advantages import leave_one_out_advantages, mean_baseline_advantages
+    from tempering.algorithms.sft import decode_generations
+    from tempering.data.prompts import encode_prompts
+    from tempering.distributed.batched_data_dict import BatchedDataDict
+    from tempering.environments.registry import route_step
+
+    cfg = run.cfg
+    repeated = [p for p in problems for _ in range(group_size)]
+    prompts = encode_prompts(
+        [p.prompt for p in repeated], run.tokenizer, cfg.data.use_chat_template
+    )
+    out = run.generation.generate(prompts, greedy=False)
+    completions = decode_generations(out, prompts, run.tokenizer)
+    logs = [
+        [{"role": "user", "content": p.prompt}, {"role": "assistant", "content": c}]
+        for p, c in zip(repeated, completions, strict=True)
+    ]
+    metas = [{"ground_truth": p.answer} for p in repeated]
+    env_ret = route_step(run.environments, logs, metas, [p.task_name for p in repeated])
+    rewards = env_ret.rewards.float()
+
+    baseline = (
+        leave_one_out_advantages
+        if cfg.grpo.use_leave_one_out_baseline
+        else mean_baseline_advantages
+    )
+    adv = baseline(rewards, group_size, normalize_std=cfg.grpo.normalize_rewards).advantages
+
+    output_ids = out["output_ids"]
+    lengths = out["unpadded_sequence_lengths"]
+    positions = torch.arange(output_ids.shape[1])[None, :]
+    token_mask = (
+        (positions >= prompts["input_lengths"][:, None]) & (positions < lengths[:, None])
+    ).float()
+    return BatchedDataDict(
+        input_ids=output_ids,
+        input_lengths=lengths,
+        token_mask=token_mask,
+        sample_mask=torch.ones(len(repeated)),
+        advantages=adv[:, None] * token_mask,  # [B, S]: one advantage per sequence, on its tokens
+        generation_logprobs=out["logprobs"],
+        rewards=rewards,
+        generation_lengths=out["generation_lengths"],
+        finish_reasons=list(out["finish_reasons"]),
+    )
+
+
+# --------------------------------------------------------------------- validation
+def validate(run: GRPORun, step: int) -> dict[str, float]:
+    """Greedy accuracy on held-out prompts (and pass@k with sampling when configured)."""
+    from tempering.algorithms.sft import decode_generations
+    from tempering.data.prompts import encode_prompts
+    from tempering.environments.registry import route_step
+
+    cfg = run.cfg
+    problems = run.val_problems[: cfg.grpo.max_val_samples]
+    t0 = time.perf_counter()
+    correct: list[float] = []
+    shown = 0
+    for i in range(0, len(problems), cfg.grpo.val_batch_size):
+        chunk = problems[i : i + cfg.grpo.val_batch_size]
+        prompts = encode_prompts(
+            [p.prompt for p in chunk], run.tokenizer, cfg.data.use_chat_template
+        )
+        out = run.generation.generate(prompts, greedy=True)
+        completions = decode_generations(out, prompts, run.tokenizer)
+        logs = [
+            [{"role": "user", "content": p.prompt}, {"role": "assistant", "content": c}]
+            for p, c in zip(chunk, completions, strict=True)
+        ]
+        ret = route_step(
+            run.environments,
+            logs,
+            [{"ground_truth": p.answer} for p in chunk],
+            [p.task_name for p in chunk],
+        )
+        correct.extend(float(r) for r in ret.rewards)
+        for p, c in zip(chunk, completions, strict=True):
+            if shown < cfg.logger.num_val_samples_to_print:
+                log.info("val sample: %r -> %r (answer %s)", p.prompt[-80:], c[:120], p.answer)
+                shown += 1
+    metrics = {"accuracy": sum(c > 0.5 for c in correct) / len(correct)}
+    k = cfg.grpo.val_pass_at_k
+    if k:
+        sampled = rollout_batch(run, problems, k)
+        metrics[f"pass@{k}"] = float(
+            (sampled["rewards"].view(-1, k) > 0.5).any(dim=1).float().mean()
+        )
+    metrics["time_s"] = time.perf_counter() - t0
+    run.logger.log_metrics(metrics, step, prefix="val")
+    return metrics

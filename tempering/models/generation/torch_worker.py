@@ -1,0 +1,49 @@
+"""A generation worker (Ray actor body) running the torch-native engine on its own model copy.
+
+Used in split mode (`policy.generation.colocated.enabled=false`, backend torch): generation
+lives in its own worker group and receives new weights by refit (a Ray object ref to the
+policy's full state dict, fetched by each worker straight from the object store).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from tempering.models.generation.interfaces import SamplingConfig
+from tempering.models.generation.torch_engine import TorchGenerationEngine
+
+
+class TorchGenerationWorker:
+    def __init__(
+        self, model_path: str, sampling: dict[str, Any], num_threads: int | None = None
+    ) -> None:
+        from tempering.models.hf import load_causal_lm, load_tokenizer
+
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.model = load_causal_lm(model_path).eval()
+        self.tokenizer = load_tokenizer(model_path)
+        self.sampling = SamplingConfig(**sampling)
+        self.engine = TorchGenerationEngine(self.model, self.tokenizer, self.sampling)
+
+    def generate(
+        self, data: Mapping[str, Any], greedy: bool = False, max_new_tokens: int | None = None
+    ) -> Any:
+        if max_new_tokens is not None and max_new_tokens != self.engine.config.max_new_tokens:
+            cfg = {**self.sampling.__dict__, "max_new_tokens": max_new_tokens}
+            engine = TorchGenerationEngine(self.model, self.tokenizer, SamplingConfig(**cfg))
+            engine.generator = self.engine.generator
+            return engine.generate(data, greedy=greedy)
+        return self.engine.generate(data, greedy=greedy)
+
+    def update_weights(self, weights: Mapping[str, Any]) -> None:
+        self.engine.update_weights(weights)
+
+    def prepare_for_generation(self) -> None:
+        self.engine.prepare_for_generation()
+
+    def finish_generation(self) -> None:
+        self.engine.finish_generation()
