@@ -171,7 +171,11 @@ def train(run: SFTRun) -> dict[str, float]:
             is_last = step == cfg.max_num_steps
             if cfg.val_period and (step % cfg.val_period == 0 or is_last):
                 val_metrics = validate(run, step)
-            print_step_summary(step, cfg.max_num_steps, {**metrics, **val_metrics})
+            print_step_summary(
+                step,
+                cfg.max_num_steps,
+                {**metrics, **{f"val/{k}": v for k, v in val_metrics.items()}},
+            )
             stop = _inside_band(val_metrics, cfg.stop_val_accuracy_range)
             if run.checkpointer and (
                 run.checkpointer.should_save(step, is_last_step=is_last or stop)
