@@ -174,7 +174,11 @@ def train(run: SFTRun) -> dict[str, float]:
             print_step_summary(
                 step,
                 cfg.max_num_steps,
-                {**metrics, **{f"val/{k}": v for k, v in val_metrics.items()}},
+                {
+                    **{f"train/{k}": v for k, v in metrics.items()},
+                    "timing/step_s": metrics["step_s"],
+                    **{f"val/{k}": v for k, v in val_metrics.items()},
+                },
             )
             stop = _inside_band(val_metrics, cfg.stop_val_accuracy_range)
             if run.checkpointer and (
