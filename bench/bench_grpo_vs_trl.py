@@ -135,8 +135,7 @@ def run_tempering(a: argparse.Namespace) -> tuple[dict, str, list[tuple[str, str
         model = resolve_model_path(cfg.policy.model_name)
         problems = [(p.prompt, p.answer) for p in run.train_problems[: 4 * a.prompts * a.steps]]
     finally:
-        run.generation.shutdown()
-        run.policy.shutdown()
+        run.close()
     return {"step_s": steps, "num_tokens": toks}, model, problems
 
 

@@ -22,9 +22,7 @@ def main() -> None:
     try:
         s = grpo.train(run)
     finally:
-        run.logger.close()
-        run.generation.shutdown()
-        run.policy.shutdown()
+        run.close()
     start = "n/a" if s["start_accuracy"] is None else f"{s['start_accuracy']:.1%}"
     end = "n/a" if s["end_accuracy"] is None else f"{s['end_accuracy']:.1%}"
     print(

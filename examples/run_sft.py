@@ -24,8 +24,7 @@ def main() -> None:
         run.policy.export_hf(str(export))
         print(f"SFT done: {run.final_step} steps, val {val}; HF model exported to {export}")
     finally:
-        run.logger.close()
-        run.policy.shutdown()
+        run.close()
 
 
 if __name__ == "__main__":

@@ -69,12 +69,20 @@ class GRPORun:
     val_problems: list[Problem]
     dataloader: Any
     policy: Any
+    cluster: Any
     generation: Any
     environments: dict[str, Any]
     logger: Any
     checkpointer: Any
     start_step: int
     history: list[dict[str, float]] = field(default_factory=list)
+
+    def close(self) -> None:
+        """Free what the run started: logger, generation, policy workers, placement groups."""
+        self.logger.close()
+        self.generation.shutdown()
+        self.policy.shutdown()
+        self.cluster.shutdown()
 
 
 def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any]) -> GRPORun:
@@ -114,6 +122,7 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any]) -> GRPORun:
         val_problems,
         dataloader,
         policy,
+        cluster,
         generation,
         environments,
         logger,

@@ -92,10 +92,17 @@ class SFTRun:
     data: SFTData
     dataloader: Any
     policy: Any
+    cluster: Any
     generation: Any  # colocated torch engine for greedy validation (None without answers)
     logger: Any
     checkpointer: Any
     start_step: int
+
+    def close(self) -> None:
+        """Free what the run started: logger, policy workers, placement groups."""
+        self.logger.close()
+        self.policy.shutdown()
+        self.cluster.shutdown()
 
 
 def setup(cfg: SFTMasterConfig, resolved: dict[str, Any]) -> SFTRun:
@@ -137,6 +144,7 @@ def setup(cfg: SFTMasterConfig, resolved: dict[str, Any]) -> SFTRun:
         data,
         dataloader,
         policy,
+        cluster,
         generation,
         logger,
         checkpointer,

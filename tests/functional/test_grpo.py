@@ -42,9 +42,7 @@ def grpo_run(ray_session, tmp_path_factory):
     )
     run = grpo.setup(cfg, resolved)
     yield run
-    run.logger.close()
-    run.generation.shutdown()
-    run.policy.shutdown()
+    run.close()
 
 
 def test_rollout_logprobs_and_rewards_are_consistent(grpo_run):

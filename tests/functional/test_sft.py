@@ -45,8 +45,7 @@ def _run_sft(tmp: Path, name: str, ckpt: Path, steps: int, extra: list[str] = ()
     try:
         sft.train(run)
     finally:
-        run.logger.close()
-        run.policy.shutdown()
+        run.close()
     rows = [json.loads(x) for x in (tmp / name / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
@@ -75,8 +74,12 @@ def test_smollm2_gsm8k_sft_steps_lower_the_loss(ray_session):
 
     cfg, _ = load_config(
         REPO / "examples/configs/sft_smollm2_gsm8k.yaml",
-        ["policy.train_global_batch_size=4", "policy.train_micro_batch_size=2", "policy.num_threads=2",
-         "policy.optimizer.kwargs.lr=2.0e-5"],
+        [
+            "policy.train_global_batch_size=4",
+            "policy.train_micro_batch_size=2",
+            "policy.num_threads=2",
+            "policy.optimizer.kwargs.lr=2.0e-5",
+        ],
         schema=SFTMasterConfig,
     )
     tokenizer = load_tokenizer(resolve_model_path(cfg.policy.model_name))
