@@ -139,6 +139,11 @@ def build_environments(cfg: GRPOMasterConfig, task_names: set[str]) -> dict[str,
         "math": {"num_workers": cfg.env.math.num_workers, "timeout_s": cfg.env.math.timeout_s},
     }
     envs = {t: create_environment_actor(t, **kwargs.get(t, {})) for t in sorted(task_names)}
+    if cfg.env.reward_model_path:  # a trained reward model scores every task
+        actor = create_environment_actor(
+            "reward_model", reward_model_path=cfg.env.reward_model_path
+        )
+        envs = dict.fromkeys(envs, actor)
     if cfg.env.reward_fn:  # a custom reward replaces the data's own scoring
         actor = create_environment_actor("reward_fn", reward_fn=cfg.env.reward_fn)
         envs = dict.fromkeys(envs, actor)

@@ -211,8 +211,13 @@ class DPOConfig(Section):
     val_micro_batch_size: int = Field(16, ge=2)
     val_at_start: bool = True
     reference_policy_kl_penalty: float = Field(0.1, gt=0, description="beta")
-    preference_average_log_probs: bool = False
-    sft_loss_weight: float = Field(0.0, ge=0)
+    preference_average_log_probs: bool = Field(
+        False, description="mean instead of sum of token log-probs per sequence"
+    )
+    sft_loss_weight: float = Field(0.0, ge=0, description="weight of NLL on the chosen response")
+    val_greedy_accuracy: bool = Field(
+        True, description="arithmetic data: also report tiny-arith greedy accuracy at validation"
+    )
     seed: int = 42
 
 
@@ -224,6 +229,9 @@ class RMConfig(Section):
     val_global_batch_size: int = Field(32, ge=2)
     val_micro_batch_size: int = Field(16, ge=2)
     val_at_start: bool = True
+    export_dir: str | None = Field(
+        None, description="HF folder for the final reward model; default <checkpoint_dir>/final_hf"
+    )
     seed: int = 42
 
 

@@ -17,6 +17,7 @@ from tempering.environments.arithmetic import ArithmeticEnvironment
 from tempering.environments.interfaces import EnvironmentInterface, EnvironmentReturn, MessageLog
 from tempering.environments.math import MathEnvironment
 from tempering.environments.reward_fn import RewardFunctionEnvironment
+from tempering.environments.reward_model import RewardModelEnvironment
 
 __all__ = [
     "ENVIRONMENT_REGISTRY",
@@ -31,6 +32,7 @@ ENVIRONMENT_REGISTRY: dict[str, type[EnvironmentInterface]] = {
     "math": MathEnvironment,
     "arithmetic": ArithmeticEnvironment,
     "reward_fn": RewardFunctionEnvironment,
+    "reward_model": RewardModelEnvironment,
 }
 
 

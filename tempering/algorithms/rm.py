@@ -1,0 +1,189 @@
+"""Reward-model training: Bradley-Terry loss on a sequence-classification head, FSDP2 workers.
+
+    uv run examples/run_rm.py [--config FILE] [dotted.key=value ...]
+
+`setup()` builds the pieces (preference data, Ray cluster, `RewardModel` workers, logger,
+checkpoints); `train()` is the loop: batch of pairs (chosen 2i / rejected 2i+1) ->
+`reward_model.train` (Bradley-Terry: -logsigmoid(s_chosen - s_rejected)) -> log -> validate
+(held-out pair accuracy, loss and margin, no update) -> checkpoint. `export()` writes an HF
+folder that ``AutoModelForSequenceClassification.from_pretrained`` loads and that
+`tempering.environments.reward_model.RewardModelEnvironment` (GRPO's ``env.reward_model_path``)
+serves.
+
+The model is ``AutoModelForSequenceClassification(num_labels=1)`` built from the causal-LM
+folder of `policy.model_name` (its score head is new); `policy.*` gives the batch sizes,
+optimizer and schedule. Data and its bad-row handling are DPO's (`dpo.load_preference_data`);
+the default arithmetic pairs are SYNTHETIC (correct answer vs corrupted number).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tempering.algorithms import common
+from tempering.algorithms.dpo import (
+    PreferenceData,
+    check_pair_batch_sizes,
+    load_preference_data,
+    preference_batch,
+)
+from tempering.config.schemas import RMMasterConfig
+
+log = logging.getLogger(__name__)
+
+TRAIN_METRICS = ("loss", "accuracy", "margin", "grad_norm", "lr", "tokens_per_s")
+
+
+@dataclass
+class RMRun:
+    cfg: RMMasterConfig
+    resolved: dict[str, Any]
+    tokenizer: Any
+    data: PreferenceData
+    dataloader: Any
+    reward_model: Any
+    logger: Any
+    checkpointer: Any
+    start_step: int
+    final_step: int = 0
+
+
+def setup(cfg: RMMasterConfig, resolved: dict[str, Any]) -> RMRun:
+    from tempering.data.collate import pad_token_id_of
+    from tempering.data.dataloader import StatefulDataLoader
+    from tempering.models.hf import load_tokenizer
+    from tempering.models.policy.reward_model_worker import build_reward_model
+    from tempering.models.registry import resolve_model_path
+
+    pol = cfg.policy
+    dp = cfg.cluster.num_nodes * (cfg.cluster.gpus_per_node or cfg.cluster.workers_per_node)
+    check_pair_batch_sizes(
+        pol.train_global_batch_size,
+        pol.train_micro_batch_size,
+        dp,
+        "policy.train_global_batch_size / train_micro_batch_size",
+    )
+    check_pair_batch_sizes(
+        cfg.rm.val_global_batch_size,
+        cfg.rm.val_micro_batch_size,
+        dp,
+        "rm.val_global_batch_size / val_micro_batch_size",
+    )
+    if pol.precision != "float32":
+        log.warning("policy.precision=%s: the reward-model worker trains in float32", pol.precision)
+    common.start_run(cfg.cluster)
+    model_path = resolve_model_path(pol.model_name)
+    tokenizer = load_tokenizer(resolve_model_path(pol.tokenizer.name or model_path))
+    data = load_preference_data(cfg.data)
+    max_len = pol.max_total_sequence_length
+    dataloader = StatefulDataLoader(
+        data.train,
+        pol.train_global_batch_size // 2,
+        seed=cfg.rm.seed,
+        collate_fn=lambda pairs: preference_batch(pairs, tokenizer, max_len),
+    )
+    opt = pol.optimizer
+    reward_model = build_reward_model(
+        common.build_cluster(cfg.cluster, "rm"),
+        model_path,
+        pad_token_id=pad_token_id_of(tokenizer),
+        train_global_batch_size=pol.train_global_batch_size,
+        train_micro_batch_size=pol.train_micro_batch_size,
+        learning_rate=opt.kwargs.lr,
+        weight_decay=opt.kwargs.weight_decay,
+        betas=opt.kwargs.betas,
+        eps=opt.kwargs.eps,
+        optimizer=common._OPTIMIZERS.get(opt.name, opt.name),
+        max_grad_norm=pol.max_grad_norm,
+        lr_schedule=pol.scheduler.name,
+        warmup_steps=pol.scheduler.warmup_steps,
+        total_steps=cfg.rm.max_num_steps,
+        min_lr_ratio=pol.scheduler.min_lr_ratio,
+        seed=cfg.rm.seed,
+        num_threads=pol.num_threads,
+    )
+    checkpointer = common.build_checkpointer(cfg.checkpointing)
+    start_step, _ = common.maybe_resume(checkpointer, reward_model, dataloader)
+    logger = common.build_logger(cfg.logger, resolved)
+    logger.log_metrics({"num_skipped": float(data.num_skipped)}, start_step, prefix="data")
+    return RMRun(
+        cfg, resolved, tokenizer, data, dataloader, reward_model, logger, checkpointer, start_step
+    )
+
+
+def train(run: RMRun) -> dict[str, Any]:
+    """The reward-model loop. Returns {"steps", "start": first val, "end": last val}."""
+    from tempering.utils.logger import print_step_summary, track
+
+    cfg = run.cfg.rm
+    first: dict[str, float] = {}
+    val: dict[str, float] = {}
+    if cfg.val_at_start and cfg.val_period and run.start_step == 0:
+        first = val = validate(run, step=0)
+    step = run.start_step
+    steps = range(run.start_step, cfg.max_num_steps)
+    with track(steps, len(steps), "rm") as progress:
+        for _ in progress:
+            if run.dataloader.epoch >= cfg.max_num_epochs:
+                break
+            t0 = time.perf_counter()
+            metrics = run.reward_model.train(run.dataloader.next_batch())
+            step += 1
+            run.logger.log_metrics(
+                {k: metrics[k] for k in TRAIN_METRICS if k in metrics}, step, prefix="train"
+            )
+            run.logger.log_metrics({"step_s": time.perf_counter() - t0}, step, prefix="timing")
+            is_last = step == cfg.max_num_steps
+            if cfg.val_period and (step % cfg.val_period == 0 or is_last):
+                val = validate(run, step)
+            print_step_summary(
+                step, cfg.max_num_steps, {**metrics, **{f"val/{k}": v for k, v in val.items()}}
+            )
+            if run.checkpointer and run.checkpointer.should_save(step, is_last_step=is_last):
+                common.save_checkpoint(
+                    run.checkpointer,
+                    run.reward_model,
+                    step,
+                    metrics={f"val/{k}": v for k, v in val.items()},
+                    dataloader=run.dataloader,
+                    config=run.resolved,
+                )
+    run.final_step = step
+    return {"steps": step, "start": first, "end": val}
+
+
+def validate(run: RMRun, step: int) -> dict[str, float]:
+    """Held-out pair accuracy (share of pairs scored chosen > rejected), loss and margin."""
+    cfg = run.cfg.rm
+    half = cfg.val_global_batch_size // 2
+    n_pairs = min(len(run.data.val), half * cfg.val_batches) // half * half
+    if not n_pairs:
+        log.warning(
+            "rm validation skipped: %d held-out pairs < rm.val_global_batch_size/2=%d",
+            len(run.data.val),
+            half,
+        )
+        return {}
+    batch = preference_batch(
+        run.data.val[:n_pairs], run.tokenizer, run.cfg.policy.max_total_sequence_length
+    )
+    m = run.reward_model.train(
+        batch,
+        eval_mode=True,
+        global_batch_size=cfg.val_global_batch_size,
+        micro_batch_size=cfg.val_micro_batch_size,
+    )
+    out = {"accuracy": m["accuracy"], "loss": m["loss"], "margin": m["margin"]}
+    run.logger.log_metrics(out, step, prefix="val")
+    return out
+
+
+def export(run: RMRun) -> Path:
+    """Write the trained reward model as an HF folder; returns its path."""
+    path = Path(run.cfg.rm.export_dir or Path(run.cfg.checkpointing.checkpoint_dir) / "final_hf")
+    run.reward_model.export_hf(str(path))
+    return path

@@ -1,0 +1,136 @@
+"""`RewardModelEnvironment`: score rollouts with a trained reward model (task "reward_model").
+
+It loads an HF folder written by `tempering.algorithms.rm` (``examples/run_rm.py``; GRPO's
+``env.reward_model_path``) with ``AutoModelForSequenceClassification`` and scores each
+conversation: the message log (prompt messages + the last assistant message) is tokenized
+exactly as the reward model saw its training pairs (`tokenize_message_log`, i.e. the chat
+template if the tokenizer has one, else plain concatenation with EOS after the assistant
+turn), right-padded with the pad token, and the score is read at the last non-pad token.
+
+Reward: ``reward_transform="raw"`` (default) gives the score itself, an unbounded logit
+whose differences are Bradley-Terry log-odds; ``"sigmoid"`` gives ``sigmoid(score)`` in
+(0, 1) (the probability that the completion beats one scored 0). GRPO's advantages are
+invariant to a constant shift, so "raw" is the natural choice; "sigmoid" bounds outliers.
+
+    env = RewardModelEnvironment("results/rm_tiny_arith/final_hf")
+    ret = env.step([[{"role": "user", "content": "Q: 2+3=? A:"},
+                     {"role": "assistant", "content": " 5"}]], [{}])
+    ret.rewards  # tensor([score])
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from tempering.environments.interfaces import (
+    EnvironmentInterface,
+    EnvironmentReturn,
+    MessageLog,
+    last_assistant_content,
+)
+
+RewardTransform = Literal["raw", "sigmoid"]
+
+
+class RewardModelEnvironment(EnvironmentInterface):
+    """Rewards from a Bradley-Terry reward model (see the module docstring).
+
+    Args:
+        reward_model_path: an exported reward-model folder (config, weights, tokenizer).
+        reward_transform: "raw" (the score) or "sigmoid" (sigmoid of the score).
+        max_seq_len: conversations are cut to this many tokens (from the start).
+        batch_size: rows per forward pass.
+        num_threads: torch threads (CPU); None leaves torch's default.
+    """
+
+    def __init__(
+        self,
+        reward_model_path: str,
+        reward_transform: RewardTransform = "raw",
+        max_seq_len: int = 512,
+        batch_size: int = 64,
+        num_threads: int | None = None,
+    ) -> None:
+        import torch
+        from transformers import AutoModelForSequenceClassification
+
+        from tempering.models.hf import load_tokenizer
+
+        if reward_transform not in ("raw", "sigmoid"):
+            raise ValueError(
+                f"reward_transform={reward_transform!r} is unknown; use 'raw' or 'sigmoid'"
+            )
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        self.tokenizer = load_tokenizer(reward_model_path)
+        try:
+            self.model = AutoModelForSequenceClassification.from_pretrained(
+                reward_model_path, dtype=torch.float32
+            ).eval()
+        except OSError as err:
+            raise FileNotFoundError(
+                f"reward model folder {reward_model_path!r} could not be loaded ({err}); pass the "
+                "folder written by examples/run_rm.py (<checkpoint_dir>/final_hf)"
+            ) from err
+        if self.model.config.num_labels != 1 or self.model.config.pad_token_id is None:
+            raise ValueError(
+                f"{reward_model_path}: num_labels={self.model.config.num_labels}, pad_token_id="
+                f"{self.model.config.pad_token_id}; a reward model needs num_labels=1 and a "
+                "pad_token_id (export it with examples/run_rm.py)"
+            )
+        self.reward_transform = reward_transform
+        self.max_seq_len = max_seq_len
+        self.batch_size = batch_size
+
+    def score(self, message_logs: list[MessageLog]) -> Any:
+        """Raw scores ``[B]`` (float32) of whole conversations."""
+        import torch
+
+        from tempering.data.processing import tokenize_message_log
+
+        pad = int(self.model.config.pad_token_id)
+        out = []
+        for start in range(0, len(message_logs), self.batch_size):
+            chunk = message_logs[start : start + self.batch_size]
+            ids = [
+                tokenize_message_log(_plain(log), self.tokenizer, self.max_seq_len)["input_ids"]
+                for log in chunk
+            ]
+            lengths = torch.tensor([max(len(x), 1) for x in ids])
+            batch = torch.full((len(ids), int(lengths.max())), pad, dtype=torch.long)
+            for i, x in enumerate(ids):
+                batch[i, : len(x)] = torch.tensor(x, dtype=torch.long)
+            mask = (torch.arange(batch.shape[1])[None, :] < lengths[:, None]).long()
+            with torch.no_grad():
+                out.append(self.model(input_ids=batch, attention_mask=mask).logits[:, 0].float())
+        return torch.cat(out) if out else torch.zeros(0)
+
+    def step(
+        self, message_logs: list[MessageLog], metadata: list[dict[str, Any]]
+    ) -> EnvironmentReturn:
+        import torch
+
+        scores = self.score(message_logs)
+        rewards = torch.sigmoid(scores) if self.reward_transform == "sigmoid" else scores
+        n = len(message_logs)
+        return EnvironmentReturn(
+            observations=[{"role": "environment", "content": ""} for _ in range(n)],
+            metadata=list(metadata),
+            next_stop_strings=[None] * n,
+            rewards=rewards,
+            terminateds=torch.ones(n, dtype=torch.bool),
+            answers=[last_assistant_content(log) for log in message_logs],
+        )
+
+    def global_post_process_and_metrics(
+        self, batch: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, float]]:
+        rewards = batch.get("rewards")
+        if rewards is None or len(rewards) == 0:
+            return batch, {}
+        return batch, {"reward_model_score_mean": float(rewards.float().mean())}
+
+
+def _plain(log: MessageLog) -> MessageLog:
+    """role/content only (message logs may carry token_ids and other keys)."""
+    return [{"role": str(m["role"]), "content": str(m.get("content", ""))} for m in log]

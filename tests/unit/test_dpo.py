@@ -1,0 +1,224 @@
+"""DPO pieces without Ray: preference data through the DPO loader (bad rows, skip counts),
+batch-size checks, the likelihood preference metric, DPOLoss micro-batch invariance, and
+`dpo_step` on a single-rank FSDP2PolicyWorker built in this process (reference log-probs
+computed before the update, frozen, and the loss going down on a fixed batch).
+
+DPOLoss and BradleyTerryLoss parity with an independent hand computation (loss AND
+gradient, 1e-6) lives in test_loss_functions.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from tempering.algorithms.dpo import (
+    check_pair_batch_sizes,
+    dpo_step,
+    likelihood_preference_accuracy,
+    load_preference_data,
+    preference_batch,
+)
+from tempering.algorithms.loss_functions import DPOLoss, count_valid_pairs, token_logprobs
+from tempering.config.schemas import DataConfig
+from tempering.data.records import DataFormatError
+
+
+# ------------------------------------------------------------------------ data
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+GOOD = [
+    {"prompt": f"Q: {i}+1=? A:", "chosen": f" {i + 1}", "rejected": f" {i + 3}"} for i in range(8)
+]
+
+
+@pytest.fixture
+def bad_file(tmp_path: Path) -> Path:
+    rows = list(GOOD)
+    rows.insert(2, {"prompt": "Q: 5+5=? A:", "chosen": "", "rejected": " 11"})  # line 3: empty
+    rows.insert(5, {"prompt": "Q: 6+6=? A:", "chosen": " 12", "rejected": " 12"})  # line 6: same
+    return write_jsonl(tmp_path / "prefs.jsonl", rows)
+
+
+def test_bad_row_is_an_error_naming_file_and_line(bad_file: Path):
+    cfg = DataConfig(dataset_name="preference", train_data_path=str(bad_file))
+    with pytest.raises(DataFormatError, match=rf"{bad_file.name}:3: .*empty"):
+        load_preference_data(cfg)
+
+
+def test_bad_rows_skipped_and_counted(bad_file: Path):
+    cfg = DataConfig(
+        dataset_name="preference",
+        train_data_path=str(bad_file),
+        on_bad_row="skip",
+        num_val_samples=2,
+    )
+    data = load_preference_data(cfg)
+    assert data.num_skipped == 2
+    assert len(data.train) + len(data.val) == len(GOOD)
+    assert len(data.val) == 2
+    assert any(f"{bad_file.name}:3:" in r and "empty" in r for r in data.skipped_reasons)
+    assert any(f"{bad_file.name}:6:" in r and "identical" in r for r in data.skipped_reasons)
+
+
+def test_separate_val_file_is_used(tmp_path: Path):
+    train = write_jsonl(tmp_path / "train.jsonl", GOOD)
+    val = write_jsonl(tmp_path / "val.jsonl", GOOD[:3])
+    cfg = DataConfig(dataset_name="preference", train_data_path=str(train), val_data_path=str(val))
+    data = load_preference_data(cfg)
+    assert (len(data.train), len(data.val)) == (8, 3)
+
+
+def test_unknown_dataset_and_missing_path_are_explained():
+    with pytest.raises(ValueError, match="data.dataset_name='squad' is not a preference"):
+        load_preference_data(DataConfig(dataset_name="squad"))
+    with pytest.raises(ValueError, match="needs data.train_data_path"):
+        load_preference_data(DataConfig(dataset_name="helpsteer3"))
+
+
+def test_arithmetic_pairs_are_synthetic_correct_vs_corrupted():
+    data = load_preference_data(DataConfig(num_train_samples=20, num_val_samples=10))
+    assert (len(data.train), len(data.val), len(data.val_problems)) == (20, 10, 10)
+    for pair, problem in zip(data.val, data.val_problems, strict=True):
+        assert pair.prompt[0]["content"] == problem["prompt"]
+        assert pair.chosen[0]["content"] == " " + problem["answer"]
+        assert pair.rejected[0]["content"] != pair.chosen[0]["content"]
+
+
+def test_batch_size_checks_name_the_values():
+    check_pair_batch_sizes(64, 16, 2, "x")
+    with pytest.raises(
+        ValueError, match="global batch 30 rows .* multiple of 2 x data-parallel size \\(4\\)"
+    ):
+        check_pair_batch_sizes(30, 2, 2, "x")
+    with pytest.raises(ValueError, match="micro batch 3 even"):
+        check_pair_batch_sizes(64, 3, 1, "x")
+
+
+# --------------------------------------------------------------------- metrics
+def test_likelihood_preference_accuracy_hand_worked():
+    # 3 pairs; response tokens at positions 1..2; pair 2 masked out
+    logprobs = torch.tensor(
+        [
+            [0, -1.0, -1.0],
+            [0, -2.0, -0.5],
+            [0, -3.0, -0.1],
+            [0, -1.0, -1.0],
+            [0, -9.0, 0],
+            [0, 0, 0],
+        ]
+    )
+    token_mask = torch.tensor([[0, 1, 1]] * 6, dtype=torch.float)
+    batch = {"token_mask": token_mask, "sample_mask": torch.tensor([1.0, 1, 1, 1, 0, 1])}
+    # sums: pair0 -2 vs -2.5 (win), pair1 -3.1 vs -2 (loss), pair2 masked
+    assert likelihood_preference_accuracy(logprobs, batch, average=False) == 0.5
+    token_mask[0, 2] = 0  # chosen mean -1 vs rejected mean -1.25: still a win
+    assert likelihood_preference_accuracy(logprobs, batch, average=True) == 0.5
+
+
+# ------------------------------------------------------------------ DPOLoss
+def test_dpo_loss_microbatch_split_equals_full_batch():
+    """Two micro-batches of pairs, each divided by the GLOBAL pair count, sum to the full
+    batch's loss and gradient (what the worker relies on)."""
+    g = torch.Generator().manual_seed(3)
+    B, S, V = 8, 6, 7
+    ids = torch.randint(0, V, (B, S), generator=g)
+    token_mask = torch.zeros(B, S)
+    token_mask[:, 2:] = 1
+    sample_mask = torch.tensor([1.0, 1, 1, 0, 1, 1, 1, 1])  # pair 1 invalid
+    logits = torch.randn(B, S, V, generator=g, dtype=torch.float64)
+    ref = token_logprobs(logits, ids) + torch.rand(B, S, generator=g, dtype=torch.float64) - 0.5
+    data = {
+        "input_ids": ids,
+        "token_mask": token_mask,
+        "sample_mask": sample_mask,
+        "reference_policy_logprobs": ref,
+    }
+    loss_fn = DPOLoss(0.2, sft_loss_weight=0.3)
+    pairs = count_valid_pairs(sample_mask)
+    full = logits.clone().requires_grad_(True)
+    loss_full, _ = loss_fn(full, data, torch.tensor(0.0), pairs)
+    loss_full.backward()
+    split = logits.clone().requires_grad_(True)
+    total = 0.0
+    for lo, hi in ((0, 4), (4, 8)):
+        part = {k: v[lo:hi] for k, v in data.items()}
+        loss, _ = loss_fn(split[lo:hi], part, torch.tensor(0.0), pairs)
+        total = total + loss
+    total.backward()
+    assert total.item() == pytest.approx(loss_full.item(), abs=1e-12)
+    assert torch.allclose(split.grad, full.grad, atol=1e-12)
+
+
+def test_dpo_loss_at_reference_is_log2_plus_sft():
+    """Policy == reference: every margin is 0, so the preference loss is exactly log 2 and its
+    gradient w.r.t. each margin is -1/2 (per pair, / number of pairs)."""
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 5, (4, 5), generator=g)
+    logits = torch.randn(4, 5, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    token_mask = torch.ones(4, 5)
+    lp = token_logprobs(logits.detach(), ids)
+    data = {
+        "input_ids": ids,
+        "token_mask": token_mask,
+        "sample_mask": torch.ones(4),
+        "reference_policy_logprobs": lp,
+    }
+    loss, m = DPOLoss(0.5, sft_loss_weight=0.25)(logits, data, torch.tensor(0.0), torch.tensor(2.0))
+    sft = -(lp[0] * token_mask[0]).sum() - (lp[2] * token_mask[2]).sum()
+    assert m["preference_loss"] == pytest.approx(math.log(2), abs=1e-12)
+    assert loss.item() == pytest.approx(math.log(2) + 0.25 * sft.item() / 2, abs=1e-10)
+    assert m["preference_accuracy"] == 0.0 and m["reward_margin"] == 0.0
+
+
+# ------------------------------------------------------- dpo_step on a worker
+@pytest.fixture(scope="module")
+def tiny_arith_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from tempering.models.tiny_arith import build_untrained
+
+    return str(build_untrained(tmp_path_factory.mktemp("tiny_arith"), seed=0))
+
+
+@pytest.fixture
+def worker(tiny_arith_dir: str, monkeypatch: pytest.MonkeyPatch):
+    """A single-rank FSDP2PolicyWorker in this process (no Ray needed for one rank)."""
+    from tempering.models.policy.fsdp2_worker import FSDP2PolicyWorker
+
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    w = FSDP2PolicyWorker(
+        tiny_arith_dir, learning_rate=3e-3, init_reference_model=True, num_threads=1, seed=0
+    )
+    yield w
+    w.shutdown()
+
+
+def test_dpo_step_uses_frozen_reference_and_learns_a_fixed_batch(worker, tiny_arith_dir):
+    from tempering.models.hf import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_arith_dir)
+    pairs = load_preference_data(DataConfig(num_train_samples=16, num_val_samples=1)).train
+    batch = preference_batch(pairs, tokenizer, 32)
+    assert batch.size == 32 and torch.equal(batch["sample_mask"], torch.ones(32))
+    ref0 = worker.get_logprobs(batch)["logprobs"]
+    loss_fn = DPOLoss(0.1)
+    first = dpo_step(worker, batch, loss_fn, global_batch_size=32, micro_batch_size=8)
+    # the reference log-probs were computed before the update and equal the initial policy's
+    assert torch.allclose(batch["reference_policy_logprobs"], ref0, atol=1e-6)
+    assert first["preference_loss"] == pytest.approx(math.log(2), abs=1e-5)
+    last = first
+    for _ in range(15):
+        last = dpo_step(worker, batch, loss_fn, global_batch_size=32, micro_batch_size=8)
+    assert torch.allclose(batch["reference_policy_logprobs"], ref0, atol=1e-6)  # frozen
+    assert last["preference_loss"] < first["preference_loss"] - 0.1
+    assert last["preference_accuracy"] >= 0.9
+    assert last["reward_margin"] > 0
+    # the implicit reward is beta * (logp - logp_ref): chosen up relative to rejected
+    assert last["rewards_chosen_mean"] > last["rewards_rejected_mean"]
