@@ -285,29 +285,39 @@ def grpo_step(run: GRPORun, loss_fn: Any) -> dict[str, float]:
     return metrics
 
 
+def generate_and_score(
+    run: GRPORun, problems: list[Problem], greedy: bool
+) -> tuple[Any, Any, list[str], torch.Tensor]:
+    """One completion per problem, scored by its task's environment.
+
+    Returns (prompts BDD, generation output BDD, completion texts, rewards [B])."""
+    from tempering.algorithms.sft import decode_generations
+    from tempering.data.prompts import encode_prompts
+    from tempering.environments.registry import route_step
+
+    prompts = encode_prompts(
+        [p.prompt for p in problems], run.tokenizer, run.cfg.data.use_chat_template
+    )
+    out = run.generation.generate(prompts, greedy=greedy)
+    completions = decode_generations(out, prompts, run.tokenizer)
+    logs = [
+        [{"role": "user", "content": p.prompt}, {"role": "assistant", "content": c}]
+        for p, c in zip(problems, completions, strict=True)
+    ]
+    metas = [{"ground_truth": p.answer} for p in problems]
+    ret = route_step(run.environments, logs, metas, [p.task_name for p in problems])
+    return prompts, out, completions, ret.rewards.float()
+
+
 def rollout_batch(run: GRPORun, problems: list[Problem], group_size: int) -> Any:
     """Sample `group_size` completions per problem and score them. Returns one flat
     per-sample BatchedDataDict: the train keys plus rewards, generation_lengths, finish_reasons."""
     from tempering.algorithms.advantages import leave_one_out_advantages, mean_baseline_advantages
-    from tempering.algorithms.sft import decode_generations
-    from tempering.data.prompts import encode_prompts
     from tempering.distributed.batched_data_dict import BatchedDataDict
-    from tempering.environments.registry import route_step
 
     cfg = run.cfg
     repeated = [p for p in problems for _ in range(group_size)]
-    prompts = encode_prompts(
-        [p.prompt for p in repeated], run.tokenizer, cfg.data.use_chat_template
-    )
-    out = run.generation.generate(prompts, greedy=False)
-    completions = decode_generations(out, prompts, run.tokenizer)
-    logs = [
-        [{"role": "user", "content": p.prompt}, {"role": "assistant", "content": c}]
-        for p, c in zip(repeated, completions, strict=True)
-    ]
-    metas = [{"ground_truth": p.answer} for p in repeated]
-    env_ret = route_step(run.environments, logs, metas, [p.task_name for p in repeated])
-    rewards = env_ret.rewards.float()
+    prompts, out, _, rewards = generate_and_score(run, repeated, greedy=False)
 
     baseline = (
         leave_one_out_advantages
@@ -338,9 +348,6 @@ def rollout_batch(run: GRPORun, problems: list[Problem], group_size: int) -> Any
 # --------------------------------------------------------------------- validation
 def validate(run: GRPORun, step: int) -> dict[str, float]:
     """Greedy accuracy on held-out prompts (and pass@k with sampling when configured)."""
-    from tempering.algorithms.sft import decode_generations
-    from tempering.data.prompts import encode_prompts
-    from tempering.environments.registry import route_step
 
     cfg = run.cfg
     problems = run.val_problems[: cfg.grpo.max_val_samples]
@@ -349,22 +356,8 @@ def validate(run: GRPORun, step: int) -> dict[str, float]:
     shown = 0
     for i in range(0, len(problems), cfg.grpo.val_batch_size):
         chunk = problems[i : i + cfg.grpo.val_batch_size]
-        prompts = encode_prompts(
-            [p.prompt for p in chunk], run.tokenizer, cfg.data.use_chat_template
-        )
-        out = run.generation.generate(prompts, greedy=True)
-        completions = decode_generations(out, prompts, run.tokenizer)
-        logs = [
-            [{"role": "user", "content": p.prompt}, {"role": "assistant", "content": c}]
-            for p, c in zip(chunk, completions, strict=True)
-        ]
-        ret = route_step(
-            run.environments,
-            logs,
-            [{"ground_truth": p.answer} for p in chunk],
-            [p.task_name for p in chunk],
-        )
-        correct.extend(float(r) for r in ret.rewards)
+        _, _, completions, rewards = generate_and_score(run, chunk, greedy=True)
+        correct.extend(float(r) for r in rewards)
         for p, c in zip(chunk, completions, strict=True):
             if shown < cfg.logger.num_val_samples_to_print:
                 log.info("val sample: %r -> %r (answer %s)", p.prompt[-80:], c[:120], p.answer)

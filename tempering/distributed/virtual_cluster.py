@@ -19,11 +19,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-# Ray reads this when it is first imported: a driver started with `uv run` would otherwise make
-# every Ray worker start through `uv run` with the repo uploaded as working_dir. Worker
-# environments are chosen explicitly here (actor_environments.py); set it to 1 to opt back in.
-os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-
+# RAY_ENABLE_UV_RUN_RUNTIME_ENV=0 is set by tempering/distributed/__init__.py, which always
+# runs before this module (set it to 1 to opt back in to Ray's `uv run` relaunch).
 import ray  # noqa: E402
 from ray.util.placement_group import (  # noqa: E402
     PlacementGroup,
