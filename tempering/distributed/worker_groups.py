@@ -363,7 +363,13 @@ class RayWorkerGroup:
                 logger.debug("killing worker of %s: %s", self.name, exc)
 
     def shutdown(self, graceful_timeout_s: float = 10.0) -> None:
-        """Call each worker's ``shutdown()`` (when it has one), then kill every worker."""
+        """Call each worker's ``shutdown()`` (when it has one), then end every worker.
+
+        Returns once the workers are gone: ``ray.kill`` alone only *asks* for the kill, so a
+        call made right after it could still be served. Each worker is ended by an actor call
+        (``__ray_terminate__``), ordered after everything this process already sent it, and
+        that call's result is awaited; a worker that does not answer in time is killed.
+        """
         if not self.workers:
             return
         refs = [w.shutdown_worker.remote() for w in self.workers]
@@ -375,5 +381,8 @@ class RayWorkerGroup:
                 len(pending),
                 graceful_timeout_s,
             )
+        ends = {w.__ray_terminate__.remote(): w for w in self.workers}
+        _, stuck = ray.wait(list(ends), num_returns=len(ends), timeout=graceful_timeout_s)
+        self.workers = [ends[ref] for ref in stuck]
         self._kill_all()
         self.workers = []
