@@ -73,14 +73,22 @@ def build_policy_from_config(
         raise ValueError(
             f"policy.optimizer.name={opt.name!r} is not supported; use one of {sorted(_OPTIMIZERS)}"
         )
-    dyn = policy_cfg.dynamic_batching
+    dyn, packing = policy_cfg.dynamic_batching, policy_cfg.sequence_packing
+    token_budget = (
+        packing.train_mb_tokens
+        if packing.enabled
+        else dyn.train_mb_tokens
+        if dyn.enabled
+        else None
+    )
     return build_policy(
         cluster,
         resolve_model_path(policy_cfg.model_name),
         train_global_batch_size=policy_cfg.train_global_batch_size,
         train_micro_batch_size=policy_cfg.train_micro_batch_size,
         logprob_micro_batch_size=policy_cfg.logprob_batch_size,
-        max_tokens_per_microbatch=dyn.train_mb_tokens if dyn.enabled else None,
+        max_tokens_per_microbatch=token_budget,
+        sequence_packing=packing.enabled,
         learning_rate=opt.kwargs.lr,
         weight_decay=opt.kwargs.weight_decay,
         betas=opt.kwargs.betas,

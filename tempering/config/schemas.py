@@ -40,9 +40,13 @@ class DynamicBatchingConfig(Section):
 
 
 class SequencePackingConfig(Section):
-    enabled: bool = False
-    train_mb_tokens: int = Field(4096, ge=1)
-    algorithm: str = "first_fit_decreasing"
+    enabled: bool = Field(
+        False, description="pack sequences without padding (train and log-prob passes)"
+    )
+    train_mb_tokens: int = Field(
+        4096, ge=1, description="tokens per packed bin; must hold the longest sequence"
+    )
+    algorithm: Literal["first_fit_decreasing"] = "first_fit_decreasing"
 
 
 class OptimizerKwargs(Section):

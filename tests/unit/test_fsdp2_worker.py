@@ -97,8 +97,12 @@ LENGTHS = [12, 7, 9, 4, 11, 5]
 
 @pytest.mark.parametrize(
     "mb_kwargs",
-    [{"micro_batch_size": 4}, {"max_tokens_per_microbatch": 24}],
-    ids=["fixed", "dynamic"],
+    [
+        {"micro_batch_size": 4},
+        {"max_tokens_per_microbatch": 24},
+        {"max_tokens_per_microbatch": 24, "pack_sequences": True},
+    ],
+    ids=["fixed", "dynamic", "packed"],
 )
 def test_get_logprobs_matches_unsharded_forward(make_worker, tiny_llama_dir, mb_kwargs) -> None:
     worker = make_worker(init_optimizer=False)
@@ -117,13 +121,14 @@ def _params_after_one_step(worker: FSDP2PolicyWorker, data: BatchedDataDict, **k
 
 
 def test_micro_batching_equals_one_big_batch(make_worker) -> None:
-    """Gradient accumulation over micro-batches (fixed and by tokens) == one batch (SGD step)."""
+    """Gradient accumulation over micro-batches (fixed, by tokens, packed) == one batch (SGD)."""
     data = make_batch(LENGTHS)
     runs = {}
     for name, kw in {
         "one": {"micro_batch_size": 6},
         "three": {"micro_batch_size": 2},
         "tokens": {"max_tokens_per_microbatch": 20},
+        "packed": {"max_tokens_per_microbatch": 20, "pack_sequences": True},
     }.items():
         worker = make_worker(optimizer="sgd", learning_rate=1.0, max_grad_norm=None)
         runs[name] = _params_after_one_step(worker, data, **kw)
@@ -132,7 +137,7 @@ def test_micro_batching_equals_one_big_batch(make_worker) -> None:
     # The step moved the weights (so the comparison below is not vacuous).
     moved = max((base["params"][k] - initial[k]).abs().max().item() for k in initial)
     assert moved > 1e-3
-    for name in ("three", "tokens"):
+    for name in ("three", "tokens", "packed"):
         assert runs[name]["metrics"]["loss"] == pytest.approx(base["metrics"]["loss"], abs=1e-6)
         for key, value in base["params"].items():
             torch.testing.assert_close(runs[name]["params"][key], value, atol=1e-5, rtol=0)

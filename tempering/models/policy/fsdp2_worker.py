@@ -22,8 +22,12 @@ What it does:
 - `export_hf` (a folder that ``from_pretrained`` loads) and `state_dict_for_refit` (full
   gathered CPU tensors on rank 0, for the generation workers).
 
-Sequence packing is not implemented yet (`BatchedDataDict.pack_sequences` exists; it needs
-varlen attention); dynamic micro-batches by token budget are (``max_tokens_per_microbatch``).
+Micro-batches come in three kinds: a fixed number of rows (``micro_batch_size``), dynamic
+ones under a padded-token budget (``max_tokens_per_microbatch``), or packed ones
+(``max_tokens_per_microbatch`` + ``pack_sequences=True``): first-fit-decreasing bins of
+unpadded sequences, each bin one row whose ``position_ids`` restart at 0 per sequence, so
+transformers' attention mask keeps the sequences apart (no padding computed at all). The packed
+logits are unpacked to the padded layout before the loss, so every loss works unchanged.
 """
 
 from __future__ import annotations
@@ -57,8 +61,9 @@ from tempering.algorithms.loss_functions import (
     count_valid_pairs,
     token_logprobs,
 )
-from tempering.distributed.batched_data_dict import BatchedDataDict
+from tempering.distributed.batched_data_dict import BatchedDataDict, PackedBin
 from tempering.models.policy.optim import build_lr_scheduler, build_optimizer
+from tempering.models.policy.packed_attention import use_packed_sdpa
 
 logger = logging.getLogger(__name__)
 
@@ -200,6 +205,7 @@ class FSDP2PolicyWorker:
         from tempering.models.hf import load_causal_lm
 
         model = load_causal_lm(self.model_path, dtype=torch.float32)
+        use_packed_sdpa(model)  # packed micro-batches cost their sequences, not their bins
         self.hf_config = model.config
         if activation_checkpointing:
             model.gradient_checkpointing_enable(
@@ -226,7 +232,25 @@ class FSDP2PolicyWorker:
         return t.tolist()
 
     # ------------------------------------------------------------- forward
-    def _forward_logits(self, model: torch.nn.Module, mb: BatchedDataDict) -> torch.Tensor:
+    def _forward_logits(
+        self, model: torch.nn.Module, mb: BatchedDataDict, packed: PackedBin | None = None
+    ) -> torch.Tensor:
+        """``[B, S, V]`` float logits of micro-batch ``mb`` (computed packed when ``packed``)."""
+        if packed is not None:
+            # One row holding every sequence; transformers builds a block-diagonal causal mask
+            # from position_ids that restart at 0 when attention_mask is None.
+            cu = packed.cu_seqlens.to(self.device)
+            out = model(
+                input_ids=packed.input_ids[None].to(self.device),
+                position_ids=packed.position_ids[None].to(self.device),
+                use_cache=False,
+                # sequence bounds for varlen attention (packed_attention.py, flash-attention)
+                cu_seq_lens_q=cu,
+                cu_seq_lens_k=cu,
+                max_length_q=packed.max_seqlen,
+                max_length_k=packed.max_seqlen,
+            )
+            return packed.unpack(out.logits[0].float())  # [n, max_seqlen, V] == mb's layout
         input_ids = mb["input_ids"]
         seq = torch.arange(input_ids.shape[1], device=input_ids.device)
         attention_mask = (seq[None, :] < mb["input_lengths"][:, None]).long()  # [B, S]
@@ -234,13 +258,29 @@ class FSDP2PolicyWorker:
         return out.logits.float()  # [B, S, V]
 
     def _microbatches(
-        self, data: BatchedDataDict, micro_batch_size: int | None, max_tokens: int | None
-    ) -> tuple[list[BatchedDataDict], torch.Tensor | None]:
-        """Micro-batches trimmed to their longest sequence, plus the row permutation (or None)."""
+        self,
+        data: BatchedDataDict,
+        micro_batch_size: int | None,
+        max_tokens: int | None,
+        pack: bool = False,
+    ) -> tuple[list[BatchedDataDict], list[PackedBin | None], torch.Tensor | None]:
+        """Micro-batches trimmed to their longest sequence, each one's packed bin (None when
+        not packing), and the row permutation (None when rows keep their order)."""
+        if pack:
+            if max_tokens is None:
+                raise ValueError(
+                    "pack_sequences=True needs max_tokens_per_microbatch (the bin size); set "
+                    "policy.sequence_packing.train_mb_tokens"
+                )
+            bins = data.pack_sequences(max_tokens, seq_keys=["input_ids"])
+            mbs = [_trim(data.select_indices(b.indices)) for b in bins]
+            return mbs, list(bins), torch.cat([b.indices for b in bins])
         if max_tokens is not None:
-            return data.make_microbatches_by_tokens(max_tokens)
-        mbs = data.make_microbatches(micro_batch_size or max(1, data.size))
-        return [_trim(mb) for mb in mbs], None
+            mbs, perm = data.make_microbatches_by_tokens(max_tokens)
+        else:
+            mbs = [_trim(mb) for mb in data.make_microbatches(micro_batch_size or max(1, data.size))]
+            perm = None
+        return mbs, [None] * len(mbs), perm
 
     def _equalise(self, count: int) -> int:
         """Every rank must run the same number of forward passes (FSDP2 collectives)."""
@@ -255,6 +295,7 @@ class FSDP2PolicyWorker:
         micro_batch_size: int | None = None,
         max_tokens_per_microbatch: int | None = None,
         eval_mode: bool = False,
+        pack_sequences: bool = False,
     ) -> dict[str, float]:
         """Train on this rank's shard: one optimizer step per global batch it holds.
 
@@ -276,30 +317,19 @@ class FSDP2PolicyWorker:
         if pairwise and max_tokens_per_microbatch is not None:
             raise ValueError(
                 f"{type(loss_fn).__name__} needs chosen/rejected pairs kept together; dynamic "
-                "micro-batches (max_tokens_per_microbatch) reorder rows: use micro_batch_size"
+                "or packed micro-batches (max_tokens_per_microbatch) reorder rows: use "
+                "micro_batch_size"
             )
+        batching = (micro_batch_size, max_tokens_per_microbatch, pack_sequences)
         self.model.train(not eval_mode)
         steps: list[dict[str, float]] = []
         for start in range(0, data.size, local_gbs):
             batch = data.slice(start, start + local_gbs)
             if eval_mode:
                 with torch.no_grad():
-                    steps.append(
-                        self._run_global_batch(
-                            batch,
-                            loss_fn,
-                            pairwise,
-                            micro_batch_size,
-                            max_tokens_per_microbatch,
-                            False,
-                        )
-                    )
+                    steps.append(self._run_global_batch(batch, loss_fn, pairwise, batching, False))
             else:
-                steps.append(
-                    self._run_global_batch(
-                        batch, loss_fn, pairwise, micro_batch_size, max_tokens_per_microbatch, True
-                    )
-                )
+                steps.append(self._run_global_batch(batch, loss_fn, pairwise, batching, True))
         return _combine_steps(steps)
 
     def _local_batch_size(self, shard_size: int, global_batch_size: int | None) -> int:
@@ -326,10 +356,11 @@ class FSDP2PolicyWorker:
         batch: BatchedDataDict,
         loss_fn: LossFunction,
         pairwise: bool,
-        micro_batch_size: int | None,
-        max_tokens: int | None,
+        batching: tuple[int | None, int | None, bool],
         do_step: bool,
     ) -> dict[str, float]:
+        """One global batch: micro-batches by ``batching`` = (micro_batch_size,
+        max_tokens_per_microbatch, pack_sequences); an optimizer step when ``do_step``."""
         t0 = time.perf_counter()
         sample_mask = batch.get("sample_mask")
         if sample_mask is None:
@@ -346,14 +377,14 @@ class FSDP2PolicyWorker:
         global_valid_toks = torch.tensor(g_toks, device=self.device)
         global_valid_seqs = torch.tensor(g_seqs, device=self.device)
 
-        mbs, _ = self._microbatches(batch, micro_batch_size, max_tokens)
+        mbs, bins, _ = self._microbatches(batch, *batching)
         n_mbs = self._equalise(len(mbs))
         loss_sum = 0.0
         mb_metrics: list[dict[str, float]] = []
         for i in range(n_mbs):
             if i < len(mbs):
                 mb = mbs[i].to(self.device)
-                logits = self._forward_logits(self.model, mb)
+                logits = self._forward_logits(self.model, mb, bins[i])
                 loss, metrics = loss_fn(logits, mb, global_valid_toks, global_valid_seqs)
                 loss_sum += float(loss.detach())
                 mb_metrics.append(metrics)
@@ -417,13 +448,11 @@ class FSDP2PolicyWorker:
         micro_batch_size: int | None = None,
         max_tokens_per_microbatch: int | None = None,
         temperature: float = 1.0,
+        pack_sequences: bool = False,
     ) -> BatchedDataDict:
         """``{"logprobs": [B, S]}`` (CPU float32) in the contract layout; 0 at t=0 and padding."""
-        return BatchedDataDict(
-            logprobs=self._logprobs(
-                self.model, data, micro_batch_size, max_tokens_per_microbatch, temperature
-            )
-        )
+        batching = (micro_batch_size, max_tokens_per_microbatch, pack_sequences)
+        return BatchedDataDict(logprobs=self._logprobs(self.model, data, batching, temperature))
 
     def get_reference_policy_logprobs(
         self,
@@ -431,6 +460,7 @@ class FSDP2PolicyWorker:
         micro_batch_size: int | None = None,
         max_tokens_per_microbatch: int | None = None,
         temperature: float = 1.0,
+        pack_sequences: bool = False,
     ) -> BatchedDataDict:
         """``{"reference_policy_logprobs": [B, S]}`` from the frozen initial weights."""
         if self.reference_model is None:
@@ -438,9 +468,10 @@ class FSDP2PolicyWorker:
                 "get_reference_policy_logprobs: the worker was built without a reference model; "
                 "pass init_reference_model=True"
             )
+        batching = (micro_batch_size, max_tokens_per_microbatch, pack_sequences)
         return BatchedDataDict(
             reference_policy_logprobs=self._logprobs(
-                self.reference_model, data, micro_batch_size, max_tokens_per_microbatch, temperature
+                self.reference_model, data, batching, temperature
             )
         )
 
@@ -449,17 +480,14 @@ class FSDP2PolicyWorker:
         self,
         model: torch.nn.Module,
         data: BatchedDataDict,
-        micro_batch_size: int | None,
-        max_tokens: int | None,
+        batching: tuple[int | None, int | None, bool],
         temperature: float,
     ) -> torch.Tensor:
         was_training = model.training
         model.eval()
         full_len = data["input_ids"].shape[1]
         view = BatchedDataDict(input_ids=data["input_ids"], input_lengths=data["input_lengths"])
-        mbs, perm = (
-            self._microbatches(view, micro_batch_size, max_tokens) if view.size else ([], None)
-        )
+        mbs, bins, perm = self._microbatches(view, *batching) if view.size else ([], [], None)
         n_mbs = self._equalise(len(mbs))
         pieces: list[torch.Tensor] = []
         for i in range(n_mbs):
@@ -467,7 +495,7 @@ class FSDP2PolicyWorker:
                 self._forward_logits(model, _dummy_batch(self.device))
                 continue
             mb = mbs[i].to(self.device)
-            logits = self._forward_logits(model, mb)
+            logits = self._forward_logits(model, mb, bins[i])
             if temperature != 1.0:
                 logits = logits / temperature
             lp = token_logprobs(logits, mb["input_ids"])  # [b, s]

@@ -38,6 +38,8 @@ class Policy(PolicyInterface):
             train micro-batch size).
         max_tokens_per_microbatch: dynamic micro-batches under this padded-token budget
             instead of a fixed micro-batch size (train and log-probs); None = fixed size.
+        sequence_packing: pack sequences (no padding) into bins of
+            ``max_tokens_per_microbatch`` tokens instead (see `FSDP2PolicyWorker`).
     """
 
     def __init__(
@@ -48,7 +50,13 @@ class Policy(PolicyInterface):
         train_micro_batch_size: int,
         logprob_micro_batch_size: int | None = None,
         max_tokens_per_microbatch: int | None = None,
+        sequence_packing: bool = False,
     ) -> None:
+        if sequence_packing and max_tokens_per_microbatch is None:
+            raise ValueError(
+                "sequence packing needs a bin size: pass max_tokens_per_microbatch "
+                "(policy.sequence_packing.train_mb_tokens)"
+            )
         dp = worker_group.dp_size
         if train_global_batch_size % dp:
             raise ValueError(
@@ -60,6 +68,7 @@ class Policy(PolicyInterface):
         self.train_micro_batch_size = train_micro_batch_size
         self.logprob_micro_batch_size = logprob_micro_batch_size or train_micro_batch_size
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
+        self.sequence_packing = sequence_packing
 
     @property
     def dp_size(self) -> int:
@@ -91,6 +100,7 @@ class Policy(PolicyInterface):
             global_batch_size=gbs,
             micro_batch_size=micro_batch_size or self.train_micro_batch_size,
             max_tokens_per_microbatch=self.max_tokens_per_microbatch,
+            pack_sequences=self.sequence_packing,
             eval_mode=eval_mode,
         )
         results = self.worker_group.get_all_worker_results(futures)
@@ -121,6 +131,7 @@ class Policy(PolicyInterface):
             view,
             micro_batch_size=self.logprob_micro_batch_size,
             max_tokens_per_microbatch=self.max_tokens_per_microbatch,
+            pack_sequences=self.sequence_packing,
             temperature=temperature,
         )
         merged = BatchedDataDict.from_batches(self.worker_group.get_all_worker_results(futures))
@@ -187,6 +198,7 @@ def build_policy(
     train_micro_batch_size: int,
     logprob_micro_batch_size: int | None = None,
     max_tokens_per_microbatch: int | None = None,
+    sequence_packing: bool = False,
     learning_rate: float = 1e-5,
     weight_decay: float = 0.0,
     betas: tuple[float, float] = (0.9, 0.999),
@@ -245,6 +257,7 @@ def build_policy(
             train_micro_batch_size=train_micro_batch_size,
             logprob_micro_batch_size=logprob_micro_batch_size,
             max_tokens_per_microbatch=max_tokens_per_microbatch,
+            sequence_packing=sequence_packing,
         )
     except BaseException:
         group.shutdown()
