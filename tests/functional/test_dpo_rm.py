@@ -157,9 +157,9 @@ def test_grpo_steps_scored_by_reward_model(rm_export, tmp_path):
     )
     run = grpo.setup(cfg, resolved)
     try:
-        # GRPO's setup does not read env.reward_model_path yet: route the task to the RM here.
+        # setup() routed the arithmetic task to a RewardModelEnvironment actor (env.reward_model_path);
+        # a second, local copy re-scores the decoded completions independently.
         env = RewardModelEnvironment(str(cfg.env.reward_model_path), num_threads=1)
-        run.environments = {"arithmetic": env}
         problems = run.train_problems[:4]
         batch = grpo.rollout_batch(run, problems, group_size=4)
         mask = batch["token_mask"].bool()
@@ -181,6 +181,4 @@ def test_grpo_steps_scored_by_reward_model(rm_export, tmp_path):
             assert math.isfinite(metrics["train/loss"])
             assert math.isfinite(metrics["train/reward_mean"])
     finally:
-        run.logger.close()
-        run.generation.shutdown()
-        run.policy.shutdown()
+        run.close()
