@@ -75,11 +75,7 @@ def build_policy_from_config(
         )
     dyn, packing = policy_cfg.dynamic_batching, policy_cfg.sequence_packing
     token_budget = (
-        packing.train_mb_tokens
-        if packing.enabled
-        else dyn.train_mb_tokens
-        if dyn.enabled
-        else None
+        packing.train_mb_tokens if packing.enabled else dyn.train_mb_tokens if dyn.enabled else None
     )
     return build_policy(
         cluster,

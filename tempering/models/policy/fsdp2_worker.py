@@ -278,7 +278,9 @@ class FSDP2PolicyWorker:
         if max_tokens is not None:
             mbs, perm = data.make_microbatches_by_tokens(max_tokens)
         else:
-            mbs = [_trim(mb) for mb in data.make_microbatches(micro_batch_size or max(1, data.size))]
+            mbs = [
+                _trim(mb) for mb in data.make_microbatches(micro_batch_size or max(1, data.size))
+            ]
             perm = None
         return mbs, [None] * len(mbs), perm
 
