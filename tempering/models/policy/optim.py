@@ -63,12 +63,13 @@ def build_optimizer(
     weight_decay: float = 0.0,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
-    foreach: bool | None = None,
+    foreach: bool | None = True,
 ) -> torch.optim.Optimizer:
     """AdamW (default) or plain SGD over `params` (only those with ``requires_grad``).
 
-    `foreach=None` lets torch choose the multi-tensor implementation where the parameters
-    support it (DTensor parameters from FSDP2 do).
+    ``foreach=True`` (the multi-tensor implementation) by default: torch's own default
+    (``None``) picks it only for CUDA tensors, and on CPU the per-tensor loop over FSDP2's
+    DTensor parameters made a tiny-arith GRPO train call 141 ms instead of 105 ms.
     """
     trainable = [p for p in params if p.requires_grad]
     if not trainable:
