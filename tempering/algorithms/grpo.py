@@ -249,7 +249,12 @@ def grpo_step(run: GRPORun, loss_fn: Any) -> dict[str, float]:
     data = BatchedDataDict({k: batch[k] for k in TRAIN_KEYS})
 
     with timer.time("logprobs"):
-        data["prev_logprobs"] = run.policy.get_logprobs(data)["logprobs"]
+        # One optimizer step per rollout batch (the usual case) trains on-policy: the behaviour
+        # policy IS the current one, and ClippedPGLoss takes its log-probs from the train
+        # forward itself (detached), which saves a whole forward pass per step. More steps per
+        # batch train later steps on older samples and need the recomputed log-probs.
+        if data.size > run.cfg.policy.train_global_batch_size:
+            data["prev_logprobs"] = run.policy.get_logprobs(data)["logprobs"]
         if run.cfg.loss_fn.reference_policy_kl_penalty > 0:
             data["reference_policy_logprobs"] = run.policy.get_reference_policy_logprobs(data)[
                 "reference_policy_logprobs"
@@ -286,11 +291,12 @@ def grpo_step(run: GRPORun, loss_fn: Any) -> dict[str, float]:
 
 
 def generate_and_score(
-    run: GRPORun, problems: list[Problem], greedy: bool
+    run: GRPORun, problems: list[Problem], greedy: bool, repeat: int = 1
 ) -> tuple[Any, Any, list[str], torch.Tensor]:
-    """One completion per problem, scored by its task's environment.
+    """``repeat`` completions per problem (each prompt encoded once), scored by its task's
+    environment.
 
-    Returns (prompts BDD, generation output BDD, completion texts, rewards [B])."""
+    Returns (prompts BDD, generation output BDD, completion texts, rewards [B * repeat])."""
     from tempering.algorithms.sft import decode_generations
     from tempering.data.prompts import encode_prompts
     from tempering.environments.registry import route_step
@@ -298,6 +304,9 @@ def generate_and_score(
     prompts = encode_prompts(
         [p.prompt for p in problems], run.tokenizer, run.cfg.data.use_chat_template
     )
+    if repeat > 1:
+        prompts = prompts.repeat_interleave(repeat)
+        problems = [p for p in problems for _ in range(repeat)]
     out = run.generation.generate(prompts, greedy=greedy)
     completions = decode_generations(out, prompts, run.tokenizer)
     logs = [
@@ -316,8 +325,7 @@ def rollout_batch(run: GRPORun, problems: list[Problem], group_size: int) -> Any
     from tempering.distributed.batched_data_dict import BatchedDataDict
 
     cfg = run.cfg
-    repeated = [p for p in problems for _ in range(group_size)]
-    prompts, out, _, rewards = generate_and_score(run, repeated, greedy=False)
+    prompts, out, _, rewards = generate_and_score(run, problems, greedy=False, repeat=group_size)
 
     baseline = (
         leave_one_out_advantages
@@ -336,7 +344,7 @@ def rollout_batch(run: GRPORun, problems: list[Problem], group_size: int) -> Any
         input_ids=output_ids,
         input_lengths=lengths,
         token_mask=token_mask,
-        sample_mask=torch.ones(len(repeated)),
+        sample_mask=torch.ones(len(rewards)),
         advantages=adv[:, None] * token_mask,  # [B, S]: one advantage per sequence, on its tokens
         generation_logprobs=out["logprobs"],
         rewards=rewards,

@@ -200,7 +200,9 @@ class ClippedPGLoss:
 
     Inputs in `data` (all aligned like `token_logprobs`):
       ``advantages`` ``[B, S]`` or ``[B]`` (broadcast over tokens), ``prev_logprobs`` ``[B, S]``
-      (behaviour policy, recomputed by the trainer), ``generation_logprobs`` ``[B, S]`` (from
+      (behaviour policy, recomputed by the trainer; when absent, the batch is on-policy and
+      the current log-probs, detached, stand in: ratio 1, the same gradient, one forward
+      pass fewer), ``generation_logprobs`` ``[B, S]`` (from
       the generator; needed for the mismatch metric and for importance-sampling correction),
       ``reference_policy_logprobs`` ``[B, S]`` (needed when ``reference_policy_kl_penalty > 0``).
 
@@ -273,7 +275,7 @@ class ClippedPGLoss:
     ) -> tuple[Tensor, dict[str, float]]:
         curr = token_logprobs(logits, data["input_ids"])  # [B, S]
         mask = _valid_token_mask(data, curr)  # [B, S]
-        prev = data["prev_logprobs"].to(curr.dtype)
+        prev = data["prev_logprobs"].to(curr.dtype) if "prev_logprobs" in data else curr.detach()
         gen = data["generation_logprobs"].to(curr.dtype)
         adv = data["advantages"].to(curr.dtype)
         if adv.dim() == 1:

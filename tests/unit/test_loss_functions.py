@@ -213,6 +213,31 @@ def test_clipped_pg_loss_and_grad(batch, level, estimator, c, use_is, cap):
     assert metrics["num_valid_tokens"] == len(vals)
 
 
+def test_clipped_pg_without_prev_logprobs_is_on_policy(batch):
+    """No ``prev_logprobs``: the behaviour policy is the current one (GRPO's one optimizer step
+    per rollout batch). Same loss and gradient as passing the current log-probs, computed
+    independently and detached, as ``prev_logprobs``; ratio exactly 1, nothing clipped."""
+    data = pg_data(batch)
+    toks, seqs = counts(data)
+    loss_fn = ClippedPGLoss(
+        ratio_clip_min=0.2, ratio_clip_max=0.28, reference_policy_kl_penalty=0.05
+    )
+    explicit = dict(data, prev_logprobs=token_logprobs(batch["logits"], data["input_ids"]))
+    ref_logits = leaf(batch)
+    want, _ = loss_fn(ref_logits, explicit, toks, seqs)
+    want.backward()
+
+    implicit = {k: v for k, v in data.items() if k != "prev_logprobs"}
+    logits = leaf(batch)
+    loss, metrics = loss_fn(logits, implicit, toks, seqs)
+    loss.backward()
+    assert loss.item() == pytest.approx(want.item(), abs=1e-9)
+    assert torch.allclose(logits.grad, ref_logits.grad, atol=1e-9)
+    assert logits.grad.abs().sum() > 0
+    assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-12)
+    assert metrics["clip_fraction"] == 0.0
+
+
 def test_kl_estimators_hand_worked():
     # pi = 0.5, pi_ref = 0.25 -> log r = ln 2
     lp, ref = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])
