@@ -29,8 +29,7 @@ def main() -> None:
             f"val at end {summary['end']}; HF model exported to {export}"
         )
     finally:
-        run.logger.close()
-        run.policy.shutdown()
+        run.close()
 
 
 if __name__ == "__main__":

@@ -28,8 +28,7 @@ def main() -> None:
             f"val at end {summary['end']}; reward model exported to {export}"
         )
     finally:
-        run.logger.close()
-        run.reward_model.shutdown()
+        run.close()
 
 
 if __name__ == "__main__":

@@ -150,11 +150,18 @@ class DPORun:
     data: PreferenceData
     dataloader: Any
     policy: Any
+    cluster: Any
     logger: Any
     checkpointer: Any
     start_step: int
     final_step: int = 0
     generation: Any = None  # colocated greedy generation for validation, built on first use
+
+    def close(self) -> None:
+        """Free what the run started: logger, policy workers, placement groups."""
+        self.logger.close()
+        self.policy.shutdown()
+        self.cluster.shutdown()
 
 
 def setup(cfg: DPOMasterConfig, resolved: dict[str, Any]) -> DPORun:
@@ -207,7 +214,16 @@ def setup(cfg: DPOMasterConfig, resolved: dict[str, Any]) -> DPORun:
         prefix="data",
     )
     return DPORun(
-        cfg, resolved, tokenizer, data, dataloader, policy, logger, checkpointer, start_step
+        cfg,
+        resolved,
+        tokenizer,
+        data,
+        dataloader,
+        policy,
+        cluster,
+        logger,
+        checkpointer,
+        start_step,
     )
 
 

@@ -46,10 +46,17 @@ class RMRun:
     data: PreferenceData
     dataloader: Any
     reward_model: Any
+    cluster: Any
     logger: Any
     checkpointer: Any
     start_step: int
     final_step: int = 0
+
+    def close(self) -> None:
+        """Free what the run started: logger, reward-model workers, placement groups."""
+        self.logger.close()
+        self.reward_model.shutdown()
+        self.cluster.shutdown()
 
 
 def setup(cfg: RMMasterConfig, resolved: dict[str, Any]) -> RMRun:
@@ -87,8 +94,9 @@ def setup(cfg: RMMasterConfig, resolved: dict[str, Any]) -> RMRun:
         collate_fn=lambda pairs: preference_batch(pairs, tokenizer, max_len),
     )
     opt = pol.optimizer
+    cluster = common.build_cluster(cfg.cluster, "rm")
     reward_model = build_reward_model(
-        common.build_cluster(cfg.cluster, "rm"),
+        cluster,
         model_path,
         pad_token_id=pad_token_id_of(tokenizer),
         train_global_batch_size=pol.train_global_batch_size,
@@ -111,7 +119,16 @@ def setup(cfg: RMMasterConfig, resolved: dict[str, Any]) -> RMRun:
     logger = common.build_logger(cfg.logger, resolved)
     logger.log_metrics({"num_skipped": float(data.num_skipped)}, start_step, prefix="data")
     return RMRun(
-        cfg, resolved, tokenizer, data, dataloader, reward_model, logger, checkpointer, start_step
+        cfg,
+        resolved,
+        tokenizer,
+        data,
+        dataloader,
+        reward_model,
+        cluster,
+        logger,
+        checkpointer,
+        start_step,
     )
 
 

@@ -73,6 +73,7 @@ def test_dpo_learns_held_out_preference(ray_session, data_files, tmp_path):
             "dpo.sft_loss_weight=0.0",
             "dpo.reference_policy_kl_penalty=0.1",
             "policy.optimizer.kwargs.lr=1e-3",
+            "policy.scheduler.name=constant",
         ],
         schema=DPOMasterConfig,
     )
@@ -80,8 +81,7 @@ def test_dpo_learns_held_out_preference(ray_session, data_files, tmp_path):
     try:
         summary = dpo.train(run)
     finally:
-        run.logger.close()
-        run.policy.shutdown()
+        run.close()
     start, end = summary["start"], summary["end"]
     print(f"DPO held-out: start {start}\nend {end}")
     assert summary["steps"] == 40
@@ -108,6 +108,7 @@ def rm_export(ray_session, data_files, tmp_path_factory) -> dict:
             "rm.max_num_steps=40",
             "rm.val_period=40",
             "policy.optimizer.kwargs.lr=1e-3",
+            "policy.scheduler.name=constant",
             "policy.scheduler.warmup_steps=0",
         ],
         schema=RMMasterConfig,
@@ -117,8 +118,7 @@ def rm_export(ray_session, data_files, tmp_path_factory) -> dict:
         summary = rm.train(run)
         path = rm.export(run)
     finally:
-        run.logger.close()
-        run.reward_model.shutdown()
+        run.close()
     return {"summary": summary, "path": path}
 
 
