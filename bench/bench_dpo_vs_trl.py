@@ -10,7 +10,7 @@ log-probs computed every step in both (TRL: `precompute_ref_log_probs=False`, th
 
 - tempering: the real controller path, a `Policy` over one FSDP2 worker in a Ray actor
   (reference log-probs call + train call per step, data tokenized by the controller);
-- TRL 1.16: run with ``/work/main/venvs/bench/bin/python`` in a subprocess (TRL is not a
+- TRL 1.16: run with ``venvs/bench/bin/python`` in a subprocess (TRL is not a
   dependency of tempering), ``use_cpu=True, bf16=False``; seconds per step measured by a
   `TrainerCallback` between `on_step_begin` and `on_step_end`.
 
@@ -30,8 +30,9 @@ import textwrap
 import time
 from pathlib import Path
 
+from peers import ensure_bench_venv  # bench/peers.py (this folder is on sys.path)
+
 REPO = Path(__file__).resolve().parents[1]
-TRL_PYTHON = REPO / "venvs" / "bench" / "bin" / "python"
 MAX_LEN = 32
 BETA = 0.1
 LR = 5e-4
@@ -118,10 +119,7 @@ def bench_tempering(model: str, pairs: list, args: argparse.Namespace) -> list[f
 
 
 def bench_trl(model: str, pairs: list, args: argparse.Namespace) -> list[float]:
-    if not TRL_PYTHON.exists():
-        raise SystemExit(
-            f"TRL venv not found at {TRL_PYTHON}; it holds TRL 1.16 for this benchmark"
-        )
+    trl_python = ensure_bench_venv()
     with tempfile.TemporaryDirectory(prefix="bench_trl_") as tmp:
         data = Path(tmp) / "pairs.json"
         data.write_text(
@@ -154,7 +152,7 @@ def bench_trl(model: str, pairs: list, args: argparse.Namespace) -> list[float]:
             "HF_HUB_OFFLINE": "1",
         }
         proc = subprocess.run(
-            [str(TRL_PYTHON), "-c", TRL_SCRIPT, json.dumps(spec)],
+            [str(trl_python), "-c", TRL_SCRIPT, json.dumps(spec)],
             capture_output=True,
             text=True,
             env=env,

@@ -1,6 +1,6 @@
 """GRPO seconds/step and tokens/s: tempering vs TRL's GRPOTrainer on the same tiny workload.
 
-    uv run bench/bench_grpo_vs_trl.py [--steps 6] [--prompts 16] [--generations 8]
+    uv run bench/bench_grpo_vs_trl.py [--steps 16] [--prompts 16] [--generations 8]
 
 Workload (identical on both sides): the committed tiny-arith model, fp32, CPU, 2 threads;
 `--prompts` prompts x `--generations` completions per step, up to 6 new tokens, temperature 1,
@@ -21,8 +21,9 @@ import subprocess
 import time
 from pathlib import Path
 
+from peers import ensure_bench_venv  # bench/peers.py (this folder is on sys.path)
+
 REPO = Path(__file__).resolve().parents[1]
-BENCH_VENV = REPO / "venvs" / "bench"
 
 TRL_SCRIPT = r"""
 import json, sys, time, torch
@@ -62,19 +63,6 @@ steps = [b - a for a, b in zip(clock.t, clock.t[1:])]
 toks = [h.get("num_tokens") for h in trainer.state.log_history if "num_tokens" in h]
 print("RESULT " + json.dumps({"step_s": steps, "num_tokens": toks}))
 """
-
-
-def ensure_bench_venv() -> Path:
-    py = BENCH_VENV / "bin" / "python"
-    if not py.exists():
-        env = {**os.environ, "UV_PROJECT_ENVIRONMENT": str(BENCH_VENV)}
-        subprocess.run(
-            ["uv", "sync", "--locked", "--group", "bench", "--no-dev"],
-            cwd=REPO,
-            env=env,
-            check=True,
-        )
-    return py
 
 
 def run_trl(model: str, problems: list[tuple[str, str]], a: argparse.Namespace) -> dict:
@@ -151,7 +139,7 @@ def summarise(name: str, res: dict) -> tuple[float, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=16)
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--generations", type=int, default=8)
     a = p.parse_args()
