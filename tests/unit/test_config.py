@@ -97,7 +97,7 @@ def test_cross_field_checks():
     with pytest.raises(ConfigError, match="num_generations_per_prompt = 48"):
         load_config(
             REPO / "examples/configs/grpo_math_tiny.yaml",
-            ["grpo.num_generations_per_prompt=3"],
+            ["grpo.num_prompts_per_step=16", "grpo.num_generations_per_prompt=3"],
             schema=GRPOMasterConfig,
         )
     with pytest.raises(ConfigError) as e:
