@@ -39,7 +39,31 @@ class Problem:
 
 
 def load_problems(data_cfg: DataConfig) -> tuple[list[Problem], list[Problem]]:
-    """(train, held-out) prompts with ground-truth answers and their environment's name."""
+    """(train, held-out) prompts with ground-truth answers and their environment's name; the
+    train prompts gain `data.reasoning_gym_tasks` problems when that list is set."""
+    train, val = _dataset_problems(data_cfg)
+    for task in data_cfg.reasoning_gym_tasks:
+        train += reasoning_gym_problems(task, data_cfg.reasoning_gym_samples, data_cfg.seed)
+    return train, val
+
+
+def reasoning_gym_problems(task: str, n: int, seed: int) -> list[Problem]:
+    """`n` seeded problems from the `reasoning-gym` generator `task`, for the math environment."""
+    import reasoning_gym
+    from reasoning_gym.factory import DATASETS
+
+    from tempering.data.gsm8k import gsm8k_user_prompt
+
+    if task not in DATASETS:
+        raise ValueError(
+            f"data.reasoning_gym_tasks has {task!r}, which reasoning-gym does not know; pick "
+            f"from {sorted(DATASETS)[:12]}... (e.g. basic_arithmetic, chain_sum)"
+        )
+    rows = reasoning_gym.create_dataset(task, size=n, seed=seed)
+    return [Problem(gsm8k_user_prompt(r["question"]), str(r["answer"]), "math") for r in rows]
+
+
+def _dataset_problems(data_cfg: DataConfig) -> tuple[list[Problem], list[Problem]]:
     name = data_cfg.dataset_name
     if name == "arithmetic":
         from tempering.models.tiny_arith import make_problems

@@ -189,6 +189,12 @@ class DataConfig(Section):
     )
     on_bad_row: Literal["error", "skip"] = "error"
     seed: int = 0
+    reasoning_gym_tasks: list[str] = Field(
+        default_factory=list,
+        description="GRPO: also train on these reasoning-gym generators (e.g. basic_arithmetic), "
+        "scored by the math environment",
+    )
+    reasoning_gym_samples: int = Field(1000, ge=1, description="problems per reasoning-gym task")
 
 
 # --------------------------------------------------------------------- algorithms
