@@ -9,7 +9,8 @@ One step (DESIGN.md "One GRPO step"):
   3. environments score the completions (routed by task name) -> rewards
   4. advantages: leave-one-out baseline per group, optional std normalisation; optional
      dynamic sampling (drop zero-variance groups and refill) and overlong filtering
-  5. behaviour log-probs from the trainer (and reference log-probs when KL is on)
+  5. behaviour log-probs from the trainer when a rollout batch spans several optimizer steps
+     (one step is on-policy: the train forward supplies them), reference log-probs when KL is on
   6. policy.train(ClippedPGLoss), normalised by the global count of valid tokens
   7. refit: the generator sees the new weights (colocated: in place in the workers)
   8. log, validate every `val_period` steps, checkpoint atomically
