@@ -213,7 +213,7 @@ class RayWorkerGroup:
                 start_timeout_s,
             )
         except BaseException:
-            self._kill_all()
+            self._kill(self.workers)
             raise
         logger.info(
             "worker group %s: %d x %s up in %.1f s (venv %.1f s) under %s",
@@ -355,8 +355,8 @@ class RayWorkerGroup:
                 **context,
             ) from None
 
-    def _kill_all(self) -> None:
-        for worker in self.workers:
+    def _kill(self, workers: list[ray.actor.ActorHandle]) -> None:
+        for worker in workers:
             try:
                 ray.kill(worker, no_restart=True)
             except Exception as exc:  # already dead, or Ray shut down
@@ -372,17 +372,19 @@ class RayWorkerGroup:
         """
         if not self.workers:
             return
-        refs = [w.shutdown_worker.remote() for w in self.workers]
-        _, pending = ray.wait(refs, num_returns=len(refs), timeout=graceful_timeout_s)
-        if pending:
+        done = {w.shutdown_worker.remote(): w for w in self.workers}
+        _, pending = ray.wait(list(done), num_returns=len(done), timeout=graceful_timeout_s)
+        hung = [done.pop(ref) for ref in pending]  # a terminate call would queue behind them
+        if hung:
             logger.warning(
                 "worker group %s: %d workers did not shut down within %g s; killing them",
                 self.name,
-                len(pending),
+                len(hung),
                 graceful_timeout_s,
             )
-        ends = {w.__ray_terminate__.remote(): w for w in self.workers}
-        _, stuck = ray.wait(list(ends), num_returns=len(ends), timeout=graceful_timeout_s)
-        self.workers = [ends[ref] for ref in stuck]
-        self._kill_all()
+        ends = {w.__ray_terminate__.remote(): w for w in done.values()}
+        stuck: list = []
+        if ends:
+            _, stuck = ray.wait(list(ends), num_returns=len(ends), timeout=graceful_timeout_s)
+        self._kill(hung + [ends[ref] for ref in stuck])
         self.workers = []
