@@ -23,13 +23,7 @@ def main() -> None:
         s = grpo.train(run)
     finally:
         run.close()
-    start = "n/a" if s["start_accuracy"] is None else f"{s['start_accuracy']:.1%}"
-    end = "n/a" if s["end_accuracy"] is None else f"{s['end_accuracy']:.1%}"
-    print(
-        f"\nGRPO summary: {s['steps']} steps in {s['wall_time_s']:.0f} s; held-out greedy "
-        f"accuracy {start} -> {end}\n  metrics: {cfg.logger.log_dir}/metrics.jsonl"
-        f"\n  checkpoints: {cfg.checkpointing.checkpoint_dir}"
-    )
+    print(grpo.summary_text(s, cfg))
 
 
 if __name__ == "__main__":

@@ -371,7 +371,6 @@ def greedy_accuracy(run: DPORun) -> dict[str, float]:
         run.tokenizer,
         problems,
         checker,
-        max_new_tokens=run.cfg.policy.generation.max_new_tokens,
         use_chat_template=run.cfg.data.use_chat_template,
     )
     return {"greedy_accuracy": acc, "greedy_via_export": 0.0}

@@ -100,19 +100,33 @@ class GRPORun:
     logger: Any
     checkpointer: Any
     start_step: int
+    chat: Any  # ChatCompletionService: prompts, batching, refit lock
+    turns: Any  # TurnClient: in-process or over HTTP
+    server: Any = None  # OpenAIServer when policy.generation.http_server.enabled
     history: list[dict[str, float]] = field(default_factory=list)
 
     def close(self) -> None:
-        """Free what the run started: logger, generation, policy workers, placement groups."""
+        """Free what the run started: server, logger, generation, environments, policy
+        workers, placement groups."""
+        if self.server is not None:
+            self.server.stop()
         self.logger.close()
         self.generation.shutdown()
+        for env in {id(e): e for e in self.environments.values()}.values():
+            shutdown = env.shutdown
+            _ = shutdown.remote() if hasattr(shutdown, "remote") else shutdown()
         self.policy.shutdown()
         self.cluster.shutdown()
 
 
 def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any]) -> GRPORun:
     from tempering.data.dataloader import StatefulDataLoader
-    from tempering.models.generation.builders import build_generation
+    from tempering.experience.rollouts import HttpTurnClient, InProcessTurnClient
+    from tempering.models.generation.builders import (
+        build_chat_service,
+        build_generation,
+        start_http_server,
+    )
     from tempering.models.hf import load_tokenizer
     from tempering.models.registry import resolve_model_path
 
@@ -120,6 +134,9 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any]) -> GRPORun:
     model_path = resolve_model_path(cfg.policy.model_name)
     tokenizer = load_tokenizer(resolve_model_path(cfg.policy.tokenizer.name or model_path))
     train_problems, val_problems = load_problems(cfg.data)
+    if cfg.env.task_name:  # one environment scores every problem
+        for p in train_problems + val_problems:
+            p.task_name = cfg.env.task_name
     dataloader = StatefulDataLoader(
         train_problems, cfg.grpo.num_prompts_per_step, seed=cfg.grpo.seed
     )
@@ -134,10 +151,23 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any]) -> GRPORun:
         seed=cfg.grpo.seed,
     )
     generation = build_generation(cfg.policy.generation, policy, model_path, tokenizer, cfg.cluster)
+    chat = build_chat_service(
+        cfg.policy.generation,
+        generation,
+        tokenizer,
+        cfg.policy.max_total_sequence_length,
+        cfg.policy.tokenizer.chat_template,
+    )
+    server = start_http_server(cfg.policy.generation, chat)
+    if cfg.grpo.rollout_transport == "http":
+        _check_http_prompts(cfg, tokenizer, train_problems[0].prompt)
+        turns = HttpTurnClient(server.base_url, chat.settings.model_name, server.api_key)
+    else:
+        turns = InProcessTurnClient(chat)
     checkpointer = common.build_checkpointer(cfg.checkpointing)
     start_step, _ = common.maybe_resume(checkpointer, policy, dataloader)
     if start_step:
-        generation.refit(policy)
+        chat.refit(lambda: generation.refit(policy), version=start_step)
     logger = common.build_logger(cfg.logger, resolved)
     return GRPORun(
         cfg,
@@ -153,15 +183,36 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any]) -> GRPORun:
         logger,
         checkpointer,
         start_step,
+        chat,
+        turns,
+        server,
     )
+
+
+def _check_http_prompts(cfg: GRPOMasterConfig, tokenizer: Any, prompt: str) -> None:
+    """Over HTTP the server renders the first turn with the chat template; raw prompts
+    (data.use_chat_template=false) must encode to the same ids, or training would differ."""
+    from tempering.data.prompts import prompt_token_ids
+
+    if cfg.data.use_chat_template:
+        return
+    if prompt_token_ids(prompt, tokenizer, False) != prompt_token_ids(prompt, tokenizer, True):
+        raise ValueError(
+            "grpo.rollout_transport=http renders prompts with the chat template, but "
+            "data.use_chat_template=false and this tokenizer's template changes the prompt "
+            f"{prompt[:40]!r}; set data.use_chat_template=true or use rollout_transport=in_process"
+        )
 
 
 def build_environments(cfg: GRPOMasterConfig, task_names: set[str]) -> dict[str, Any]:
     """One environment actor per task name in the data (plus a custom reward fn if set)."""
     from tempering.environments.registry import create_environment_actor
 
+    math = {"num_workers": cfg.env.math.num_workers, "timeout_s": cfg.env.math.timeout_s}
     kwargs: dict[str, dict[str, Any]] = {
-        "math": {"num_workers": cfg.env.math.num_workers, "timeout_s": cfg.env.math.timeout_s},
+        "math": math,
+        "arithmetic_retry": cfg.env.arithmetic_retry.model_dump(),
+        "calculator": {**math, "max_tool_calls": cfg.env.calculator.max_tool_calls},
     }
     envs = {t: create_environment_actor(t, **kwargs.get(t, {})) for t in sorted(task_names)}
     if cfg.env.reward_model_path:  # a trained reward model scores every task
@@ -229,8 +280,30 @@ def train(run: GRPORun) -> dict[str, Any]:
         "steps": step,
         "start_accuracy": first_val.get("accuracy"),
         "end_accuracy": val.get("accuracy"),
+        "start_success": first_val.get("success"),
+        "end_success": val.get("success"),
         "wall_time_s": deadline.elapsed,
     }
+
+
+def summary_text(s: dict[str, Any], cfg: GRPOMasterConfig) -> str:
+    """The lines a GRPO example prints at the end of a run."""
+
+    def pct(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.1%}"
+
+    lines = [
+        f"\nGRPO summary: {s['steps']} steps in {s['wall_time_s']:.0f} s; held-out greedy "
+        f"accuracy {pct(s['start_accuracy'])} -> {pct(s['end_accuracy'])}"
+    ]
+    if cfg.grpo.max_rollout_turns > 1:
+        lines.append(
+            f"  solved within {cfg.grpo.max_rollout_turns} turns (held-out, greedy): "
+            f"{pct(s['start_success'])} -> {pct(s['end_success'])}"
+        )
+    lines.append(f"  metrics: {cfg.logger.log_dir}/metrics.jsonl")
+    lines.append(f"  checkpoints: {cfg.checkpointing.checkpoint_dir}")
+    return "\n".join(lines)
 
 
 TRAIN_KEYS = (
@@ -286,8 +359,8 @@ def grpo_step(run: GRPORun, loss_fn: Any) -> dict[str, float]:
             ]
     with timer.time("train"):
         train_metrics = run.policy.train(data, loss_fn)
-    with timer.time("refit"):
-        run.generation.refit(run.policy)
+    with timer.time("refit"):  # waits for in-flight server calls, holds new ones meanwhile
+        run.chat.refit(lambda: run.generation.refit(run.policy))
     step_s = time.perf_counter() - t0
 
     timing = timer.get_timing_metrics()
@@ -303,6 +376,8 @@ def grpo_step(run: GRPORun, loss_fn: Any) -> dict[str, float]:
             "train/gen_length_mean": float(gen_lens.mean()),
             "train/gen_length_max": float(gen_lens.max()),
             "train/truncated_fraction": sum(r == "length" for r in reasons) / len(reasons),
+            "train/turns_mean": float(batch["turns"].float().mean()),
+            "train/episode_truncated_fraction": float(batch["truncated"].float().mean()),
             "train/zero_variance_groups": float((grouped.amax(1) == grouped.amin(1)).sum()),
             "timing/step_s": step_s,
             "throughput/tokens_per_s": float(data["input_lengths"].sum()) / step_s,
@@ -312,70 +387,81 @@ def grpo_step(run: GRPORun, loss_fn: Any) -> dict[str, float]:
     )
     metrics.update(timing)
     metrics.update(extra)
+    metrics.update(environment_metrics(run, rewards_seen))
+    metrics.update({f"server/{k}": float(v) for k, v in run.chat.stats.items()})
     return metrics
 
 
-def generate_and_score(
-    run: GRPORun, problems: list[Problem], greedy: bool, repeat: int = 1
-) -> tuple[Any, Any, list[str], torch.Tensor]:
-    """``repeat`` completions per problem (each prompt encoded once), scored by its task's
-    environment.
+def rollouts(run: GRPORun, problems: list[Problem], greedy: bool, repeat: int = 1) -> Any:
+    """``repeat`` episodes per problem (each prompt encoded once) through the rollout loop:
+    single- or multi-turn, in-process or over HTTP (tempering/experience/rollouts.py)."""
+    from tempering.data.prompts import prompt_token_ids
+    from tempering.environments.registry import get_environment_class
+    from tempering.experience.rollouts import InProcessTurnClient, RolloutSample, run_rollouts
 
-    Returns (prompts BDD, generation output BDD, completion texts, rewards [B * repeat])."""
-    from tempering.algorithms.sft import decode_generations
-    from tempering.data.prompts import encode_prompts
-    from tempering.environments.registry import route_step
-
-    prompts = encode_prompts(
-        [p.prompt for p in problems], run.tokenizer, run.cfg.data.use_chat_template
+    cfg = run.cfg
+    in_process = isinstance(run.turns, InProcessTurnClient)
+    samples = []
+    for p in problems:
+        ids = prompt_token_ids(p.prompt, run.tokenizer, cfg.data.use_chat_template)
+        tools = get_environment_class(p.task_name).tools if p.task_name in _TOOL_TASKS else None
+        sample = RolloutSample(
+            messages=[{"role": "user", "content": p.prompt}],
+            metadata={"ground_truth": p.answer, "prompt": p.prompt},
+            task_name=p.task_name,
+            prompt_ids=ids if in_process else None,
+            tools=tools,
+        )
+        samples += [sample] * repeat
+    return run_rollouts(
+        run.turns,
+        samples,
+        run.environments,
+        sampling=run.chat.settings.default_sampling,
+        max_turns=cfg.grpo.max_rollout_turns,
+        max_seq_len=cfg.policy.max_total_sequence_length,
+        greedy=greedy,
     )
-    if repeat > 1:
-        prompts = prompts.repeat_interleave(repeat)
-        problems = [p for p in problems for _ in range(repeat)]
-    out = run.generation.generate(prompts, greedy=greedy)
-    completions = decode_generations(out, prompts, run.tokenizer)
-    logs = [
-        [{"role": "user", "content": p.prompt}, {"role": "assistant", "content": c}]
-        for p, c in zip(problems, completions, strict=True)
-    ]
-    metas = [{"ground_truth": p.answer} for p in problems]
-    ret = route_step(run.environments, logs, metas, [p.task_name for p in problems])
-    return prompts, out, completions, ret.rewards.float()
+
+
+_TOOL_TASKS = {"calculator"}  # environments whose `tools` the model is offered
 
 
 def rollout_batch(run: GRPORun, problems: list[Problem], group_size: int) -> Any:
-    """Sample `group_size` completions per problem and score them. Returns one flat
-    per-sample BatchedDataDict: the train keys plus rewards, generation_lengths, finish_reasons."""
+    """Sample `group_size` episodes per problem and score them. Returns one flat per-sample
+    BatchedDataDict: the train keys plus rewards, turns, truncated, generation_lengths,
+    finish_reasons and message logs."""
     from tempering.algorithms.advantages import leave_one_out_advantages, mean_baseline_advantages
-    from tempering.distributed.batched_data_dict import BatchedDataDict
 
     cfg = run.cfg
-    prompts, out, _, rewards = generate_and_score(run, problems, greedy=False, repeat=group_size)
-
+    batch = rollouts(run, problems, greedy=False, repeat=group_size)
     baseline = (
         leave_one_out_advantages
         if cfg.grpo.use_leave_one_out_baseline
         else mean_baseline_advantages
     )
-    adv = baseline(rewards, group_size, normalize_std=cfg.grpo.normalize_rewards).advantages
+    adv = baseline(batch["rewards"], group_size, normalize_std=cfg.grpo.normalize_rewards)
+    # [B, S]: one advantage per episode, on its generated tokens
+    batch["advantages"] = adv.advantages[:, None] * batch["token_mask"]
+    return batch
 
-    output_ids = out["output_ids"]
-    lengths = out["unpadded_sequence_lengths"]
-    positions = torch.arange(output_ids.shape[1])[None, :]
-    token_mask = (
-        (positions >= prompts["input_lengths"][:, None]) & (positions < lengths[:, None])
-    ).float()
-    return BatchedDataDict(
-        input_ids=output_ids,
-        input_lengths=lengths,
-        token_mask=token_mask,
-        sample_mask=torch.ones(len(rewards)),
-        advantages=adv[:, None] * token_mask,  # [B, S]: one advantage per sequence, on its tokens
-        generation_logprobs=out["logprobs"],
-        rewards=rewards,
-        generation_lengths=out["generation_lengths"],
-        finish_reasons=list(out["finish_reasons"]),
-    )
+
+def completion_text(message_log: list[dict[str, Any]]) -> str:
+    """What the model said in an episode, turn by turn (for logs)."""
+    return " | ".join(str(m.get("content") or "") for m in message_log if m["role"] == "assistant")
+
+
+def environment_metrics(run: GRPORun, rewards: torch.Tensor) -> dict[str, float]:
+    """Each environment's own counters (timeouts, parse failures, tool errors...), reset."""
+    import ray
+
+    metrics: dict[str, float] = {}
+    for env in {id(e): e for e in run.environments.values()}.values():
+        method = env.global_post_process_and_metrics
+        batch = {"rewards": rewards}
+        _, m = ray.get(method.remote(batch)) if hasattr(method, "remote") else method(batch)
+        metrics.update(m)
+    return metrics
 
 
 # --------------------------------------------------------------------- validation
@@ -386,16 +472,24 @@ def validate(run: GRPORun, step: int) -> dict[str, float]:
     problems = run.val_problems[: cfg.grpo.max_val_samples]
     t0 = time.perf_counter()
     correct: list[float] = []
+    turns: list[float] = []
     shown = 0
     for i in range(0, len(problems), cfg.grpo.val_batch_size):
         chunk = problems[i : i + cfg.grpo.val_batch_size]
-        _, _, completions, rewards = generate_and_score(run, chunk, greedy=True)
-        correct.extend(float(r) for r in rewards)
-        for p, c in zip(chunk, completions, strict=True):
+        batch = rollouts(run, chunk, greedy=True)
+        correct.extend(float(r) for r in batch["rewards"])
+        turns.extend(float(t) for t in batch["turns"])
+        for p, log_ in zip(chunk, batch["message_logs"], strict=True):
             if shown < cfg.logger.num_val_samples_to_print:
+                c = completion_text(log_)
                 log.info("val sample: %r -> %r (answer %s)", p.prompt[-80:], c[:120], p.answer)
                 shown += 1
-    metrics = {"accuracy": sum(c > 0.5 for c in correct) / len(correct)}
+    metrics = {
+        "accuracy": sum(c > 0.5 for c in correct) / len(correct),
+        "success": sum(c > 0 for c in correct) / len(correct),
+        "reward_mean": sum(correct) / len(correct),
+        "turns_mean": sum(turns) / len(turns),
+    }
     k = cfg.grpo.val_pass_at_k
     if k:
         sampled = rollout_batch(run, problems, k)

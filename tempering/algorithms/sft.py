@@ -29,7 +29,9 @@ class SFTData:
     answer_checker: Any  # callable(completion, answer) -> bool
 
 
-def load_sft_data(data_cfg: DataConfig, tokenizer: Any, max_seq_len: int) -> SFTData:
+def load_sft_data(
+    data_cfg: DataConfig, tokenizer: Any, max_seq_len: int, problems_per_sample: int = 1
+) -> SFTData:
     """Message logs for the configured dataset, tokenized with assistant-only loss masks."""
     from tempering.data import sft_datasets
     from tempering.data.processing import tokenize_message_logs
@@ -45,6 +47,8 @@ def load_sft_data(data_cfg: DataConfig, tokenizer: Any, max_seq_len: int) -> SFT
         train_p = make_problems(data_cfg.num_train_samples, seed=data_cfg.seed, split="train")
         problems = make_problems(data_cfg.num_val_samples, seed=data_cfg.seed, split="test")
         train_logs = [arithmetic_message_log(p["prompt"], p["answer"]) for p in train_p]
+        k = problems_per_sample  # k problems per conversation: [user, assistant] * k
+        train_logs = [sum(train_logs[i : i + k], []) for i in range(0, len(train_logs), k)]
         val_logs = [arithmetic_message_log(p["prompt"], p["answer"]) for p in problems]
 
         def checker(completion: str, answer: str) -> bool:
@@ -115,7 +119,12 @@ def setup(cfg: SFTMasterConfig, resolved: dict[str, Any]) -> SFTRun:
     tokenizer = load_tokenizer(
         resolve_model_path(cfg.policy.tokenizer.name or cfg.policy.model_name)
     )
-    data = load_sft_data(cfg.data, tokenizer, cfg.policy.max_total_sequence_length)
+    data = load_sft_data(
+        cfg.data,
+        tokenizer,
+        cfg.policy.max_total_sequence_length,
+        cfg.sft.arithmetic_problems_per_sample,
+    )
     pad = pad_token_id_of(tokenizer)
     dataloader = StatefulDataLoader(
         data.train,
@@ -248,7 +257,6 @@ def validate(run: SFTRun, step: int) -> dict[str, float]:
             run.tokenizer,
             run.data.val_problems,
             run.data.answer_checker,
-            max_new_tokens=run.cfg.policy.generation.max_new_tokens,
             use_chat_template=run.cfg.data.use_chat_template,
         )
         out["accuracy"] = acc
@@ -264,14 +272,13 @@ def greedy_accuracy(
     problems: list[dict[str, str]],
     checker: Any,
     *,
-    max_new_tokens: int,
     use_chat_template: bool,
 ) -> tuple[float, list[tuple[str, str, str]]]:
     """Greedy generation (e.g. in the policy workers); fraction of answers the checker accepts."""
     from tempering.data.prompts import encode_prompts
 
     batch = encode_prompts([p["prompt"] for p in problems], tokenizer, use_chat_template)
-    out = generation.generate(batch, greedy=True, max_new_tokens=max_new_tokens)
+    out = generation.generate(batch, greedy=True)
     completions = decode_generations(out, batch, tokenizer)
     correct = [checker(c, p["answer"]) for c, p in zip(completions, problems, strict=True)]
     samples = [(p["prompt"], c, p["answer"]) for c, p in zip(completions, problems, strict=True)]

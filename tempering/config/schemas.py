@@ -81,6 +81,29 @@ class VllmConfig(Section):
     precision: Literal["float32", "bfloat16", "float16"] = "bfloat16"
 
 
+class HttpServerConfig(Section):
+    """The OpenAI-compatible generation server (tempering/models/generation/openai_server.py)."""
+
+    enabled: bool = Field(
+        False, description="serve the generator over HTTP while training (NeMo Gym, HTTP rollouts)"
+    )
+    host: str = Field("127.0.0.1", description="bind address; anything but loopback needs a key")
+    port: int = Field(0, ge=0, le=65535, description="0 = a free port chosen by the OS")
+    api_key_env: str | None = Field(
+        None, description="name of the environment variable holding the API key (never the key)"
+    )
+    model_name: str = Field("policy", description="the model name clients send")
+    batch_wait_ms: float = Field(5.0, ge=0, description="collect concurrent requests this long")
+    max_batch_size: int = Field(256, ge=1, description="requests per backend call at most")
+    on_noncontiguous: Literal["error", "truncate"] = Field(
+        "error", description="history whose token ids cannot be continued: 400, or fall back"
+    )
+    tool_parser: Literal["hermes"] = "hermes"
+    eot_token: str | None = Field(
+        None, description="the chat template's end-of-turn token; default: detected"
+    )
+
+
 class GenerationConfig(Section):
     backend: Literal["torch", "vllm"] = "torch"
     max_new_tokens: int = Field(256, ge=1)
@@ -91,6 +114,7 @@ class GenerationConfig(Section):
     stop_strings: list[str] | None = None
     colocated: ColocatedConfig = ColocatedConfig()
     vllm_cfg: VllmConfig = VllmConfig()
+    http_server: HttpServerConfig = HttpServerConfig()
 
 
 class PolicyConfig(Section):
@@ -210,6 +234,12 @@ class SFTConfig(Section):
     stop_val_accuracy_range: tuple[float, float] | None = Field(
         None, description="stop when greedy val accuracy falls inside [lo, hi] (tiny-arith recipe)"
     )
+    arithmetic_problems_per_sample: int = Field(
+        1,
+        ge=1,
+        description="arithmetic data: chain this many problems into one training conversation "
+        "(user/assistant turns), so the model answers in context (tiny-arith-chat)",
+    )
 
 
 class DPOConfig(Section):
@@ -250,7 +280,14 @@ class GRPOConfig(Section):
     num_generations_per_prompt: int = Field(8, ge=1)
     max_num_steps: int = Field(60, ge=1)
     max_num_epochs: int = Field(100, ge=1)
-    max_rollout_turns: int = Field(1, ge=1)
+    max_rollout_turns: int = Field(
+        1, ge=1, description="turns per episode at most (generate -> environment -> observe)"
+    )
+    rollout_transport: Literal["in_process", "http"] = Field(
+        "in_process",
+        description="rollouts call the chat service directly, or over HTTP through "
+        "policy.generation.http_server (which must be enabled)",
+    )
     normalize_rewards: bool = Field(True, description="divide advantages by the group std")
     use_leave_one_out_baseline: bool = True
     val_period: int = Field(10, ge=0)
@@ -281,8 +318,24 @@ class MathEnvConfig(Section):
     timeout_s: float = Field(5.0, gt=0)
 
 
+class ArithmeticRetryEnvConfig(Section):
+    max_attempts: int = Field(3, ge=1, description="answers per episode before it fails")
+    discount: float = Field(0.5, gt=0, le=1, description="a correct attempt n earns discount^(n-1)")
+
+
+class CalculatorEnvConfig(Section):
+    max_tool_calls: int = Field(4, ge=0, description="calls per episode before it ends unscored")
+
+
 class EnvConfig(Section):
+    task_name: str | None = Field(
+        None,
+        description="score every problem with this environment (e.g. arithmetic_retry, "
+        "calculator) instead of the dataset's own (arithmetic, math)",
+    )
     math: MathEnvConfig = MathEnvConfig()
+    arithmetic_retry: ArithmeticRetryEnvConfig = ArithmeticRetryEnvConfig()
+    calculator: CalculatorEnvConfig = CalculatorEnvConfig()
     reward_fn: str | None = Field(None, description="dotted path 'pkg.mod:fn' to a custom reward")
     reward_model_path: str | None = Field(
         None, description="a trained RM folder (task reward_model)"
@@ -323,6 +376,10 @@ class GRPOMasterConfig(_Master):
             raise ValueError(
                 f"grpo.num_prompts_per_step * grpo.num_generations_per_prompt = {n} is not a "
                 f"multiple of policy.train_global_batch_size={gbs}"
+            )
+        if self.grpo.rollout_transport == "http" and not self.policy.generation.http_server.enabled:
+            raise ValueError(
+                "grpo.rollout_transport=http needs policy.generation.http_server.enabled=true"
             )
         return self
 

@@ -20,7 +20,7 @@ from tempering.environments.interfaces import (
     last_assistant_content,
 )
 
-__all__ = ["ArithmeticEnvironment", "first_integer"]
+__all__ = ["ArithmeticEnvironment", "ArithmeticRetryEnvironment", "first_integer"]
 
 _LEADING_INT = re.compile(r"\s*([+-]?\d+)")
 
@@ -79,4 +79,65 @@ class ArithmeticEnvironment(EnvironmentInterface):
                 torch.as_tensor(batch["rewards"]).float().mean()
             )
         self._counts = dict.fromkeys(self._counts, 0)
+        return batch, metrics
+
+
+class ArithmeticRetryEnvironment(EnvironmentInterface):
+    """tiny-arith with feedback, a multi-turn task: a wrong answer gets the question again.
+
+    Attempt n (1-based) that answers correctly earns ``discount ** (n - 1)`` and ends the
+    episode; a wrong one earns 0 and, while attempts remain, the observation repeats the
+    question (``metadata["prompt"]``) as the next user turn — being asked again is the
+    feedback. After ``max_attempts`` wrong answers the episode ends with reward 0.
+    ``metadata["attempt"]`` counts the attempts made.
+    """
+
+    def __init__(self, max_attempts: int = 3, discount: float = 0.5) -> None:
+        if max_attempts < 1 or not 0 < discount <= 1:
+            raise ValueError(
+                f"ArithmeticRetryEnvironment(max_attempts={max_attempts}, discount={discount}): "
+                "max_attempts must be >= 1 and discount in (0, 1]"
+            )
+        self.max_attempts, self.discount = max_attempts, discount
+        self._solved_at = [0] * (max_attempts + 1)  # index 0: episodes that failed
+
+    def step(
+        self, message_logs: list[MessageLog], metadata: list[dict[str, Any]]
+    ) -> EnvironmentReturn:
+        observations: list[dict[str, Any]] = []
+        metas: list[dict[str, Any] | None] = []
+        rewards, done, answers = [], [], []
+        for i, (log, meta) in enumerate(zip(message_logs, metadata, strict=True)):
+            if not meta or "ground_truth" not in meta or "prompt" not in meta:
+                raise KeyError(
+                    f"Sample {i} needs metadata['ground_truth'] and metadata['prompt'] "
+                    f"(metadata={meta!r})."
+                )
+            attempt = int(meta.get("attempt", 0)) + 1
+            value = first_integer(last_assistant_content(log))
+            correct = value is not None and value == int(meta["ground_truth"])
+            ended = correct or attempt >= self.max_attempts
+            if ended:
+                self._solved_at[attempt if correct else 0] += 1
+            rewards.append(self.discount ** (attempt - 1) if correct else 0.0)
+            done.append(ended)
+            answers.append(None if value is None else str(value))
+            observations.append({"role": "user", "content": meta["prompt"]})
+            metas.append({**meta, "attempt": attempt})
+        return EnvironmentReturn(
+            observations=observations,
+            metadata=metas,
+            next_stop_strings=[None] * len(rewards),
+            rewards=torch.tensor(rewards, dtype=torch.float32),
+            terminateds=torch.tensor(done, dtype=torch.bool),
+            answers=answers,
+        )
+
+    def global_post_process_and_metrics(
+        self, batch: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, float]]:
+        """``env/retry_solved_at_<n>`` and ``env/retry_failed`` episode counts (then reset)."""
+        metrics = {f"env/retry_solved_at_{n}": float(c) for n, c in enumerate(self._solved_at)}
+        metrics["env/retry_failed"] = metrics.pop("env/retry_solved_at_0")
+        self._solved_at = [0] * (self.max_attempts + 1)
         return batch, metrics

@@ -43,7 +43,14 @@ class EnvironmentReturn(NamedTuple):
 
 
 class EnvironmentInterface(ABC):
-    """Scores a batch of conversations. Implementations must keep sample order."""
+    """Scores a batch of conversations. Implementations must keep sample order.
+
+    Multi-turn environments return ``terminateds`` False and an observation (a ``user`` or
+    ``tool`` message) to continue an episode; tool-using ones list the OpenAI tool specs
+    they answer in the class attribute `tools`, which rollouts offer to the model.
+    """
+
+    tools: list[dict[str, Any]] | None = None
 
     @abstractmethod
     def step(

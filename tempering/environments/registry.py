@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from tempering.environments.arithmetic import ArithmeticEnvironment
+from tempering.environments.arithmetic import ArithmeticEnvironment, ArithmeticRetryEnvironment
+from tempering.environments.calculator import CalculatorEnvironment
 from tempering.environments.interfaces import EnvironmentInterface, EnvironmentReturn, MessageLog
 from tempering.environments.math import MathEnvironment
 from tempering.environments.reward_fn import RewardFunctionEnvironment
@@ -31,6 +32,8 @@ __all__ = [
 ENVIRONMENT_REGISTRY: dict[str, type[EnvironmentInterface]] = {
     "math": MathEnvironment,
     "arithmetic": ArithmeticEnvironment,
+    "arithmetic_retry": ArithmeticRetryEnvironment,
+    "calculator": CalculatorEnvironment,
     "reward_fn": RewardFunctionEnvironment,
     "reward_model": RewardModelEnvironment,
 }

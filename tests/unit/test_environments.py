@@ -271,3 +271,79 @@ def test_math_and_arithmetic_as_ray_actors(ray_running):
         ray.get(math_actor.shutdown.remote())
         ray.kill(math_actor)
         ray.kill(arith_actor)
+
+
+# ---------------------------------------------------------------- multi-turn environments
+def test_retry_environment_rewards_by_attempt_and_asks_again():
+    from tempering.environments.arithmetic import ArithmeticRetryEnvironment
+
+    env = ArithmeticRetryEnvironment(max_attempts=2, discount=0.5)
+    meta = {"ground_truth": "68", "prompt": "Q: 23+45=? A:"}
+    first = env.step(
+        [[{"role": "user", "content": "Q"}, {"role": "assistant", "content": " 67"}]] * 2
+        + [[{"role": "assistant", "content": " 68"}]],
+        [meta, {**meta, "attempt": 1}, meta],
+    )
+    # wrong at attempt 1: continue with the question; wrong at the last attempt: fail; right: 1
+    assert first.rewards.tolist() == [0.0, 0.0, 1.0]
+    assert first.terminateds.tolist() == [False, True, True]
+    assert first.observations[0] == {"role": "user", "content": "Q: 23+45=? A:"}
+    assert [m["attempt"] for m in first.metadata] == [1, 2, 1]
+    second = env.step([[{"role": "assistant", "content": " 68"}]], [first.metadata[0]])
+    assert second.rewards.tolist() == [0.5] and second.terminateds.tolist() == [True]
+    _, metrics = env.global_post_process_and_metrics({})
+    assert metrics == {"env/retry_solved_at_1": 1.0, "env/retry_solved_at_2": 1.0,
+                       "env/retry_failed": 1.0}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "expression,value",
+    [("2+3*4", 14), ("(2+3)*4", 20), ("7/2", 3.5), ("2**10", 1024), ("-3 - -4", 1), ("17 % 5", 2)],
+)
+def test_calculator_evaluates_arithmetic(expression, value):
+    from tempering.environments.calculator import evaluate_expression
+
+    assert evaluate_expression(expression) == value
+
+
+@pytest.mark.parametrize(
+    "expression,needle",
+    [
+        ("__import__('os').system('true')", "not allowed"),
+        ("open('/etc/passwd')", "not allowed"),
+        ("2**100000", "exponent"),
+        ("1/0", "division by zero"),
+        ("9" * 300, "longer than"),
+        ("x + 1", "not allowed"),
+        ("2 +", "not an arithmetic"),
+    ],
+)
+def test_calculator_refuses_everything_but_arithmetic(expression, needle):
+    from tempering.environments.calculator import evaluate_expression
+
+    with pytest.raises(ValueError, match=needle):
+        evaluate_expression(expression)
+
+
+def test_calculator_environment_answers_tool_calls_then_scores_the_final_answer():
+    from tempering.environments.calculator import CalculatorEnvironment
+
+    env = CalculatorEnvironment(max_tool_calls=1, num_workers=1)
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "calculator", "arguments": '{"expression": "23+45"}'}}  # fmt: skip
+    user = {"role": "user", "content": "23+45?"}
+    try:
+        ret = env.step(
+            [
+                [user, {"role": "assistant", "content": None, "tool_calls": [call]}],
+                [user, {"role": "assistant", "content": "The answer is \\boxed{68}"}],
+                [user, {"role": "assistant", "content": None, "tool_calls": [call]}],
+            ],
+            [{"ground_truth": "68"}, {"ground_truth": "68"}, {"ground_truth": "68", "tool_calls": 1}],
+        )
+    finally:
+        env.shutdown()
+    assert ret.observations[0] == {"role": "tool", "content": "68", "tool_call_id": "c1"}
+    assert ret.terminateds.tolist() == [False, True, True]  # the third is over its call budget
+    assert ret.rewards.tolist() == [0.0, 1.0, 0.0]
+    assert ret.metadata[0]["tool_calls"] == 1

@@ -1,6 +1,8 @@
 """Turn `policy.generation` into a generator the algorithm loop can call.
 
-Two shapes, one small interface (`generate`, `refit`, `shutdown`):
+Two shapes, one small interface (`generate`, `refit`, `shutdown`, and for the OpenAI-compatible
+server `num_replicas` + `generate_on`, which targets one data-parallel replica so that all
+turns of a conversation land on the same engine):
 - **Colocated** (torch backend, `colocated.enabled=true`, the CPU default): each policy
   worker runs the torch engine on an unsharded copy of its own weights, over its DP shard of
   the prompts. Refit copies the trained (sharded) weights into that copy inside the worker:
@@ -47,8 +49,23 @@ class ColocatedGeneration:
         self.sampling = sampling
         policy.init_colocated_generation(dataclasses.asdict(sampling))
 
-    def generate(self, data: BatchedDataDict, greedy: bool = False, **kw: Any) -> BatchedDataDict:
-        return self.policy.generate(data, greedy=greedy, **kw)
+    def generate(
+        self, data: BatchedDataDict, greedy: bool = False, sampling: SamplingConfig | None = None
+    ) -> BatchedDataDict:
+        return self.policy.generate(data, greedy=greedy, sampling=sampling)
+
+    @property
+    def num_replicas(self) -> int:
+        return int(self.policy.worker_group.dp_size)
+
+    def generate_on(
+        self,
+        replica: int,
+        data: BatchedDataDict,
+        greedy: bool = False,
+        sampling: SamplingConfig | None = None,
+    ) -> BatchedDataDict:
+        return replica_generate(self.policy.worker_group, replica, data, greedy, sampling)
 
     def refit(self, policy: Any) -> None:
         policy.refit_colocated_generation()
@@ -64,8 +81,23 @@ class SplitGeneration:
         self.worker_group = worker_group
         self.cluster = cluster
 
-    def generate(self, data: BatchedDataDict, greedy: bool = False, **kw: Any) -> BatchedDataDict:
-        return data_parallel_generate(self.worker_group, data, greedy=greedy, **kw)
+    def generate(
+        self, data: BatchedDataDict, greedy: bool = False, sampling: SamplingConfig | None = None
+    ) -> BatchedDataDict:
+        return data_parallel_generate(self.worker_group, data, greedy=greedy, sampling=sampling)
+
+    @property
+    def num_replicas(self) -> int:
+        return int(self.worker_group.dp_size)
+
+    def generate_on(
+        self,
+        replica: int,
+        data: BatchedDataDict,
+        greedy: bool = False,
+        sampling: SamplingConfig | None = None,
+    ) -> BatchedDataDict:
+        return replica_generate(self.worker_group, replica, data, greedy, sampling)
 
     def refit(self, policy: Any) -> None:
         ref = policy.state_dict_ref_for_refit()
@@ -77,10 +109,31 @@ class SplitGeneration:
         self.cluster.shutdown()
 
 
+_GENERATE_KEYS = ("input_ids", "input_lengths", "max_new_tokens")
+
+
+def _generate_view(data: BatchedDataDict) -> BatchedDataDict:
+    return BatchedDataDict({k: data[k] for k in _GENERATE_KEYS if k in data})
+
+
+def replica_generate(
+    worker_group: Any,
+    replica: int,
+    data: BatchedDataDict,
+    greedy: bool,
+    sampling: SamplingConfig | None,
+) -> BatchedDataDict:
+    """All of `data` on one worker (rank `replica`)."""
+    future = worker_group.run_single_worker(
+        replica, "generate", _generate_view(data), greedy=greedy, sampling=sampling
+    )
+    return worker_group.get_all_worker_results([future])[0]
+
+
 def data_parallel_generate(worker_group: Any, data: BatchedDataDict, **kw: Any) -> BatchedDataDict:
     """Shard prompts over the workers (padding to equal shards), gather in order."""
     n, dp = data.size, worker_group.dp_size
-    view = BatchedDataDict({k: data[k] for k in ("input_ids", "input_lengths")})
+    view = _generate_view(data)
     pad = (-n) % dp
     if pad:
         view = BatchedDataDict.from_batches([view, view.select_indices([0] * pad)])
@@ -125,3 +178,49 @@ def build_generation(
     generation = SplitGeneration(group, cluster)
     generation.refit(policy)  # start from the policy's current weights
     return generation
+
+
+def build_chat_service(
+    gen: GenerationSection,
+    generation: Any,
+    tokenizer: Any,
+    max_model_len: int,
+    chat_template: str | None = None,
+) -> Any:
+    """The chat service (prompts, batching, refit lock) over `generation`; HTTP or not."""
+    from tempering.models.generation.openai_server import ChatCompletionService, ServerSettings
+
+    srv = gen.http_server
+    settings = ServerSettings(
+        model_name=srv.model_name,
+        max_model_len=max_model_len,
+        default_sampling=sampling_from_config(gen, tokenizer),
+        training_mode=True,
+        batch_wait_ms=srv.batch_wait_ms,
+        max_batch_size=srv.max_batch_size,
+        on_noncontiguous=srv.on_noncontiguous,
+        tool_parser=srv.tool_parser,
+        chat_template=chat_template,
+        eot_token=srv.eot_token,
+    )
+    return ChatCompletionService(generation, tokenizer, settings)
+
+
+def start_http_server(gen: GenerationSection, service: Any) -> Any:
+    """Start the OpenAI-compatible server when `policy.generation.http_server.enabled`."""
+    import os
+
+    from tempering.models.generation.openai_server import OpenAIServer
+
+    srv = gen.http_server
+    if not srv.enabled:
+        return None
+    api_key = None
+    if srv.api_key_env:
+        api_key = os.environ.get(srv.api_key_env)
+        if not api_key:
+            raise ValueError(
+                f"policy.generation.http_server.api_key_env={srv.api_key_env!r} names an "
+                "environment variable that is unset or empty; export it with the key"
+            )
+    return OpenAIServer(service, srv.host, srv.port, api_key).start()

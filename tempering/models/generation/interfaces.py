@@ -4,13 +4,22 @@ Backends (the torch-native engine here, the vLLM worker elsewhere) implement
 `GenerationInterface`; `SamplingConfig` carries the plain sampling arguments they all accept.
 Data in and out follows docs/CONTRACTS.md ("Generation"):
 
-    generate(BDD{input_ids [B, S] right-padded, input_lengths [B]}, greedy=False)
+    generate(BDD{input_ids [B, S] right-padded, input_lengths [B],
+                 max_new_tokens [B] (optional: a per-row cap under the call's max_new_tokens)},
+             greedy=False, sampling=None (a SamplingConfig for this call only))
       -> BDD{output_ids [B, S+N] right-padded (prompt, then generated tokens),
              logprobs [B, S+N] (0 on prompt and padding; generated token t scored at its own
                                 position, from log_softmax(logits / temperature) BEFORE
                                 top-k/top-p filtering),
              generation_lengths [B], unpadded_sequence_lengths [B],
-             finish_reasons: list["stop" | "length"]}
+             finish_reasons: list["stop" | "length"],
+             top_logprob_ids, top_logprobs [B, S+N, k] (only when sampling.top_logprobs = k > 0:
+                                the k most likely tokens at each generated position, same
+                                temperature as `logprobs`)}
+
+Per-call sampling exists for the OpenAI-compatible server and multi-turn rollouts: requests
+differ in temperature, stop strings and token budget, and a backend serves each call with the
+settings it is given while keeping its own random stream.
 """
 
 from __future__ import annotations
@@ -41,7 +50,10 @@ class SamplingConfig:
     greedy: bool = False
     """Take the argmax instead of sampling (a `generate(..., greedy=True)` call also does)."""
     seed: int | None = None
-    """Seed of the sampler's random generator; None draws one from torch's global RNG."""
+    """Seed of the sampler's random generator; None draws one from torch's global RNG. A
+    per-call SamplingConfig with a seed reseeds the backend's generator for that call."""
+    top_logprobs: int = 0
+    """Also report the k most likely tokens and their log-probs at each generated position."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -53,6 +65,8 @@ class SamplingConfig:
             problems.append(f"top_k={self.top_k} must be >= 1 or None (no top-k)")
         if self.max_new_tokens < 1:
             problems.append(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        if self.top_logprobs < 0:
+            problems.append(f"top_logprobs={self.top_logprobs} must be >= 0")
         if any(not s for s in self.stop_strings):
             problems.append(f"stop_strings={self.stop_strings!r} must not contain empty strings")
         if problems:
@@ -63,8 +77,11 @@ class SamplingConfig:
 class GenerationInterface(Protocol):
     """A generator: samples continuations and receives refitted policy weights."""
 
-    def generate(self, data: Mapping[str, Any], greedy: bool = False) -> Mapping[str, Any]:
-        """Continue each prompt; returns the BatchedDataDict described in the module docstring."""
+    def generate(
+        self, data: Mapping[str, Any], greedy: bool = False, sampling: SamplingConfig | None = None
+    ) -> Mapping[str, Any]:
+        """Continue each prompt; returns the BatchedDataDict described in the module docstring.
+        `sampling` replaces the backend's own sampling settings for this call only."""
         ...
 
     def prepare_for_generation(self) -> None:

@@ -61,9 +61,8 @@ class TorchGenerationEngine:
             )
         self.pad_token_id = int(pad)
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        self.eos_token_ids = eos_ids
         self.stop_token_ids = sorted({*eos_ids, *self.config.stop_token_ids})
-        max_chars = max((len(s) for s in self.config.stop_strings), default=0)
-        self._stop_window = _BYTES_PER_CHAR * max_chars + _STOP_WINDOW_SLACK
         self.device = next(model.parameters()).device
         seed = self.config.seed
         if seed is None:
@@ -102,9 +101,15 @@ class TorchGenerationEngine:
                 target.copy_(value)
 
     @torch.inference_mode()
-    def generate(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict:
-        """Continue each right-padded prompt; returns the contract's BatchedDataDict."""
-        cfg = self.config
+    def generate(
+        self, data: Mapping[str, Any], greedy: bool = False, sampling: SamplingConfig | None = None
+    ) -> BatchedDataDict:
+        """Continue each right-padded prompt; returns the contract's BatchedDataDict.
+
+        `sampling` replaces the engine's settings for this call (its seed, if set, seeds a
+        generator for this call only); an optional ``data["max_new_tokens"]`` [B] caps each row.
+        """
+        cfg = sampling if sampling is not None else self.config
         greedy = greedy or cfg.greedy
         input_ids = data["input_ids"].to(self.device).long()  # [B, S] right-padded
         lengths = data["input_lengths"].to(self.device).long()  # [B]
@@ -114,12 +119,22 @@ class TorchGenerationEngine:
                 f"input_lengths must be [B]={B} values in [1, {S}] (prompt width); got "
                 f"{lengths.tolist()}."
             )
+        row_caps = torch.full((B,), cfg.max_new_tokens, dtype=torch.long, device=self.device)
+        if data.get("max_new_tokens") is not None:
+            caps = torch.as_tensor(data["max_new_tokens"]).to(self.device).long()
+            if caps.shape != (B,) or bool((caps < 1).any()):
+                raise ValueError(f"max_new_tokens must be [B]={B} values >= 1; got {caps.tolist()}")
+            row_caps = torch.minimum(row_caps, caps)
+        generator = self.generator
+        if sampling is not None and sampling.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         was_training = self.model.training
         self.model.eval()
         try:
-            generated, gen_logprobs, gen_lengths, stopped = self._decode(input_ids, lengths, greedy)
+            decoded = _Decode(self, cfg, greedy, generator).run(input_ids, lengths, row_caps)
         finally:
             self.model.train(was_training)
+        generated, gen_logprobs, gen_lengths, stopped, top_ids, top_values = decoded
 
         # Right-padded output: prompt, then generated tokens, then padding.  [B, S + T]
         T = generated.shape[1]
@@ -131,28 +146,61 @@ class TorchGenerationEngine:
         in_gen = torch.arange(T, device=self.device) < gen_lengths[:, None]
         output_ids.scatter_(1, dest, torch.where(in_gen, generated, self.pad_token_id))
         logprobs.scatter_(1, dest, torch.where(in_gen, gen_logprobs, 0.0))
-        return BatchedDataDict(
+        out = BatchedDataDict(
             output_ids=output_ids,
             logprobs=logprobs,
             generation_lengths=gen_lengths,
             unpadded_sequence_lengths=lengths + gen_lengths,
             finish_reasons=["stop" if s else "length" for s in stopped.tolist()],
         )
+        if top_ids is not None and top_values is not None:  # [B, T, k] -> [B, S + T, k]
+            k = top_ids.shape[-1]
+            dest_k = dest[:, :, None].expand(B, T, k)
+            out["top_logprob_ids"] = torch.zeros((B, S + T, k), dtype=torch.long).scatter_(
+                1, dest_k, top_ids * in_gen[:, :, None]
+            )
+            out["top_logprobs"] = torch.zeros((B, S + T, k)).scatter_(
+                1, dest_k, top_values * in_gen[:, :, None]
+            )
+        return out
 
     # ---- internals -------------------------------------------------------------------------
 
-    def _decode(
-        self, input_ids: torch.Tensor, lengths: torch.Tensor, greedy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Prefill + per-step decode. Returns generated [B, T], logprobs [B, T], lengths [B],
-        stopped [B] (bool); T <= max_new_tokens is the number of steps run."""
+
+class _Decode:
+    """One `generate` call's decoding: prefill, then one forward per step over the batch."""
+
+    def __init__(
+        self,
+        engine: TorchGenerationEngine,
+        cfg: SamplingConfig,
+        greedy: bool,
+        generator: torch.Generator,
+    ) -> None:
+        self.engine = engine
+        self.model = engine.model
+        self.cfg = cfg
+        self.greedy = greedy
+        self.generator = generator
+        self.pad = engine.pad_token_id
+        stop_ids = sorted({*engine.eos_token_ids, *cfg.stop_token_ids})
+        self.stop_ids = torch.tensor(stop_ids, dtype=torch.long, device=engine.device)
+        max_chars = max((len(s) for s in cfg.stop_strings), default=0)
+        self.stop_window = _BYTES_PER_CHAR * max_chars + _STOP_WINDOW_SLACK
+
+    def run(
+        self, input_ids: torch.Tensor, lengths: torch.Tensor, row_caps: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """Returns generated [B, T], logprobs [B, T], lengths [B], stopped [B] (bool), and the
+        top-k ids/log-probs [B, T, k] (None unless cfg.top_logprobs); T <= max(row_caps)."""
         B, S = input_ids.shape
-        dev = self.device
-        max_new = self.config.max_new_tokens
+        dev = input_ids.device
+        max_new = int(row_caps.max())
+        k = self.cfg.top_logprobs
         # Left-pad: row b's L_b tokens move to the last L_b columns.
         src = torch.arange(S, device=dev)[None, :] - (S - lengths)[:, None]  # [B, S]
         real = src >= 0
-        left_ids = torch.where(real, input_ids.gather(1, src.clamp(min=0)), self.pad_token_id)
+        left_ids = torch.where(real, input_ids.gather(1, src.clamp(min=0)), self.pad)
         attention_mask = real.long()
         position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
@@ -164,25 +212,33 @@ class TorchGenerationEngine:
             use_cache=True,
             logits_to_keep=1,
         )
-        stop_ids = torch.tensor(self.stop_token_ids, dtype=torch.long, device=dev)
-        generated = torch.full((B, max_new), self.pad_token_id, dtype=torch.long, device=dev)
+        generated = torch.full((B, max_new), self.pad, dtype=torch.long, device=dev)
         gen_logprobs = torch.zeros((B, max_new), dtype=torch.float32, device=dev)
+        top_ids = torch.zeros((B, max_new, k), dtype=torch.long, device=dev) if k else None
+        top_values = torch.zeros((B, max_new, k), device=dev) if k else None
         gen_lengths = torch.zeros(B, dtype=torch.long, device=dev)
         finished = torch.zeros(B, dtype=torch.bool, device=dev)
+        stopped = torch.zeros(B, dtype=torch.bool, device=dev)
         next_position = lengths.clone()  # position id of each row's next token
         steps = 0
         for step in range(max_new):
-            tokens, token_logprobs = self._sample(out.logits[:, -1, :], greedy)  # [B], [B]
+            logp = torch.log_softmax(out.logits[:, -1, :].float() / self.cfg.temperature, dim=-1)
+            tokens = self._sample(logp)  # [B]
             active = ~finished
-            generated[:, step] = torch.where(active, tokens, self.pad_token_id)
-            gen_logprobs[:, step] = torch.where(active, token_logprobs, 0.0)
+            generated[:, step] = torch.where(active, tokens, self.pad)
+            gen_logprobs[:, step] = torch.where(active, logp.gather(1, tokens[:, None])[:, 0], 0.0)
+            if top_ids is not None and top_values is not None:
+                values, ids = logp.topk(k, dim=-1)
+                top_ids[:, step] = ids * active[:, None]
+                top_values[:, step] = values * active[:, None]
             gen_lengths += active.long()
             steps = step + 1
-            hit = active & torch.isin(tokens, stop_ids)
-            if self.config.stop_strings:
+            hit = active & torch.isin(tokens, self.stop_ids)
+            if self.cfg.stop_strings:
                 hit |= self._stop_string_hits(generated[:, :steps], active & ~hit)
-            finished |= hit
-            if bool(finished.all()) or steps == max_new:
+            stopped |= hit
+            finished |= hit | (gen_lengths >= row_caps)
+            if bool(finished.all()):
                 break
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B, 1)], dim=1)
             out = self.model(
@@ -193,30 +249,35 @@ class TorchGenerationEngine:
                 use_cache=True,
             )
             next_position += 1
-        return generated[:, :steps], gen_logprobs[:, :steps], gen_lengths, finished
+        cut = slice(0, steps)
+        return (
+            generated[:, cut],
+            gen_logprobs[:, cut],
+            gen_lengths,
+            stopped,
+            None if top_ids is None else top_ids[:, cut],
+            None if top_values is None else top_values[:, cut],
+        )
 
-    def _sample(self, logits: torch.Tensor, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Next tokens [B] and their log-probs [B] (at temperature, before filtering)."""
-        cfg = self.config
-        scaled = logits.float() / cfg.temperature  # [B, V]
-        logp = torch.log_softmax(scaled, dim=-1)
-        if greedy:
-            tokens = scaled.argmax(dim=-1)
-        else:
-            filtered = scaled
-            if cfg.top_k is not None and cfg.top_k < filtered.shape[-1]:
-                kth = torch.topk(filtered, cfg.top_k, dim=-1).values[:, -1:]
-                filtered = filtered.masked_fill(filtered < kth, float("-inf"))
-            if cfg.top_p < 1.0:
-                sorted_logits, order = torch.sort(filtered, dim=-1, descending=True)
-                probs = torch.softmax(sorted_logits, dim=-1)
-                mass_before = probs.cumsum(dim=-1) - probs
-                drop = mass_before >= cfg.top_p  # the top token always stays (mass_before = 0)
-                sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-                filtered = torch.empty_like(filtered).scatter_(1, order, sorted_logits)
-            probs = torch.softmax(filtered, dim=-1)
-            tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
-        return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+    def _sample(self, logp: torch.Tensor) -> torch.Tensor:
+        """Next tokens [B] from log-probs at temperature [B, V] (top-k/top-p filter the draw
+        only: the reported log-probs stay those before filtering)."""
+        cfg = self.cfg
+        if self.greedy:
+            return logp.argmax(dim=-1)
+        filtered = logp
+        if cfg.top_k is not None and cfg.top_k < filtered.shape[-1]:
+            kth = torch.topk(filtered, cfg.top_k, dim=-1).values[:, -1:]
+            filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+        if cfg.top_p < 1.0:
+            sorted_logits, order = torch.sort(filtered, dim=-1, descending=True)
+            probs = torch.softmax(sorted_logits, dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs
+            drop = mass_before >= cfg.top_p  # the top token always stays (mass_before = 0)
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            filtered = torch.empty_like(filtered).scatter_(1, order, sorted_logits)
+        probs = torch.softmax(filtered, dim=-1)
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
 
     def _stop_string_hits(self, generated: torch.Tensor, check: torch.Tensor) -> torch.Tensor:
         """Rows in `check` whose generated text (tail window) contains a stop string."""
@@ -224,9 +285,9 @@ class TorchGenerationEngine:
         rows = check.nonzero().flatten().tolist()
         if not rows:
             return hits
-        tails = generated[rows, -self._stop_window :].tolist()
-        texts = self.tokenizer.batch_decode(tails, skip_special_tokens=True)
+        tails = generated[rows, -self.stop_window :].tolist()
+        texts = self.engine.tokenizer.batch_decode(tails, skip_special_tokens=True)
         for row, text in zip(rows, texts, strict=True):
-            if any(s in text for s in self.config.stop_strings):
+            if any(s in text for s in self.cfg.stop_strings):
                 hits[row] = True
         return hits

@@ -30,14 +30,9 @@ class TorchGenerationWorker:
         self.engine = TorchGenerationEngine(self.model, self.tokenizer, self.sampling)
 
     def generate(
-        self, data: Mapping[str, Any], greedy: bool = False, max_new_tokens: int | None = None
+        self, data: Mapping[str, Any], greedy: bool = False, sampling: SamplingConfig | None = None
     ) -> Any:
-        if max_new_tokens is not None and max_new_tokens != self.engine.config.max_new_tokens:
-            cfg = {**self.sampling.__dict__, "max_new_tokens": max_new_tokens}
-            engine = TorchGenerationEngine(self.model, self.tokenizer, SamplingConfig(**cfg))
-            engine.generator = self.engine.generator
-            return engine.generate(data, greedy=greedy)
-        return self.engine.generate(data, greedy=greedy)
+        return self.engine.generate(data, greedy, sampling)
 
     def update_weights(self, weights: Mapping[str, Any]) -> None:
         self.engine.update_weights(weights)

@@ -80,14 +80,7 @@ class VllmGenerationWorker:
                 f"({sorted(sampling_args)}), not both; put them into the SamplingConfig."
             )
         self.config = config if config is not None else SamplingConfig(**sampling_args)
-        if self.config.top_k is not None or self.config.top_p < 1.0:
-            raise ValueError(
-                f"VllmGenerationWorker: top_k={self.config.top_k}, top_p={self.config.top_p} "
-                "is not supported: vLLM 0.32 reports log-probs either before temperature or "
-                "after top-k/top-p, never log_softmax(logits / temperature) before filtering as "
-                "docs/CONTRACTS.md requires. Set top_k=None and top_p=1.0, or use the torch "
-                "engine (policy.generation.backend=torch)."
-            )
+        _check_filters(self.config)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         import vllm  # deferred: only this worker's venv has vLLM
 
@@ -152,9 +145,15 @@ class VllmGenerationWorker:
         # KV blocks cached for a prompt prefix were computed with the old weights.
         self.llm.reset_prefix_cache()
 
-    def generate(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict:
-        """Continue each right-padded prompt; returns the contract's BatchedDataDict."""
-        greedy = greedy or self.config.greedy
+    def generate(
+        self, data: Mapping[str, Any], greedy: bool = False, sampling: SamplingConfig | None = None
+    ) -> BatchedDataDict:
+        """Continue each right-padded prompt; returns the contract's BatchedDataDict
+        (`sampling` overrides this worker's settings for the call; ``data["max_new_tokens"]``
+        optionally caps each row)."""
+        cfg = sampling if sampling is not None else self.config
+        _check_filters(cfg)
+        greedy = greedy or cfg.greedy
         input_ids = data["input_ids"].long().cpu()  # [B, S] right-padded
         lengths = data["input_lengths"].long().cpu()  # [B]
         B, S = input_ids.shape
@@ -163,44 +162,61 @@ class VllmGenerationWorker:
                 f"input_lengths must be [B]={B} values in [1, {S}] (prompt width); got "
                 f"{lengths.tolist()}."
             )
-        if greedy and self.config.temperature != 1.0:
+        caps = [cfg.max_new_tokens] * B
+        if data.get("max_new_tokens") is not None:
+            caps = [min(cfg.max_new_tokens, int(c)) for c in data["max_new_tokens"]]
+        if greedy and cfg.temperature != 1.0:
             logger.warning(
                 "greedy generation with temperature=%s: vLLM reports log-probs at "
                 "temperature 1 for greedy requests.",
-                self.config.temperature,
+                cfg.temperature,
             )
         prompts = [
             self._vllm.TokensPrompt(prompt_token_ids=input_ids[b, : lengths[b]].tolist())
             for b in range(B)
         ]
-        outputs = self.llm.generate(prompts, self._sampling_params(greedy), use_tqdm=False)
+        # Only a per-call seed seeds each request (the engine's own seed is set at start-up;
+        # giving it to every request would make all samples of one prompt identical).
+        seed = sampling.seed if sampling is not None else None
+        params = [self._sampling_params(cfg, greedy, cap, seed) for cap in caps]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
 
         completions = [out.outputs[0] for out in outputs]
         gen_lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.long)
         T = int(gen_lengths.max()) if B else 0
+        k = cfg.top_logprobs
         # Right-padded output: prompt, then generated tokens, then padding.  [B, S + T]
         output_ids = torch.full((B, S + T), self.pad_token_id, dtype=torch.long)
         logprobs = torch.zeros((B, S + T), dtype=torch.float32)
+        top_ids = torch.zeros((B, S + T, k), dtype=torch.long)
+        top_values = torch.zeros((B, S + T, k), dtype=torch.float32)
         finish_reasons = []
         for b, completion in enumerate(completions):
             L, n = int(lengths[b]), len(completion.token_ids)
             output_ids[b, :L] = input_ids[b, :L]
             output_ids[b, L : L + n] = torch.tensor(completion.token_ids, dtype=torch.long)
-            steps = zip(completion.token_ids, completion.logprobs, strict=True)
+            steps = list(zip(completion.token_ids, completion.logprobs, strict=True))
             logprobs[b, L : L + n] = torch.tensor([step[tok].logprob for tok, step in steps])
+            for t, (_, step) in enumerate(steps if k else []):
+                ranked = sorted(step.items(), key=lambda kv: kv[1].rank)[:k]
+                top_ids[b, L + t, : len(ranked)] = torch.tensor([i for i, _ in ranked])
+                top_values[b, L + t, : len(ranked)] = torch.tensor([v.logprob for _, v in ranked])
             if completion.finish_reason not in _FINISH_REASONS:
                 raise RuntimeError(
                     f"vLLM finished sequence {b} with reason {completion.finish_reason!r} "
                     f"({completion.stop_reason!r}); expected one of {_FINISH_REASONS}."
                 )
             finish_reasons.append(completion.finish_reason)
-        return BatchedDataDict(
+        out = BatchedDataDict(
             output_ids=output_ids,
             logprobs=logprobs,
             generation_lengths=gen_lengths,
             unpadded_sequence_lengths=lengths + gen_lengths,
             finish_reasons=finish_reasons,
         )
+        if k:
+            out["top_logprob_ids"], out["top_logprobs"] = top_ids, top_values
+        return out
 
     # ---- extras ----------------------------------------------------------------------------
 
@@ -225,14 +241,27 @@ class VllmGenerationWorker:
 
     # ---- internals -------------------------------------------------------------------------
 
-    def _sampling_params(self, greedy: bool) -> Any:
-        cfg = self.config
+    def _sampling_params(
+        self, cfg: SamplingConfig, greedy: bool, max_tokens: int, seed: int | None
+    ) -> Any:
         return self._vllm.SamplingParams(
             temperature=0.0 if greedy else cfg.temperature,
-            max_tokens=cfg.max_new_tokens,
+            max_tokens=max_tokens,
+            seed=seed,
             stop_token_ids=list(cfg.stop_token_ids),
             stop=list(cfg.stop_strings) or None,
             include_stop_str_in_output=True,  # the contract keeps the stop tokens
             detokenize=bool(cfg.stop_strings),  # text is only needed to spot stop strings
-            logprobs=0,  # the sampled token's log-prob only
+            logprobs=cfg.top_logprobs,  # the sampled token's log-prob (+ the top k)
+        )
+
+
+def _check_filters(cfg: SamplingConfig) -> None:
+    if cfg.top_k is not None or cfg.top_p < 1.0:
+        raise ValueError(
+            f"VllmGenerationWorker: top_k={cfg.top_k}, top_p={cfg.top_p} "
+            "is not supported: vLLM 0.32 reports log-probs either before temperature or "
+            "after top-k/top-p, never log_softmax(logits / temperature) before filtering as "
+            "docs/CONTRACTS.md requires. Set top_k=None and top_p=1.0, or use the torch "
+            "engine (policy.generation.backend=torch)."
         )

@@ -32,7 +32,6 @@ logits are unpacked to the padded layout before the loss, so every loss works un
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import socket
@@ -622,11 +621,8 @@ class FSDP2PolicyWorker:
         if args.get("seed") is None:  # distinct, reproducible streams per rank
             args["seed"] = int(torch.initial_seed()) + 1000 * self.rank
         model = load_causal_lm(self.model_path).to(self.device).eval()
-        self._gen_engines: dict[int, Any] = {}
-        self._gen_model = model
-        self._gen_tokenizer = load_tokenizer(self.model_path)
-        self._gen_sampling = SamplingConfig(**args)
-        self._gen_engine = TorchGenerationEngine(model, self._gen_tokenizer, self._gen_sampling)
+        tokenizer = load_tokenizer(self.model_path)
+        self._gen_engine = TorchGenerationEngine(model, tokenizer, SamplingConfig(**args))
         self.refit_colocated_generation()
 
     def refit_colocated_generation(self) -> None:
@@ -636,25 +632,16 @@ class FSDP2PolicyWorker:
         self._gen_engine.update_weights(full)
 
     def generate(
-        self, data: BatchedDataDict, greedy: bool = False, max_new_tokens: int | None = None
+        self, data: BatchedDataDict, greedy: bool = False, sampling: Any = None
     ) -> BatchedDataDict:
-        """Generate for this rank's prompts with the colocated engine (contract layout)."""
+        """Generate for this rank's prompts with the colocated engine (contract layout);
+        `sampling` (a SamplingConfig) overrides the engine's settings for this call."""
         if not hasattr(self, "_gen_engine"):
             raise RuntimeError(
                 "FSDP2PolicyWorker.generate: call init_colocated_generation first "
                 "(policy.generation.colocated.enabled=true builds it)"
             )
-        engine = self._gen_engine
-        if max_new_tokens is not None and max_new_tokens != self._gen_sampling.max_new_tokens:
-            from tempering.models.generation.torch_engine import TorchGenerationEngine
-
-            if max_new_tokens not in self._gen_engines:
-                cfg = dataclasses.replace(self._gen_sampling, max_new_tokens=max_new_tokens)
-                self._gen_engines[max_new_tokens] = TorchGenerationEngine(
-                    self._gen_model, self._gen_tokenizer, cfg
-                )
-            engine = self._gen_engines[max_new_tokens]
-        return engine.generate(data.to(self.device), greedy=greedy).to("cpu")
+        return self._gen_engine.generate(data.to(self.device), greedy, sampling).to("cpu")
 
     def state_dict_ref_for_refit(self, dtype: str | None = None) -> list[Any] | None:
         """Rank 0 puts the full state dict into Ray's object store and returns ``[ref]``:

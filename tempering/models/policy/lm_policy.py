@@ -162,14 +162,13 @@ class Policy(PolicyInterface):
         self._all("refit_colocated_generation")
 
     def generate(
-        self, data: BatchedDataDict, greedy: bool = False, max_new_tokens: int | None = None
+        self, data: BatchedDataDict, greedy: bool = False, sampling: Any = None
     ) -> BatchedDataDict:
-        """Generate in the policy workers, prompts split over DP ranks, rows in input order."""
+        """Generate in the policy workers, prompts split over DP ranks, rows in input order
+        (`sampling`: a SamplingConfig for this call, see GenerationInterface)."""
         from tempering.models.generation.builders import data_parallel_generate
 
-        return data_parallel_generate(
-            self.worker_group, data, greedy=greedy, max_new_tokens=max_new_tokens
-        )
+        return data_parallel_generate(self.worker_group, data, greedy=greedy, sampling=sampling)
 
     def state_dict_ref_for_refit(self, dtype: str | None = None) -> Any:
         """A Ray object ref to the full state dict (put by rank 0; never fetched here)."""

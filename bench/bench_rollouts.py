@@ -1,0 +1,153 @@
+"""Rollouts/s through the HTTP server vs in-process, and single-turn GRPO step time against
+the code before the rollout loop existed.
+
+    uv run bench/bench_rollouts.py [--repeats 5] [--steps 16] [--baseline-ref 30a85ff]
+
+1. **HTTP vs in-process** (same run, same policy workers, alternating): `grpo.rollouts` on
+   32 prompts x 8 episodes, sampled, for two workloads — single-turn tiny-arith
+   (grpo_math_tiny.yaml) and the 3-turn retry task (grpo_multiturn_tiny.yaml). In-process,
+   each turn is one `ChatCompletionService.complete_many` call; over HTTP, every episode's
+   turn is its own POST /v1/chat/completions (aiohttp, all at once) that the server batches.
+   Printed: median rollouts/s of each with the spread (min-max), and HTTP / in-process.
+2. **Single-turn GRPO step time before vs after** (grpo_math_tiny.yaml's workload, 32x8,
+   median of `--steps` steps after one warm-up step): this checkout, and `--baseline-ref`
+   checked out into a temporary git worktree with its own environment (`uv run` there), each
+   in a subprocess, one after the other. The default ref is the last commit before the
+   rollout loop (tempering/experience/rollouts.py) replaced GRPO's single-turn generation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+STEP_SCRIPT = r"""
+import json, sys, time
+from pathlib import Path
+from tempering.algorithms import grpo
+from tempering.algorithms.loss_functions import ClippedPGLoss
+from tempering.config import GRPOMasterConfig, load_config
+steps, log_dir = int(sys.argv[1]), sys.argv[2]
+cfg, resolved = load_config(Path("examples/configs/grpo_math_tiny.yaml"), [
+    "grpo.val_period=0", "checkpointing.enabled=false", "logger.tensorboard_enabled=false",
+    f"logger.log_dir={log_dir}"], schema=GRPOMasterConfig)
+run = grpo.setup(cfg, resolved)
+times = []
+try:
+    for _ in range(steps + 1):
+        t0 = time.perf_counter()
+        grpo.grpo_step(run, ClippedPGLoss())
+        times.append(time.perf_counter() - t0)
+finally:
+    run.close()
+print("RESULT " + json.dumps(times[1:]))
+"""
+
+
+def spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})"
+
+
+def rollouts_per_s(config: str, repeats: int) -> tuple[list[float], list[float]]:
+    """(in-process, HTTP) rollouts/s, `repeats` alternating measurements each."""
+    from tempering.algorithms import grpo
+    from tempering.config import GRPOMasterConfig, load_config
+    from tempering.experience.rollouts import HttpTurnClient
+
+    cfg, resolved = load_config(
+        REPO / "examples/configs" / config,
+        [
+            "policy.generation.http_server.enabled=true",
+            "grpo.val_period=0",
+            "checkpointing.enabled=false",
+            "logger.tensorboard_enabled=false",
+            "logger.log_dir=/tmp/tempering_bench_rollouts",
+        ],
+        schema=GRPOMasterConfig,
+    )
+    run = grpo.setup(cfg, resolved)
+    G = cfg.grpo.num_generations_per_prompt
+    problems = run.train_problems[: cfg.grpo.num_prompts_per_step]
+    clients = {
+        "in_process": run.turns,
+        "http": HttpTurnClient(run.server.base_url, run.chat.settings.model_name),
+    }
+    rates: dict[str, list[float]] = {k: [] for k in clients}
+    try:
+        for i in range(repeats + 1):
+            for name, client in clients.items():
+                run.turns = client
+                t0 = time.perf_counter()
+                batch = grpo.rollouts(run, problems, greedy=False, repeat=G)
+                if i:  # the first round warms both paths up
+                    rates[name].append(batch.size / (time.perf_counter() - t0))
+        turns = float(batch["turns"].float().mean())
+        print(f"  {config}: {batch.size} episodes per round, {turns:.2f} turns/episode")
+    finally:
+        run.close()
+    return rates["in_process"], rates["http"]
+
+
+def step_times(cwd: Path, steps: int) -> list[float]:
+    with tempfile.TemporaryDirectory() as log_dir:
+        r = subprocess.run(
+            ["uv", "run", "--locked", "python", "-c", STEP_SCRIPT, str(steps), log_dir],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "TEMPERING_VENVS_DIR": str(cwd / "venvs")},
+        )
+    line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+    if r.returncode or not line:
+        raise SystemExit(f"GRPO step timing in {cwd} failed:\n{r.stderr[-3000:]}")
+    return json.loads(line[0][7:])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--baseline-ref", default="30a85ff")
+    p.add_argument("--skip-baseline", action="store_true")
+    a = p.parse_args()
+
+    print("Rollouts/s, HTTP vs in-process (median, min-max):")
+    rows = []
+    for config in ("grpo_math_tiny.yaml", "grpo_multiturn_tiny.yaml"):
+        local, http = rollouts_per_s(config, a.repeats)
+        rows.append((config, local, http))
+    for config, local, http in rows:
+        ratio = statistics.median(http) / statistics.median(local)
+        print(f"  {config:28s} in-process {spread(local)}  http {spread(http)}  "
+              f"http/in-process {ratio:.2f}x")  # fmt: skip
+    if a.skip_baseline:
+        return
+    print(f"\nSingle-turn GRPO s/step (grpo_math_tiny, median of {a.steps}, min-max):")
+    with tempfile.TemporaryDirectory(prefix="tempering_baseline_") as tmp:
+        base = Path(tmp) / "baseline"
+        subprocess.run(
+            ["git", "-C", str(REPO), "worktree", "add", "--detach", str(base), a.baseline_ref],
+            check=True,
+            capture_output=True,
+        )
+        try:
+            before = step_times(base, a.steps)
+            after = step_times(REPO, a.steps)
+        finally:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)])
+    print(f"  before ({a.baseline_ref}) {spread(before)}")
+    print(f"  after  (this checkout) {spread(after)}")
+    ratio = statistics.median(before) / statistics.median(after)
+    print(f"  before/after {ratio:.2f}x (>1: this checkout is faster)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Experience: rollouts that turn prompts into training data (`rollouts.py`)."""

@@ -1,0 +1,286 @@
+"""The rollout loop: generate -> environment step -> append observation -> repeat.
+
+One loop for single- and multi-turn episodes, batched across samples per turn, used both
+in-process (`InProcessTurnClient`: straight into the chat service) and over HTTP
+(`HttpTurnClient`: concurrent requests to the OpenAI-compatible server, which batches them).
+Both build every prompt the same way (`tempering.models.generation.chat`), so turn t's prompt
+is exactly turn t-1's prompt + generated ids + the template's tokens for the observation.
+
+    batch = run_rollouts(client, samples, environments, sampling=SamplingConfig(...),
+                         max_turns=3, max_seq_len=512)
+
+Output: the BatchedDataDict the GRPO step trains on, one row per sample:
+  input_ids [B, S] right-padded (the whole conversation), input_lengths [B],
+  token_mask [B, S] (1 on every generated token of every turn, 0 elsewhere), sample_mask [B],
+  generation_logprobs [B, S] (the sampler's log-probs on generated tokens, 0 elsewhere),
+  rewards [B] (summed over turns), turns [B], truncated [B] (the episode did not end by
+  itself: the turn limit or the sequence budget cut it), generation_lengths [B] (generated
+  tokens over all turns), finish_reasons (the last turn's), message_logs (for logging).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from tempering.distributed.batched_data_dict import BatchedDataDict
+from tempering.models.generation.interfaces import SamplingConfig
+from tempering.models.generation.openai_server import (
+    CONTEXT_LENGTH_EXCEEDED,
+    ChatRequest,
+    ChatResult,
+    RequestError,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "HttpTurnClient",
+    "InProcessTurnClient",
+    "RolloutSample",
+    "TurnClient",
+    "run_rollouts",
+]
+
+
+@dataclass
+class RolloutSample:
+    """One episode to roll out."""
+
+    messages: list[dict[str, Any]]  # the conversation so far (usually one user message)
+    metadata: dict[str, Any]  # what the environment needs (ground_truth, ...)
+    task_name: str  # which environment scores it
+    prompt_ids: list[int] | None = None  # first-turn ids, when the caller encoded the prompt
+    tools: list[dict[str, Any]] | None = None  # OpenAI tool specs offered to the model
+
+
+class TurnClient(Protocol):
+    def complete(self, requests: Sequence[ChatRequest]) -> list[ChatResult | RequestError]:
+        """One turn for each request: a result, or the RequestError that refused it."""
+        ...
+
+
+class InProcessTurnClient:
+    """Turns served by a `ChatCompletionService` in this process (no HTTP)."""
+
+    def __init__(self, service: Any) -> None:
+        self.service = service
+
+    def complete(self, requests: Sequence[ChatRequest]) -> list[ChatResult | RequestError]:
+        return self.service.complete_many(requests)
+
+
+class HttpTurnClient:
+    """Turns served over HTTP by an OpenAI-compatible server (ours), all requests at once."""
+
+    def __init__(
+        self, base_url: str, model: str, api_key: str | None = None, timeout_s: float = 600.0
+    ) -> None:
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.model = model
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.timeout_s = timeout_s
+
+    def complete(self, requests: Sequence[ChatRequest]) -> list[ChatResult | RequestError]:
+        import asyncio
+
+        from tempering.utils.aio import run_async
+
+        async def all_turns() -> list[ChatResult | RequestError]:
+            return list(await asyncio.gather(*(self._one(r) for r in requests)))
+
+        return run_async(all_turns())
+
+    async def _one(self, request: ChatRequest) -> ChatResult | RequestError:
+        import aiohttp
+
+        from tempering.utils.aio import http_session
+
+        if request.prompt_ids is not None:
+            raise ValueError(
+                "HttpTurnClient cannot send raw prompt ids (the server builds prompts from "
+                "messages); use the chat template for the first turn (data.use_chat_template)"
+            )
+        s = request.sampling
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": request.messages,
+            "temperature": 0.0 if request.greedy else s.temperature,
+            "top_p": s.top_p,
+            "max_tokens": s.max_new_tokens,
+            "logprobs": True,
+            "top_logprobs": 0,
+        }
+        if s.top_k is not None:
+            body["top_k"] = s.top_k
+        if s.stop_strings:
+            body["stop"] = list(s.stop_strings)
+        if request.tools:
+            body["tools"] = request.tools
+            body["tool_choice"] = "auto" if request.parse_tools else "none"
+        headers = dict(self.headers)
+        if request.session_id:
+            headers["X-Session-ID"] = request.session_id
+        session = await http_session()
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        async with session.post(self.url, json=body, headers=headers, timeout=timeout) as resp:
+            payload = await resp.json(content_type=None)
+        if resp.status != 200:
+            err = payload.get("error", {}) if isinstance(payload, dict) else {}
+            error = RequestError(
+                str(err.get("message", payload)), err.get("param"), resp.status, err.get("code")
+            )
+            if error.code == CONTEXT_LENGTH_EXCEEDED:
+                return error
+            raise RuntimeError(f"{self.url} answered {resp.status}: {error.message}")
+        return result_from_response(payload)
+
+
+def result_from_response(payload: dict[str, Any]) -> ChatResult:
+    """A chat completion (training mode) back into a ChatResult."""
+    from tempering.models.generation.chat import ParsedToolCalls
+
+    choice = payload["choices"][0]
+    message = choice["message"]
+    calls = message.get("tool_calls") or []
+    return ChatResult(
+        prompt_ids=list(message["prompt_token_ids"]),
+        generation_ids=list(message["generation_token_ids"]),
+        generation_logprobs=list(message["generation_log_probs"]),
+        top_logprobs=None,
+        text=message.get("content") or "",
+        parsed=ParsedToolCalls(message.get("content"), calls),
+        finish_reason=choice["finish_reason"],
+        weight_version=int(payload.get("weight_version", -1)),
+        replica=None,
+    )
+
+
+# --------------------------------------------------------------------------- the loop
+@dataclass
+class _Episode:
+    sample: RolloutSample
+    messages: list[dict[str, Any]]
+    metadata: dict[str, Any]
+    sampling: SamplingConfig
+    spans: list[tuple[int, list[int], list[float]]] = field(default_factory=list)
+    last: ChatResult | None = None
+    reward: float = 0.0
+    turns: int = 0
+    done: bool = False
+    truncated: bool = False
+
+
+def run_rollouts(
+    client: TurnClient,
+    samples: Sequence[RolloutSample],
+    environments: Mapping[str, Any],
+    *,
+    sampling: SamplingConfig,
+    max_turns: int,
+    max_seq_len: int,
+    greedy: bool = False,
+) -> BatchedDataDict:
+    """Roll every sample out to the end of its episode (see the module docstring)."""
+    from tempering.environments.registry import route_step
+
+    episodes = [
+        _Episode(s, list(s.messages), dict(s.metadata), sampling) for s in samples
+    ]  # fmt: skip
+    for turn in range(max_turns):
+        active = [e for e in episodes if not e.done]
+        if not active:
+            break
+        requests = [_request(e, greedy, turn == 0, max_seq_len) for e in active]
+        results = client.complete(requests)
+        stepped: list[_Episode] = []
+        for ep, result in zip(active, results, strict=True):
+            if isinstance(result, RequestError):  # the observation left no room to generate
+                ep.done = ep.truncated = True
+                continue
+            _add_turn(ep, result)
+            stepped.append(ep)
+        if not stepped:
+            break
+        ret = route_step(
+            environments,
+            [e.messages for e in stepped],
+            [e.metadata for e in stepped],
+            [e.sample.task_name for e in stepped],
+        )
+        for j, ep in enumerate(stepped):
+            ep.reward += float(ret.rewards[j])
+            ep.metadata = ret.metadata[j] if ret.metadata[j] is not None else ep.metadata
+            if bool(ret.terminateds[j]):
+                ep.done = True
+                continue
+            ep.messages.append(dict(ret.observations[j]))
+            if ret.next_stop_strings[j] is not None:
+                ep.sampling = dataclasses.replace(sampling, stop_strings=ret.next_stop_strings[j])
+            if len(ep.last.prompt_ids) + len(ep.last.generation_ids) >= max_seq_len:  # type: ignore[union-attr]
+                ep.done = ep.truncated = True
+    for ep in episodes:
+        if not ep.done:  # the turn limit ended an episode its environment had not ended
+            ep.truncated = True
+    return _to_batch(episodes)
+
+
+def _request(ep: _Episode, greedy: bool, first: bool, max_seq_len: int) -> ChatRequest:
+    return ChatRequest(
+        max_total_tokens=max_seq_len,
+        messages=ep.messages,
+        sampling=ep.sampling,
+        greedy=greedy,
+        tools=ep.sample.tools,
+        parse_tools=bool(ep.sample.tools),
+        prompt_ids=ep.sample.prompt_ids if first else None,
+    )
+
+
+def _add_turn(ep: _Episode, result: ChatResult) -> None:
+    """Record a turn; its prompt must extend everything generated so far (the splice)."""
+    if ep.last is not None:
+        before = ep.last.prompt_ids + ep.last.generation_ids
+        if result.prompt_ids[: len(before)] != before:
+            raise RuntimeError(
+                f"turn {ep.turns + 1} of a {ep.sample.task_name!r} episode does not start with "
+                "the previous turn's prompt + generation ids; its tokens would train off-policy"
+            )
+    ep.spans.append((len(result.prompt_ids), result.generation_ids, result.generation_logprobs))
+    ep.last = result
+    ep.turns += 1
+    ep.messages.append(result.message)
+
+
+def _to_batch(episodes: list[_Episode]) -> BatchedDataDict:
+    rows = [
+        (e.last.prompt_ids + e.last.generation_ids) if e.last else list(e.sample.prompt_ids or [])
+        for e in episodes
+    ]
+    B, S = len(rows), max(max(len(r) for r in rows), 1)
+    input_ids = torch.zeros((B, S), dtype=torch.long)
+    token_mask = torch.zeros((B, S), dtype=torch.float32)
+    logprobs = torch.zeros((B, S), dtype=torch.float32)
+    for b, (row, ep) in enumerate(zip(rows, episodes, strict=True)):
+        input_ids[b, : len(row)] = torch.tensor(row, dtype=torch.long)
+        for start, ids, lps in ep.spans:
+            token_mask[b, start : start + len(ids)] = 1.0
+            logprobs[b, start : start + len(ids)] = torch.tensor(lps, dtype=torch.float32)
+    return BatchedDataDict(
+        input_ids=input_ids,
+        input_lengths=torch.tensor([len(r) for r in rows], dtype=torch.long),
+        token_mask=token_mask,
+        sample_mask=torch.tensor([1.0 if e.last else 0.0 for e in episodes]),
+        generation_logprobs=logprobs,
+        rewards=torch.tensor([e.reward for e in episodes], dtype=torch.float32),
+        turns=torch.tensor([e.turns for e in episodes], dtype=torch.long),
+        truncated=torch.tensor([e.truncated for e in episodes], dtype=torch.bool),
+        generation_lengths=token_mask.sum(1).long(),
+        finish_reasons=[e.last.finish_reason if e.last else "length" for e in episodes],
+        message_logs=[e.messages for e in episodes],
+    )
