@@ -1,7 +1,7 @@
 """Rollouts/s through the HTTP server vs in-process, and single-turn GRPO step time against
 the code before the rollout loop existed.
 
-    uv run bench/bench_rollouts.py [--repeats 5] [--steps 16] [--baseline-ref 30a85ff]
+    uv run bench/bench_rollouts.py [--repeats 5] [--steps 16] [--baseline-ref 30a85ff] [--smollm2]
 
 1. **HTTP vs in-process** (same run, same policy workers, alternating): `grpo.rollouts` on
    32 prompts x 8 episodes, sampled, for two workloads — single-turn tiny-arith
@@ -9,6 +9,9 @@ the code before the rollout loop existed.
    each turn is one `ChatCompletionService.complete_many` call; over HTTP, every episode's
    turn is its own POST /v1/chat/completions (aiohttp, all at once) that the server batches.
    Printed: median rollouts/s of each with the spread (min-max), and HTTP / in-process.
+   `--smollm2` adds grpo_math_smollm2.yaml's workload (SmolLM2-135M, 4 prompts x 4, up to
+   128 new tokens, chat template), where generation, not the ~1 ms per request of HTTP,
+   dominates.
 2. **Single-turn GRPO step time before vs after** (grpo_math_tiny.yaml's workload, 32x8,
    median of `--steps` steps after one warm-up step): this checkout, and `--baseline-ref`
    checked out into a temporary git worktree with its own environment (`uv run` there), each
@@ -117,12 +120,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--baseline-ref", default="30a85ff")
     p.add_argument("--skip-baseline", action="store_true")
+    p.add_argument("--smollm2", action="store_true", help="also the SmolLM2-135M workload")
     a = p.parse_args()
 
     print("Rollouts/s, HTTP vs in-process (median, min-max):")
     rows = []
-    for config in ("grpo_math_tiny.yaml", "grpo_multiturn_tiny.yaml"):
-        local, http = rollouts_per_s(config, a.repeats)
+    configs = ["grpo_math_tiny.yaml", "grpo_multiturn_tiny.yaml"]
+    for config in configs + (["grpo_math_smollm2.yaml"] if a.smollm2 else []):
+        local, http = rollouts_per_s(config, a.repeats if "tiny" in config else 2)
         rows.append((config, local, http))
     for config, local, http in rows:
         ratio = statistics.median(http) / statistics.median(local)

@@ -40,10 +40,12 @@ from tempering.models.generation.openai_server import (
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "EpisodeRecord",
     "HttpTurnClient",
     "InProcessTurnClient",
     "RolloutSample",
     "TurnClient",
+    "build_batch",
     "run_rollouts",
 ]
 
@@ -227,7 +229,7 @@ def run_rollouts(
     for ep in episodes:
         if not ep.done:  # the turn limit ended an episode its environment had not ended
             ep.truncated = True
-    return _to_batch(episodes)
+    return build_batch([_record(e) for e in episodes])
 
 
 def _request(ep: _Episode, greedy: bool, first: bool, max_seq_len: int) -> ChatRequest:
@@ -257,30 +259,62 @@ def _add_turn(ep: _Episode, result: ChatResult) -> None:
     ep.messages.append(result.message)
 
 
-def _to_batch(episodes: list[_Episode]) -> BatchedDataDict:
-    rows = [
-        (e.last.prompt_ids + e.last.generation_ids) if e.last else list(e.sample.prompt_ids or [])
-        for e in episodes
-    ]
-    B, S = len(rows), max(max(len(r) for r in rows), 1)
-    input_ids = torch.zeros((B, S), dtype=torch.long)
-    token_mask = torch.zeros((B, S), dtype=torch.float32)
-    logprobs = torch.zeros((B, S), dtype=torch.float32)
-    for b, (row, ep) in enumerate(zip(rows, episodes, strict=True)):
-        input_ids[b, : len(row)] = torch.tensor(row, dtype=torch.long)
-        for start, ids, lps in ep.spans:
-            token_mask[b, start : start + len(ids)] = 1.0
-            logprobs[b, start : start + len(ids)] = torch.tensor(lps, dtype=torch.float32)
+@dataclass
+class EpisodeRecord:
+    """One finished episode as token ids: what every rollout source (the loop here, NeMo Gym)
+    hands to `build_batch`."""
+
+    ids: list[int]  # the whole conversation (the last model call's prompt + generation)
+    spans: list[tuple[int, list[int], list[float]]]  # (start, generated ids, sampler log-probs)
+    reward: float
+    turns: int
+    truncated: bool
+    finish_reason: str
+    messages: list[dict[str, Any]]
+    masked: bool = False  # sample_mask 0: the episode counts for nothing
+
+
+def build_batch(episodes: Sequence[EpisodeRecord], pad_token_id: int = 0) -> BatchedDataDict:
+    """Episodes -> the training BatchedDataDict described in the module docstring."""
+    # Python lists first, one tensor per key: a torch.tensor call per row cost more than the
+    # whole step's other bookkeeping.
+    S = max(max(len(e.ids) for e in episodes), 1)
+    ids_rows, mask_rows, lp_rows = [], [], []
+    for ep in episodes:
+        ids_rows.append(ep.ids + [pad_token_id] * (S - len(ep.ids)))
+        mask, lps = [0.0] * S, [0.0] * S
+        for start, gen, gen_lps in ep.spans:
+            mask[start : start + len(gen)] = [1.0] * len(gen)
+            lps[start : start + len(gen)] = gen_lps
+        mask_rows.append(mask)
+        lp_rows.append(lps)
+    input_ids = torch.tensor(ids_rows, dtype=torch.long)
+    token_mask = torch.tensor(mask_rows, dtype=torch.float32)
+    logprobs = torch.tensor(lp_rows, dtype=torch.float32)
     return BatchedDataDict(
         input_ids=input_ids,
-        input_lengths=torch.tensor([len(r) for r in rows], dtype=torch.long),
+        input_lengths=torch.tensor([max(len(e.ids), 1) for e in episodes], dtype=torch.long),
         token_mask=token_mask,
-        sample_mask=torch.tensor([1.0 if e.last else 0.0 for e in episodes]),
+        sample_mask=torch.tensor([0.0 if e.masked else 1.0 for e in episodes]),
         generation_logprobs=logprobs,
         rewards=torch.tensor([e.reward for e in episodes], dtype=torch.float32),
         turns=torch.tensor([e.turns for e in episodes], dtype=torch.long),
         truncated=torch.tensor([e.truncated for e in episodes], dtype=torch.bool),
         generation_lengths=token_mask.sum(1).long(),
-        finish_reasons=[e.last.finish_reason if e.last else "length" for e in episodes],
+        finish_reasons=[e.finish_reason for e in episodes],
         message_logs=[e.messages for e in episodes],
+    )
+
+
+def _record(ep: _Episode) -> EpisodeRecord:
+    last = ep.last
+    return EpisodeRecord(
+        ids=(last.prompt_ids + last.generation_ids) if last else list(ep.sample.prompt_ids or []),
+        spans=ep.spans,
+        reward=ep.reward,
+        turns=ep.turns,
+        truncated=ep.truncated,
+        finish_reason=last.finish_reason if last else "length",
+        messages=ep.messages,
+        masked=last is None,
     )

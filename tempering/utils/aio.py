@@ -24,7 +24,12 @@ def _background_loop() -> asyncio.AbstractEventLoop:
     global _loop
     with _lock:
         if _loop is None or _loop.is_closed():
-            loop = asyncio.new_event_loop()
+            try:  # uvloop (installed with uvicorn[standard]) is the cheaper loop per request
+                import uvloop
+
+                loop = uvloop.new_event_loop()
+            except ImportError:
+                loop = asyncio.new_event_loop()
             threading.Thread(target=loop.run_forever, name="tempering-aio", daemon=True).start()
             _loop = loop
         return _loop

@@ -38,10 +38,8 @@ import asyncio
 import collections
 import dataclasses
 import hashlib
-import ipaddress
 import json
 import logging
-import socket
 import threading
 import time
 import uuid
@@ -61,6 +59,7 @@ from tempering.models.generation.chat import (
     ParsedToolCalls,
 )
 from tempering.models.generation.interfaces import SamplingConfig
+from tempering.utils.serving import BackgroundServer, is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +200,7 @@ class ChatCompletionService:
         self._loops: list[asyncio.Task[None]] = []
         self._executor = ThreadPoolExecutor(self.num_replicas + 1, thread_name_prefix="chat-gen")
         self._warned_fields: set[str] = set()
+        self._token_texts: dict[int, str] = {}  # token id -> its text, for log-prob entries
 
     # ---- requests ------------------------------------------------------------------------
     def count(self, key: str, n: int = 1) -> None:
@@ -386,10 +386,9 @@ class ChatCompletionService:
 
     def _generate(self, rows: list[_Prepared], replica: int | None) -> list[ChatResult]:
         first = rows[0].request
+        width, pad = max(len(r.prompt_ids) for r in rows), _pad_id(self.tokenizer)
         lengths = torch.tensor([len(r.prompt_ids) for r in rows], dtype=torch.long)
-        input_ids = torch.full((len(rows), int(lengths.max())), _pad_id(self.tokenizer))
-        for b, r in enumerate(rows):
-            input_ids[b, : len(r.prompt_ids)] = torch.tensor(r.prompt_ids, dtype=torch.long)
+        input_ids = torch.tensor([r.prompt_ids + [pad] * (width - len(r.prompt_ids)) for r in rows])
         caps = torch.tensor([r.max_new_tokens for r in rows], dtype=torch.long)
         data = BatchedDataDict(input_ids=input_ids, input_lengths=lengths, max_new_tokens=caps)
         sampling = dataclasses.replace(
@@ -414,20 +413,22 @@ class ChatCompletionService:
                 self._cv.notify_all()
         self.count("backend_calls")
         self.count("requests", len(rows))
-        return [self._result(r, out, b, version, replica) for b, r in enumerate(rows)]
+        lists = {k: out[k].tolist() for k in _OUTPUT_KEYS if k in out}  # once, not per row
+        lists["finish_reasons"] = list(out["finish_reasons"])
+        return [self._result(r, lists, b, version, replica) for b, r in enumerate(rows)]
 
     def _result(
-        self, row: _Prepared, out: Any, b: int, version: int, replica: int | None
+        self, row: _Prepared, out: dict[str, Any], b: int, version: int, replica: int | None
     ) -> ChatResult:
         start, n = len(row.prompt_ids), int(out["generation_lengths"][b])
-        gen_ids = out["output_ids"][b, start : start + n].tolist()
-        logprobs = out["logprobs"][b, start : start + n].tolist()
+        gen_ids = out["output_ids"][b][start : start + n]
+        logprobs = out["logprobs"][b][start : start + n]
         top = None
         if "top_logprob_ids" in out:
-            ids = out["top_logprob_ids"][b, start : start + n].tolist()
-            values = out["top_logprobs"][b, start : start + n].tolist()
+            ids = out["top_logprob_ids"][b][start : start + n]
+            values = out["top_logprobs"][b][start : start + n]
             top = [list(zip(i, v, strict=True)) for i, v in zip(ids, values, strict=True)]
-        text = self.tokenizer.decode(gen_ids, skip_special_tokens=True)
+        text = self.prompts.decode(gen_ids)
         for stop in row.request.sampling.stop_strings:  # OpenAI: the stop text is not returned
             if stop in text:
                 text = text[: text.index(stop)]
@@ -492,7 +493,7 @@ class ChatCompletionService:
 
     def _logprob_entries(self, request: ChatRequest, result: ChatResult) -> list[dict[str, Any]]:
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
-            text = self.tokenizer.decode([token_id])
+            text = self._token_text(token_id)
             token = f"token_id:{token_id}" if request.tokens_as_ids else text
             return {"token": token, "logprob": logprob, "bytes": list(text.encode())}
 
@@ -503,6 +504,12 @@ class ChatCompletionService:
                 result.generation_ids, result.generation_logprobs, top, strict=True
             )
         ]
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.prompts.decode([token_id], False)
+        return text
 
     def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
         """``POST /tokenize``: the same prompt construction as chat completions (messages),
@@ -539,6 +546,9 @@ class ChatCompletionService:
                 "model",
                 404,
             )
+
+
+_OUTPUT_KEYS = ("output_ids", "logprobs", "generation_lengths", "top_logprob_ids", "top_logprobs")
 
 
 def _pad_id(tokenizer: Any) -> int:
@@ -683,13 +693,11 @@ def build_app(service: ChatCompletionService, api_key: str | None = None) -> Any
         service.count("bad_requests")
         return JSONResponse(err.body(), status_code=err.status)
 
-    @app.middleware("http")
-    async def check_key(request: Request, call_next: Any) -> Any:
-        if api_key and request.url.path != "/health":
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                return error(RequestError("missing or wrong API key (Authorization: Bearer ...)",
-                                          status=401))  # fmt: skip
-        return await call_next(request)
+    def check_key(request: Request) -> None:
+        # A plain check in each route: starlette's @app.middleware("http") wraps every request
+        # in task groups and memory streams, which cost more than the rest of a request here.
+        if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
+            raise RequestError("missing or wrong API key (Authorization: Bearer ...)", status=401)
 
     async def json_body(request: Request) -> Any:
         raw = await request.body()
@@ -703,7 +711,11 @@ def build_app(service: ChatCompletionService, api_key: str | None = None) -> Any
         return {"status": "ok", "weight_version": service.weight_version, "stats": service.stats}
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(request: Request) -> Any:
+        try:
+            check_key(request)
+        except RequestError as err:
+            return error(err)
         name = service.settings.model_name
         card = {"id": name, "object": "model", "created": 0, "owned_by": "tempering",
                 "max_model_len": service.settings.max_model_len}  # fmt: skip
@@ -712,33 +724,28 @@ def build_app(service: ChatCompletionService, api_key: str | None = None) -> Any
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
         try:
+            check_key(request)
             body = await json_body(request)
             req = parse_chat_request(body, service, request.headers.get("x-session-id"))
             result = await service.complete(req)
         except RequestError as err:
             return error(err)
-        return service.chat_response(req, result)
+        # JSONResponse directly: returning the dict would run FastAPI's jsonable_encoder over
+        # every token id and log-prob, the largest cost of a request after the model.
+        return JSONResponse(service.chat_response(req, result))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Any:
         try:
+            check_key(request)
             body = await json_body(request)
             if not isinstance(body, dict):
                 raise RequestError("the request body must be a JSON object")
-            return service.tokenize(body)
+            return JSONResponse(service.tokenize(body))
         except RequestError as err:
             return error(err)
 
     return app
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class OpenAIServer:
@@ -762,19 +769,12 @@ class OpenAIServer:
                 "environment variable that holds it) or bind 127.0.0.1"
             )
         self.service, self.host, self.api_key = service, host, api_key
-        self._socket = socket.socket(
-            socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM
-        )
-        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._socket.bind((host, port))
-        self.port = int(self._socket.getsockname()[1])
-        self._server: Any = None
-        self._thread: threading.Thread | None = None
+        self._http = BackgroundServer(build_app(service, api_key), host, port, "openai-server")
+        self.port = self._http.port
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return self._http.url
 
     @property
     def base_url(self) -> str:
@@ -782,37 +782,13 @@ class OpenAIServer:
         return f"{self.url}/v1"
 
     def start(self, timeout_s: float = 30.0) -> OpenAIServer:
-        import uvicorn
-
-        config = uvicorn.Config(
-            build_app(self.service, self.api_key),
-            log_level="warning",
-            access_log=False,
-            timeout_keep_alive=30,
-        )
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(
-            target=self._server.run,
-            kwargs={"sockets": [self._socket]},
-            name=f"openai-server-{self.port}",
-            daemon=True,
-        )
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the generation server on {self.url} did not start")
-            time.sleep(0.01)
+        self._http.start(timeout_s)
         log.info("generation server listening on %s (model %r)", self.base_url,
                  self.service.settings.model_name)  # fmt: skip
         return self
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-        self._socket.close()
+        self._http.stop(timeout_s)
         self.service.close()
 
     def __enter__(self) -> OpenAIServer:
