@@ -37,12 +37,16 @@ class Problem:
     prompt: str
     answer: str
     task_name: str
+    row: dict[str, Any] | None = None  # a NeMo Gym row (task "nemo_gym")
 
 
-def load_problems(data_cfg: DataConfig) -> tuple[list[Problem], list[Problem]]:
+def load_problems(
+    data_cfg: DataConfig, gym_route: str | None = None
+) -> tuple[list[Problem], list[Problem]]:
     """(train, held-out) prompts with ground-truth answers and their environment's name; the
-    train prompts gain `data.reasoning_gym_tasks` problems when that list is set."""
-    train, val = _dataset_problems(data_cfg)
+    train prompts gain `data.reasoning_gym_tasks` problems when that list is set. NeMo Gym rows
+    without routing fields go to `gym_route` (env.nemo_gym.default_route)."""
+    train, val = _dataset_problems(data_cfg, gym_route)
     for task in data_cfg.reasoning_gym_tasks:
         train += reasoning_gym_problems(task, data_cfg.reasoning_gym_samples, data_cfg.seed)
     return train, val
@@ -64,7 +68,9 @@ def reasoning_gym_problems(task: str, n: int, seed: int) -> list[Problem]:
     return [Problem(gsm8k_user_prompt(r["question"]), str(r["answer"]), "math") for r in rows]
 
 
-def _dataset_problems(data_cfg: DataConfig) -> tuple[list[Problem], list[Problem]]:
+def _dataset_problems(
+    data_cfg: DataConfig, gym_route: str | None
+) -> tuple[list[Problem], list[Problem]]:
     name = data_cfg.dataset_name
     if name == "arithmetic":
         from tempering.models.tiny_arith import make_problems
@@ -81,7 +87,24 @@ def _dataset_problems(data_cfg: DataConfig) -> tuple[list[Problem], list[Problem
             return [Problem(gsm8k_user_prompt(q), a, "math") for q, a in gsm8k_rl_pairs(split)]
 
         return gsm("train"), gsm("test")[: data_cfg.num_val_samples]
-    raise ValueError(f"data.dataset_name={name!r} has no GRPO prompts; use 'arithmetic' or 'gsm8k'")
+    if name == "nemo_gym":
+        train = _gym_problems(data_cfg.train_data_path, gym_route)
+        return train, _gym_problems(data_cfg.val_data_path, gym_route)[: data_cfg.num_val_samples]
+    raise ValueError(
+        f"data.dataset_name={name!r} has no GRPO prompts; use 'arithmetic', 'gsm8k' or 'nemo_gym'"
+    )
+
+
+def _gym_problems(path: str | None, default_route: str | None) -> list[Problem]:
+    """NeMo Gym JSONL rows (checked with file:line errors) as problems for task nemo_gym."""
+    from tempering.data.nemo_gym import load_gym_rows, row_prompt_text
+
+    if path is None:
+        return []
+    rows = load_gym_rows(path, default_route=default_route)
+    return [
+        Problem(row_prompt_text(r), str(r.get("expected_answer", "")), "nemo_gym", r) for r in rows
+    ]
 
 
 # -------------------------------------------------------------------------- setup
@@ -108,13 +131,13 @@ class GRPORun:
     def close(self) -> None:
         """Free what the run started: server, logger, generation, environments, policy
         workers, placement groups."""
+        for env in {id(e): e for e in self.environments.values()}.values():
+            shutdown = env.shutdown  # NeMo Gym first: its agents call the server
+            _ = shutdown.remote() if hasattr(shutdown, "remote") else shutdown()
         if self.server is not None:
             self.server.stop()
         self.logger.close()
         self.generation.shutdown()
-        for env in {id(e): e for e in self.environments.values()}.values():
-            shutdown = env.shutdown
-            _ = shutdown.remote() if hasattr(shutdown, "remote") else shutdown()
         self.policy.shutdown()
         self.cluster.shutdown()
 
@@ -133,7 +156,7 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any]) -> GRPORun:
     common.start_run(cfg.cluster)
     model_path = resolve_model_path(cfg.policy.model_name)
     tokenizer = load_tokenizer(resolve_model_path(cfg.policy.tokenizer.name or model_path))
-    train_problems, val_problems = load_problems(cfg.data)
+    train_problems, val_problems = load_problems(cfg.data, cfg.env.nemo_gym.default_route)
     if cfg.env.task_name:  # one environment scores every problem
         for p in train_problems + val_problems:
             p.task_name = cfg.env.task_name
@@ -159,6 +182,8 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any]) -> GRPORun:
         cfg.policy.tokenizer.chat_template,
     )
     server = start_http_server(cfg.policy.generation, chat)
+    if "nemo_gym" in {p.task_name for p in train_problems + val_problems}:
+        environments["nemo_gym"] = _build_gym(cfg, server, tokenizer)
     if cfg.grpo.rollout_transport == "http":
         _check_http_prompts(cfg, tokenizer, train_problems[0].prompt)
         turns = HttpTurnClient(server.base_url, chat.settings.model_name, server.api_key)
@@ -189,6 +214,23 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any]) -> GRPORun:
     )
 
 
+def _build_gym(cfg: GRPOMasterConfig, server: Any, tokenizer: Any) -> Any:
+    from pathlib import Path
+
+    from tempering.data.collate import pad_token_id_of
+    from tempering.environments.nemo_gym import build_nemo_gym_environment
+
+    return build_nemo_gym_environment(
+        cfg.env.nemo_gym,
+        policy_base_url=server.base_url,
+        policy_model_name=server.service.settings.model_name,
+        policy_api_key=server.api_key,
+        max_seq_len=cfg.policy.max_total_sequence_length,
+        pad_token_id=pad_token_id_of(tokenizer),
+        work_dir=str(Path(cfg.logger.log_dir).resolve() / "nemo_gym"),
+    )
+
+
 def _check_http_prompts(cfg: GRPOMasterConfig, tokenizer: Any, prompt: str) -> None:
     """Over HTTP the server renders the first turn with the chat template; raw prompts
     (data.use_chat_template=false) must encode to the same ids, or training would differ."""
@@ -214,7 +256,8 @@ def build_environments(cfg: GRPOMasterConfig, task_names: set[str]) -> dict[str,
         "arithmetic_retry": cfg.env.arithmetic_retry.model_dump(),
         "calculator": {**math, "max_tool_calls": cfg.env.calculator.max_tool_calls},
     }
-    envs = {t: create_environment_actor(t, **kwargs.get(t, {})) for t in sorted(task_names)}
+    names = sorted(task_names - {"nemo_gym"})  # Gym needs the server: see setup()
+    envs = {t: create_environment_actor(t, **kwargs.get(t, {})) for t in names}
     if cfg.env.reward_model_path:  # a trained reward model scores every task
         actor = create_environment_actor(
             "reward_model", reward_model_path=cfg.env.reward_model_path
@@ -400,6 +443,15 @@ def rollouts(run: GRPORun, problems: list[Problem], greedy: bool, repeat: int = 
     from tempering.experience.rollouts import InProcessTurnClient, RolloutSample, run_rollouts
 
     cfg = run.cfg
+    sampling = run.chat.settings.default_sampling
+    if problems and problems[0].task_name == "nemo_gym":  # Gym runs whole episodes itself
+        from tempering.data.nemo_gym import problem_row
+
+        if any(p.task_name != "nemo_gym" for p in problems):
+            raise ValueError("a batch mixes NeMo Gym rows with other tasks; use one or the other")
+        rows = [p.row or problem_row(p.prompt, p.answer) for p in problems]
+        gym = run.environments["nemo_gym"]
+        return gym.rollouts(rows, sampling=sampling, greedy=greedy, repeat=repeat)
     in_process = isinstance(run.turns, InProcessTurnClient)
     samples = []
     for p in problems:
@@ -417,7 +469,7 @@ def rollouts(run: GRPORun, problems: list[Problem], greedy: bool, repeat: int = 
         run.turns,
         samples,
         run.environments,
-        sampling=run.chat.settings.default_sampling,
+        sampling=sampling,
         max_turns=cfg.grpo.max_rollout_turns,
         max_seq_len=cfg.policy.max_total_sequence_length,
         greedy=greedy,

@@ -7,7 +7,7 @@ library classes never receive a config object. Field descriptions double as ``--
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -199,7 +199,7 @@ class CheckpointingConfig(Section):
 class DataConfig(Section):
     dataset_name: str = Field(
         "arithmetic",
-        description="arithmetic | gsm8k | squad | messages | prompt_response | hf | preference | helpsteer3",
+        description="arithmetic | gsm8k | nemo_gym (GRPO) | squad | messages | prompt_response | hf | preference | helpsteer3",
     )
     train_data_path: str | None = None
     val_data_path: str | None = None
@@ -327,6 +327,41 @@ class CalculatorEnvConfig(Section):
     max_tool_calls: int = Field(4, ge=0, description="calls per episode before it ends unscored")
 
 
+class NemoGymConfig(Section):
+    """NeMo Gym (tempering/environments/nemo_gym.py): attach to a running Gym, or launch one."""
+
+    head_server_url: str | None = Field(
+        None, description="attach mode: a running Gym head server, e.g. http://127.0.0.1:11000"
+    )
+    config_paths: list[str] = Field(
+        default_factory=list,
+        description="launch mode: Gym config files (e.g. resources_servers/math_with_judge/"
+        "configs/math_with_judge.yaml); tempering starts Gym in its own venv, pointed at the "
+        "trainer's generation server",
+    )
+    head_server_port: int = Field(11000, ge=1, le=65535, description="launch mode: Gym's head port")
+    extra_config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="launch mode: more keys for Gym's global config (dotted keys are not split)",
+    )
+    prebuilt_server_venvs: bool = Field(
+        True,
+        description="launch mode: every Gym server runs in the one Gym venv tempering builds "
+        "(false: Gym builds a venv per server with uv, its supported route on Python 3.13)",
+    )
+    default_route: str | None = Field(
+        None, description="agent or environment-server instance for rows without routing fields"
+    )
+    concurrency: int = Field(64, ge=1, description="/run requests in flight at most")
+    request_timeout_s: float = Field(600.0, gt=0, description="per /run request")
+    max_retries: int = Field(3, ge=0, description="retries on connection errors, timeouts, 5xx")
+    retry_backoff_s: float = Field(0.5, ge=0, description="first retry delay (then doubled)")
+    startup_timeout_s: float = Field(600.0, gt=0, description="launch mode: Gym start-up limit")
+    on_noncontiguous: Literal["error", "truncate"] = Field(
+        "error", description="a rollout whose model calls do not extend each other"
+    )
+
+
 class EnvConfig(Section):
     task_name: str | None = Field(
         None,
@@ -336,6 +371,7 @@ class EnvConfig(Section):
     math: MathEnvConfig = MathEnvConfig()
     arithmetic_retry: ArithmeticRetryEnvConfig = ArithmeticRetryEnvConfig()
     calculator: CalculatorEnvConfig = CalculatorEnvConfig()
+    nemo_gym: NemoGymConfig = NemoGymConfig()
     reward_fn: str | None = Field(None, description="dotted path 'pkg.mod:fn' to a custom reward")
     reward_model_path: str | None = Field(
         None, description="a trained RM folder (task reward_model)"
@@ -381,6 +417,20 @@ class GRPOMasterConfig(_Master):
             raise ValueError(
                 "grpo.rollout_transport=http needs policy.generation.http_server.enabled=true"
             )
+        if self.data.dataset_name == "nemo_gym" or self.env.task_name == "nemo_gym":
+            gym = self.env.nemo_gym
+            if bool(gym.head_server_url) == bool(gym.config_paths):
+                raise ValueError(
+                    "NeMo Gym needs exactly one of env.nemo_gym.head_server_url (attach to a "
+                    "running Gym) and env.nemo_gym.config_paths (launch one)"
+                )
+            if not self.policy.generation.http_server.enabled:
+                raise ValueError(
+                    "NeMo Gym's agents call the trainer's generation server: set "
+                    "policy.generation.http_server.enabled=true"
+                )
+            if self.data.dataset_name == "nemo_gym" and not self.data.train_data_path:
+                raise ValueError("data.dataset_name=nemo_gym needs data.train_data_path (JSONL)")
         return self
 
 

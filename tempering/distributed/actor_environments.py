@@ -5,6 +5,10 @@ Workers are named by fully qualified class name (FQN). Each FQN maps to an *exec
 - ``PY_EXECUTABLES.SYSTEM``: the driver's own interpreter (``sys.executable``), no venv.
 - ``PY_EXECUTABLES.BASE``: ``uv run --locked`` -- the project's locked dependencies.
 - one entry per extra, e.g. ``PY_EXECUTABLES.VLLM`` = ``uv run --locked --extra vllm``.
+- ``PY_EXECUTABLES.NEMO_GYM`` = ``pip-venv nemo-gym``: a plain venv filled by pip from
+  `PIP_VENV_SPECS` (NeMo Gym pins openai 2.x and declares Python >= 3.13, so it cannot share
+  our uv lock; on 3.11 pip installs it with ``--ignore-requires-python``), with this checkout
+  on its path (a ``.pth`` file) so worker classes import from it;
 - any other string is a path (or a name on ``PATH``) of a ready interpreter or launcher,
   e.g. a frozen ``python-<WorkerClass>`` written by ``tools/freeze_worker_venvs.py``.
 
@@ -66,6 +70,7 @@ class PyExecutables:
     BASE: str
     VLLM: str
     ISOLATION_PROBE: str
+    NEMO_GYM: str
 
 
 def make_py_executables(group: str) -> PyExecutables:
@@ -77,7 +82,26 @@ def make_py_executables(group: str) -> PyExecutables:
         BASE=base,
         VLLM=f"{base} --extra {vllm_extra}",
         ISOLATION_PROBE=f"{base} --extra isolation-probe",
+        NEMO_GYM="pip-venv nemo-gym",
     )
+
+
+@dataclass(frozen=True)
+class PipVenvSpec:
+    """A venv built with pip (for packages that cannot join the uv lock)."""
+
+    requirements: tuple[str, ...]
+    pip_args: tuple[str, ...] = ()
+
+
+# name -> spec, for `pip-venv <name>` executables. NeMo Gym: the version we test against, and
+# math-verify for its math_with_judge server (Gym's servers share this one venv).
+PIP_VENV_SPECS: dict[str, PipVenvSpec] = {
+    "nemo-gym": PipVenvSpec(
+        requirements=("nemo-gym==0.7.0", "math-verify==0.8.0"),
+        pip_args=("--ignore-requires-python", "--prefer-binary"),
+    ),
+}
 
 
 PY_EXECUTABLES = make_py_executables(torch_group())
@@ -93,6 +117,7 @@ ACTOR_ENVIRONMENT_REGISTRY: dict[str, str] = {
     "tempering.distributed.testing_workers.RaisingWorker": PY_EXECUTABLES.SYSTEM,
     "tempering.distributed.testing_workers.DyingWorker": PY_EXECUTABLES.SYSTEM,
     "tempering.distributed.testing_workers.CowsayWorker": PY_EXECUTABLES.ISOLATION_PROBE,
+    "tempering.environments.nemo_gym_launcher.NemoGymLauncher": PY_EXECUTABLES.NEMO_GYM,
 }
 
 
@@ -119,6 +144,19 @@ def get_actor_executable(fqn: str) -> str:
 def is_uv_executable(executable: str) -> bool:
     """True for ``uv run ...`` executables, which need a venv built for them."""
     return shlex.split(executable)[:2] == ["uv", "run"]
+
+
+def pip_venv_name(executable: str) -> str | None:
+    """The spec name of a ``pip-venv <name>`` executable, else None."""
+    words = shlex.split(executable)
+    if words[:1] != ["pip-venv"]:
+        return None
+    if len(words) != 2 or words[1] not in PIP_VENV_SPECS:
+        raise ValueError(
+            f"executable {executable!r}: use 'pip-venv <name>' with a name from PIP_VENV_SPECS "
+            f"({sorted(PIP_VENV_SPECS)})"
+        )
+    return words[1]
 
 
 def uv_sync_args(executable: str) -> list[str]:
@@ -237,6 +275,64 @@ def create_local_venv(
     return str(venv / "bin" / "python")
 
 
+def create_pip_venv(
+    spec_name: str, venv_name: str, *, force_rebuild: bool | None = None, timeout_s: float = 1800.0
+) -> str:
+    """Build (or reuse) a pip venv for ``PIP_VENV_SPECS[spec_name]`` under the venvs root with
+    this interpreter's Python (Ray needs the same minor version); return its python path.
+
+    The checkout is put on the venv's path with a ``.pth`` file (no copy, no build step).
+    Reuse, rebuild (``NRL_FORCE_REBUILD_VENVS``) and locking work as for uv venvs."""
+    spec = PIP_VENV_SPECS[spec_name]
+    force = force_rebuild_requested() if force_rebuild is None else force_rebuild
+    root = venvs_root()
+    root.mkdir(parents=True, exist_ok=True)
+    venv = root / venv_name
+    expected = {
+        "pip_venv": spec_name,
+        "requirements": list(spec.requirements),
+        "pip_args": list(spec.pip_args),
+        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+        "checkout": str(REPO_ROOT),
+    }
+    lock = filelock.FileLock(str(root / f".{venv_name}.lock"), timeout=timeout_s)
+    try:
+        with lock:
+            if not force and _marker_matches(venv, expected):
+                return str(venv / "bin" / "python")
+            if venv.exists():
+                shutil.rmtree(venv)
+            start = time.perf_counter()
+            python = str(venv / "bin" / "python")
+            steps = [
+                [sys.executable, "-m", "venv", str(venv)],
+                [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                 *spec.pip_args, *spec.requirements],
+            ]  # fmt: skip
+            for cmd in steps:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+                if proc.returncode != 0:
+                    raise RuntimeError(
+                        f"building worker venv {venv} failed (exit {proc.returncode}): "
+                        f"{shlex.join(cmd)}\n{proc.stderr.strip()[-3000:]}\nFix the error "
+                        f"above, or set {FORCE_REBUILD_ENV}=true to start from a clean venv."
+                    )
+            site = subprocess.run(
+                [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                capture_output=True, text=True, check=True,
+            ).stdout.strip()  # fmt: skip
+            (Path(site) / "tempering-checkout.pth").write_text(f"{REPO_ROOT}\n")
+            (venv / MARKER_FILE).write_text(json.dumps(expected, indent=1))
+            logger.info("built worker venv %s in %.1f s", venv, time.perf_counter() - start)
+    except filelock.Timeout:
+        raise TimeoutError(
+            f"waited {timeout_s:.0f} s for the lock {lock.lock_file} guarding worker venv {venv}; "
+            "another process is building it or left the lock behind -- check for a running "
+            "build, then delete the lock file."
+        ) from None
+    return str(venv / "bin" / "python")
+
+
 def _build_on_this_node(
     executable: str, venv_name: str, force_rebuild: bool, env: dict[str, str]
 ) -> str:
@@ -300,6 +396,9 @@ def resolve_python(fqn: str, executable: str, node_ids: list[str] | None = None)
     frozen = frozen_launcher(fqn)
     if frozen is not None:
         return str(frozen)
+    spec = pip_venv_name(executable)
+    if spec is not None:
+        return create_pip_venv(spec, fqn)
     if is_uv_executable(executable):
         if node_ids:
             return create_venv_on_nodes(executable, fqn, node_ids)

@@ -158,7 +158,8 @@ class NemoGymClient:
             known = sorted(n for n, (t, _) in servers.items() if t in _RUNNABLE)
             raise GymResultError(f"Gym has no agent or environment server {name!r}; known: {known}")
         conf = servers[name][1]
-        return agent or name, f"http://{conf.get('host', '127.0.0.1')}:{conf['port']}/run"
+        agent = agent or (conf.get("agent_server") or {}).get("name") or name  # metrics: by agent
+        return agent, f"http://{conf.get('host', '127.0.0.1')}:{conf['port']}/run"
 
     # ---- /run ------------------------------------------------------------------------------
     def run(self, rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -384,3 +385,113 @@ class NemoGymEnvironment:
         if self.launcher is not None:
             self.launcher.shutdown()
             self.launcher = None
+
+
+# ---------------------------------------------------------------------------- builder
+LAUNCHER_FQN = "tempering.environments.nemo_gym_launcher.NemoGymLauncher"
+
+
+class LaunchedGym:
+    """Gym started for this run by a `NemoGymLauncher` actor in Gym's own venv."""
+
+    def __init__(self, actor: Any, head_url: str) -> None:
+        self.actor, self.head_url = actor, head_url
+
+    @classmethod
+    def start(
+        cls,
+        *,
+        work_dir: str,
+        config_paths: list[str],
+        policy_base_urls: list[str],
+        policy_model_name: str,
+        policy_api_key: str,
+        head_port: int,
+        extra_config: dict[str, Any],
+        prebuilt_server_venvs: bool,
+        timeout_s: float,
+    ) -> LaunchedGym:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from tempering.distributed.actor_environments import get_actor_executable, resolve_python
+        from tempering.environments.nemo_gym_launcher import NemoGymLauncher
+
+        python = resolve_python(LAUNCHER_FQN, get_actor_executable(LAUNCHER_FQN))
+        here = ray.get_runtime_context().get_node_id()  # the venv was built on this node
+        actor = (
+            ray.remote(num_cpus=0, max_restarts=0)(NemoGymLauncher)
+            .options(
+                runtime_env={"py_executable": python},
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
+            )
+            .remote(work_dir)
+        )
+        ray_address = ray.get_runtime_context().gcs_address
+        future = actor.start.remote(
+            config_paths, policy_base_urls, policy_model_name, policy_api_key, ray_address,
+            head_port, extra_config, prebuilt_server_venvs,
+        )  # fmt: skip
+        try:
+            head_url = ray.get(future, timeout=timeout_s)
+        except BaseException as err:
+            ray.kill(actor)
+            if isinstance(err, ray.exceptions.GetTimeoutError):
+                raise TimeoutError(
+                    f"NeMo Gym did not come up within env.nemo_gym.startup_timeout_s="
+                    f"{timeout_s:.0f} s (config files {config_paths}); see {work_dir}"
+                ) from None
+            raise
+        log.info("NeMo Gym is up: head server %s (venv %s)", head_url, python)
+        return cls(actor, head_url)
+
+    def shutdown(self) -> None:
+        import ray
+
+        try:
+            ray.get(self.actor.shutdown.remote(), timeout=120)
+        finally:
+            ray.kill(self.actor)
+
+
+def build_nemo_gym_environment(
+    gym: Any,
+    *,
+    policy_base_url: str,
+    policy_model_name: str,
+    policy_api_key: str | None,
+    max_seq_len: int,
+    pad_token_id: int,
+    work_dir: str,
+) -> NemoGymEnvironment:
+    """`env.nemo_gym` (a NemoGymConfig) -> the environment; launches Gym in launch mode."""
+    launched = None
+    head = gym.head_server_url
+    if gym.config_paths:
+        launched = LaunchedGym.start(
+            work_dir=work_dir,
+            config_paths=list(gym.config_paths),
+            policy_base_urls=[policy_base_url],
+            policy_model_name=policy_model_name,
+            policy_api_key=policy_api_key or "none",  # Gym's OpenAI client needs some key
+            head_port=gym.head_server_port,
+            extra_config=dict(gym.extra_config),
+            prebuilt_server_venvs=gym.prebuilt_server_venvs,
+            timeout_s=gym.startup_timeout_s,
+        )
+        head = launched.head_url
+    client = NemoGymClient(
+        head,
+        default_route=gym.default_route,
+        concurrency=gym.concurrency,
+        request_timeout_s=gym.request_timeout_s,
+        max_retries=gym.max_retries,
+        retry_backoff_s=gym.retry_backoff_s,
+    )
+    return NemoGymEnvironment(
+        client,
+        max_seq_len=max_seq_len,
+        on_noncontiguous=gym.on_noncontiguous,
+        pad_token_id=pad_token_id,
+        launcher=launched,
+    )

@@ -339,7 +339,11 @@ def test_calculator_environment_answers_tool_calls_then_scores_the_final_answer(
                 [user, {"role": "assistant", "content": "The answer is \\boxed{68}"}],
                 [user, {"role": "assistant", "content": None, "tool_calls": [call]}],
             ],
-            [{"ground_truth": "68"}, {"ground_truth": "68"}, {"ground_truth": "68", "tool_calls": 1}],
+            [
+                {"ground_truth": "68"},
+                {"ground_truth": "68"},
+                {"ground_truth": "68", "tool_calls": 1},
+            ],
         )
     finally:
         env.shutdown()

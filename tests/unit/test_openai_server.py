@@ -26,6 +26,7 @@ from tempering.models.generation.openai_server import (
 )
 from tempering.models.generation.torch_engine import TorchGenerationEngine
 from tempering.models.hf import load_causal_lm, load_tokenizer
+from tests.scripted_backend import ScriptedBackend
 
 MODEL = "tiny"
 MAX_LEN = 64
@@ -279,30 +280,6 @@ def test_beyond_loopback_a_key_is_required_and_checked(backend, tokenizer):
         assert httpx.get(url).status_code == 401
         assert httpx.get(url, headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert httpx.get(url, headers={"Authorization": "Bearer s3cret"}).status_code == 200
-
-
-class ScriptedBackend:
-    """Replays fixed completions as token ids (a stand-in for a model that emits tool calls,
-    which none we can build offline does reliably); log-probs are 0."""
-
-    def __init__(self, tokenizer, replies: list[str]) -> None:
-        self.tokenizer, self.replies = tokenizer, list(replies)
-
-    def generate(self, data, greedy=False, sampling=None):
-        B, S = data["input_ids"].shape
-        reply = self.tokenizer(self.replies.pop(0), add_special_tokens=False)["input_ids"]
-        reply = reply + [self.tokenizer.eos_token_id]
-        out = torch.zeros((B, S + len(reply)), dtype=torch.long)
-        L = int(data["input_lengths"][0])
-        out[0, :L] = data["input_ids"][0, :L]
-        out[0, L : L + len(reply)] = torch.tensor(reply)
-        return BatchedDataDict(
-            output_ids=out,
-            logprobs=torch.zeros_like(out, dtype=torch.float32),
-            generation_lengths=torch.tensor([len(reply)]),
-            unpadded_sequence_lengths=torch.tensor([L + len(reply)]),
-            finish_reasons=["stop"],
-        )
 
 
 def test_tool_call_round_trip_with_the_official_client(tokenizer):

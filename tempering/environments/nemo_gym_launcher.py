@@ -1,0 +1,97 @@
+"""Start NeMo Gym for a training run (launch mode), inside Gym's own Python environment.
+
+`NemoGymLauncher` is a Ray actor whose class is registered in `ACTOR_ENVIRONMENT_REGISTRY`
+under ``PY_EXECUTABLES.NEMO_GYM`` (a pip-built venv with ``nemo-gym``; see
+`tempering.distributed.actor_environments`), exactly as the vLLM worker runs under the vLLM
+extra. Only this module imports ``nemo_gym``, and only inside the actor.
+
+`start` runs Gym's own launcher (``nemo_gym.cli.env.RunHelper``) with the user's config files
+plus Gym's ``vllm_model_for_training.yaml`` policy-model config, pointed at the trainer's
+generation server (``policy_base_url`` is the list of our server URLs, ``policy_model_name``,
+``policy_api_key``), joined to the trainer's Ray cluster (``ray_head_node_address``: Gym's
+environment servers are Ray clients, and a process where Ray is already initialised, like
+this actor, would otherwise not pass an address on). With ``prebuilt_server_venvs`` every
+Gym server runs in this same venv (``uv_venv_dir`` + ``skip_venv_if_present``: no uv or pip at
+start-up); otherwise Gym builds one venv per server with uv, its supported route on Python
+3.13. Gym writes ``results/`` and ``cache/`` into its working directory, the run's log
+directory. `shutdown` stops every Gym server.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+POLICY_MODEL_CONFIG = "responses_api_models/vllm_model/configs/vllm_model_for_training.yaml"
+SERVER_KINDS = ("resources_servers", "responses_api_agents", "responses_api_models",
+                "environment_servers")  # fmt: skip
+
+
+class NemoGymLauncher:
+    def __init__(self, work_dir: str) -> None:
+        Path(work_dir).mkdir(parents=True, exist_ok=True)
+        os.chdir(work_dir)  # Gym writes results/ and cache/ here
+        self.work_dir = Path(work_dir)
+        self._helper: Any = None
+
+    def start(
+        self,
+        config_paths: list[str],
+        policy_base_urls: list[str],
+        policy_model_name: str,
+        policy_api_key: str,
+        ray_address: str,
+        head_port: int,
+        extra_config: dict[str, Any],
+        prebuilt_server_venvs: bool,
+    ) -> str:
+        """Start Gym; returns the head server's URL once every server answers."""
+        from nemo_gym.cli.env import RunHelper
+        from nemo_gym.global_config import GlobalConfigDictParserConfig
+        from omegaconf import OmegaConf
+
+        initial: dict[str, Any] = {
+            "config_paths": [POLICY_MODEL_CONFIG, *config_paths],
+            "policy_base_url": list(policy_base_urls),
+            "policy_model_name": policy_model_name,
+            "policy_api_key": policy_api_key,
+            "ray_head_node_address": ray_address,
+            "head_server": {"host": "127.0.0.1", "port": head_port},
+            **extra_config,
+        }
+        if prebuilt_server_venvs:
+            initial["uv_venv_dir"] = str(self._link_server_venvs())
+            initial["skip_venv_if_present"] = True
+        self._helper = RunHelper()
+        self._helper.start(
+            GlobalConfigDictParserConfig(
+                initial_global_config_dict=OmegaConf.create(initial),
+                skip_load_from_cli=True,
+                skip_load_from_dotenv=True,
+            )
+        )
+        return f"http://127.0.0.1:{head_port}"
+
+    def _link_server_venvs(self) -> Path:
+        """``<work_dir>/venvs/<kind>/<server>/.venv`` -> this venv, for every bundled server."""
+        root = self.work_dir / "venvs"
+        site = Path(sysconfig.get_paths()["purelib"])
+        for kind in SERVER_KINDS:
+            for server in (site / kind).iterdir() if (site / kind).is_dir() else []:
+                if server.is_dir() and not server.name.startswith("_"):
+                    link = root / kind / server.name / ".venv"
+                    link.parent.mkdir(parents=True, exist_ok=True)
+                    if not link.exists():
+                        link.symlink_to(sys.prefix, target_is_directory=True)
+        return root
+
+    def shutdown(self) -> None:
+        if self._helper is not None:
+            self._helper.shutdown()
+            self._helper = None

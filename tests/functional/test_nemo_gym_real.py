@@ -1,0 +1,147 @@
+"""The real `nemo-gym` package (0.7.0) against tempering's generation server (slow tier).
+
+Gym runs in its own pip-built venv (PY_EXECUTABLES.NEMO_GYM, built by the project's own
+machinery into the session's venvs folder), started by `LaunchedGym` exactly as GRPO's launch
+mode does, joined to the test session's Ray. Three of its bundled environments roll out
+through their real agents, resources servers and `vllm_model` policy server:
+example_single_tool_call (a tool call, then an answer), math_with_judge with the judge off
+(math-verify on ``\\boxed{}``), and equivalence_rule (exact match) on tiny-arith problems.
+
+The model behind our server is scripted (tests/scripted_backend.py): no model we can build
+offline calls Gym's tools reliably. Everything else is real, and the assertions are Gym's
+own rewards and the token ids it hands back, which must pass our contiguity check.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+TOOL_CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "San Francisco"}}</tool_call>'
+
+
+def _site_packages(python: str) -> Path:
+    out = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return Path(out.stdout.strip())
+
+
+def _rows(path: Path, n: int) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()][:n]
+
+
+def test_real_gym_rollouts_score_and_return_contiguous_token_ids(
+    ray_session, worker_venvs_dir, tmp_path
+):
+    from tempering.config.schemas import NemoGymConfig
+    from tempering.data.nemo_gym import problem_row
+    from tempering.distributed.actor_environments import get_actor_executable, resolve_python
+    from tempering.environments.nemo_gym import (
+        LAUNCHER_FQN,
+        GymServerError,
+        NemoGymClient,
+        NemoGymEnvironment,
+        build_nemo_gym_environment,
+    )
+    from tempering.models.generation.interfaces import SamplingConfig
+    from tempering.models.generation.openai_server import (
+        ChatCompletionService,
+        OpenAIServer,
+        ServerSettings,
+    )
+    from tempering.models.hf import load_tokenizer
+    from tests.scripted_backend import ScriptedBackend
+
+    site = _site_packages(resolve_python(LAUNCHER_FQN, get_actor_executable(LAUNCHER_FQN)))
+    tool_rows = _rows(site / "resources_servers/example_single_tool_call/data/example.jsonl", 2)
+    math_rows = _rows(site / "resources_servers/math_with_judge/data/example.jsonl", 3)
+    for row in tool_rows:
+        row["_ng_environment_server"] = "example_single_tool_call_environment_server"
+    for row in math_rows:
+        row["_ng_environment_server"] = "math_with_judge_environment_server"
+    arith = [problem_row("Q: 23+45=? A:", "68"), problem_row("Q: 11+12=? A:", "23")]
+    for row in arith:
+        row["_ng_environment_server"] = "lc_equivalence_rule_environment_server"
+    wrong_math = math_rows[-1]["question"]  # answered wrongly on purpose: Gym must give 0
+
+    def reply(prompt: str) -> str:
+        tail = prompt[-400:]
+        if prompt.count("<tool_response>") > 1:  # one is in the default tool prompt
+            return "It is cold in San Francisco."
+        if '"name": "get_weather"' in prompt:  # offered the weather tool, not called yet
+            return TOOL_CALL
+        for row in math_rows:
+            if row["question"][-60:] in tail:
+                answer = "7" if row["question"] == wrong_math else row["expected_answer"]
+                return f"The answer is \\boxed{{{answer}}}."
+        found = re.findall(r"Q: (\d+)\+(\d+)=\? A:", tail)
+        assert found, f"no rule for the prompt ending {tail[-300:]!r}"
+        a, b = map(int, found[-1])
+        return f" {a + b if a != 11 else 0}"  # 11+12 answered wrongly on purpose
+
+    tokenizer = load_tokenizer("tiny-arith")
+    settings = ServerSettings(
+        model_name="policy", max_model_len=16384, default_sampling=SamplingConfig(max_new_tokens=64)
+    )
+    service = ChatCompletionService(ScriptedBackend(tokenizer, reply), tokenizer, settings)
+    with OpenAIServer(service) as server:
+        gym_cfg = NemoGymConfig(
+            config_paths=[
+                "resources_servers/example_single_tool_call/configs/example_single_tool_call.yaml",
+                "resources_servers/math_with_judge/configs/math_with_judge.yaml",
+                "resources_servers/equivalence_rule/configs/lc.yaml",
+            ],
+            head_server_port=_free_port(),
+            retry_backoff_s=0.1,
+        )
+        env = build_nemo_gym_environment(
+            gym_cfg,
+            policy_base_url=server.base_url,
+            policy_model_name="policy",
+            policy_api_key=None,
+            max_seq_len=16384,
+            pad_token_id=0,
+            work_dir=str(tmp_path / "gym"),
+        )
+        head = env.client.head_server_url
+        try:
+            rows = tool_rows + math_rows + arith
+            batch = env.rollouts(rows, sampling=SamplingConfig(max_new_tokens=64))
+            _, metrics = env.global_post_process_and_metrics({})
+        finally:
+            env.shutdown()
+    n_tool, n_math = len(tool_rows), len(math_rows)
+    rewards = batch["rewards"].tolist()
+    assert rewards[:n_tool] == [1.0] * n_tool  # Gym saw a get_weather call
+    assert rewards[n_tool : n_tool + n_math] == [1.0] * (n_math - 1) + [0.0]
+    assert rewards[n_tool + n_math :] == [1.0, 0.0]
+    assert batch["turns"][:n_tool].tolist() == [2] * n_tool
+    assert (batch["turns"][n_tool:] == 1).all() and batch["sample_mask"].all()
+    for b in range(batch.size):  # every generated token is masked in, with the sampler's log-prob
+        mask = batch["token_mask"][b].bool()
+        lps = batch["generation_logprobs"][b][mask]
+        assert abs(float(lps[0]) + 0.01) < 1e-6 and int(mask.sum()) == int(
+            batch["generation_lengths"][b]
+        )
+    assert metrics["env/example_single_tool_call_simple_agent/reward_mean"] == 1.0
+    assert metrics["gym/noncontiguous_truncated"] == 0.0
+    # shut down means gone: the head server no longer answers
+    with pytest.raises(GymServerError):
+        NemoGymClient(head, max_retries=0).global_config()
+    assert isinstance(env, NemoGymEnvironment)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:  # Gym takes a port number, not a socket: a small race, tests only
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
