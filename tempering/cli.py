@@ -1,6 +1,7 @@
 """The ``tempering`` command line.
 
     tempering plot LOG_DIR [--out FILE.png] [--keys train/loss,val/accuracy]
+    tempering gym-examples OUT.jsonl [--environments math_with_judge,example_single_tool_call]
 
 Each subcommand is one ``_add_<name>(subparsers)`` function that declares its arguments and
 sets ``func`` (called with the parsed namespace, returns an exit code); list it in
@@ -40,7 +41,32 @@ def _add_plot(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_plot)
 
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_plot]
+def _run_gym_examples(args: argparse.Namespace) -> int:
+    from tempering.data.nemo_gym import write_gym_examples
+
+    names = [n.strip() for n in args.environments.split(",") if n.strip()]
+    n = write_gym_examples(args.out, names)
+    print(f"wrote {n} rows to {args.out}")
+    return 0
+
+
+def _add_gym_examples(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "gym-examples",
+        help="write NeMo Gym's bundled example rows as one GRPO JSONL file",
+        description="Copy the example.jsonl rows that NeMo Gym ships for each environment into "
+        "OUT, routed to <environment>_simple_agent (builds Gym's venv on first use).",
+    )
+    p.add_argument("out", metavar="OUT", help="the JSONL file to write")
+    p.add_argument(
+        "--environments",
+        default="math_with_judge,workplace_assistant,example_single_tool_call",
+        help="comma-separated Gym resources servers (default: %(default)s)",
+    )
+    p.set_defaults(func=_run_gym_examples)
+
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_plot, _add_gym_examples]
 
 
 def build_parser() -> argparse.ArgumentParser:

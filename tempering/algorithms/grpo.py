@@ -388,6 +388,7 @@ def grpo_step(run: GRPORun, loss_fn: Any) -> dict[str, float]:
         batch, n_masked = mask_overlong_samples(batch)
         extra["train/overlong_masked"] = float(n_masked)
     data = BatchedDataDict({k: batch[k] for k in TRAIN_KEYS})
+    env_metrics = environment_metrics(run, rewards_seen)  # answered while the policy trains
 
     with timer.time("logprobs"):
         # One optimizer step per rollout batch (the usual case) trains on-policy: the behaviour
@@ -430,7 +431,7 @@ def grpo_step(run: GRPORun, loss_fn: Any) -> dict[str, float]:
     )
     metrics.update(timing)
     metrics.update(extra)
-    metrics.update(environment_metrics(run, rewards_seen))
+    metrics.update(env_metrics())
     metrics.update({f"server/{k}": float(v) for k, v in run.chat.stats.items()})
     return metrics
 
@@ -503,17 +504,27 @@ def completion_text(message_log: list[dict[str, Any]]) -> str:
     return " | ".join(str(m.get("content") or "") for m in message_log if m["role"] == "assistant")
 
 
-def environment_metrics(run: GRPORun, rewards: torch.Tensor) -> dict[str, float]:
-    """Each environment's own counters (timeouts, parse failures, tool errors...), reset."""
+def environment_metrics(run: GRPORun, rewards: torch.Tensor) -> Any:
+    """Each environment's own counters (timeouts, parse failures, tool errors...), reset.
+
+    Returns a function that gives the metrics: actor environments are asked now and answered
+    while the policy trains, so the step does not wait for their round trips."""
     import ray
 
-    metrics: dict[str, float] = {}
+    pending, ready = [], {}
     for env in {id(e): e for e in run.environments.values()}.values():
         method = env.global_post_process_and_metrics
-        batch = {"rewards": rewards}
-        _, m = ray.get(method.remote(batch)) if hasattr(method, "remote") else method(batch)
-        metrics.update(m)
-    return metrics
+        if hasattr(method, "remote"):
+            pending.append(method.remote({"rewards": rewards}))
+        else:
+            ready.update(method({"rewards": rewards})[1])
+
+    def collect() -> dict[str, float]:
+        for _, m in ray.get(pending):
+            ready.update(m)
+        return ready
+
+    return collect
 
 
 # --------------------------------------------------------------------- validation

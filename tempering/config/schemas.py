@@ -431,6 +431,17 @@ class GRPOMasterConfig(_Master):
                 )
             if self.data.dataset_name == "nemo_gym" and not self.data.train_data_path:
                 raise ValueError("data.dataset_name=nemo_gym needs data.train_data_path (JSONL)")
+            if self.grpo.max_rollout_turns != 1 or self.grpo.rollout_transport != "in_process":
+                raise ValueError(
+                    "grpo.max_rollout_turns and grpo.rollout_transport apply to tempering's own "
+                    "rollout loop; NeMo Gym's agents run whole episodes (their step limit is "
+                    "max_steps in the agent's Gym config): leave them at 1 and in_process"
+                )
+            if self.data.reasoning_gym_tasks:
+                raise ValueError(
+                    "data.reasoning_gym_tasks cannot join NeMo Gym rows (Gym runs whole "
+                    "episodes); set data.reasoning_gym_tasks=[]"
+                )
         return self
 
 

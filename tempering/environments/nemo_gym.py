@@ -106,6 +106,32 @@ class NemoGymClient:
             raise GymServerError(f"{url} did not return Gym's global config (got {text[:80]!r})")
         return config
 
+    def wait_ready(self, timeout_s: float) -> None:
+        """Poll the head server's ``/readyz`` (200 once every Gym server is up) for up to
+        `timeout_s`; a Gym without that route counts as ready once its config loads."""
+        import time
+        import urllib.error
+        import urllib.request
+
+        deadline = time.monotonic() + timeout_s
+        last = ""
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{self.head_server_url}/readyz", timeout=5):
+                    return
+            except urllib.error.HTTPError as err:
+                if err.code == 404:
+                    self.global_config()
+                    return
+                last = f"HTTP {err.code}"
+            except (urllib.error.URLError, OSError) as err:
+                last = str(err)
+            time.sleep(1.0)
+        raise GymServerError(
+            f"NeMo Gym at {self.head_server_url} was not ready within {timeout_s:.0f} s "
+            f"(last: {last}); start it, or check env.nemo_gym.head_server_url"
+        )
+
     def instances(self) -> dict[str, tuple[str, dict[str, Any]]]:
         """Instance name -> (server type, its config) for every Gym server."""
         if self._instances is not None:
@@ -488,6 +514,7 @@ def build_nemo_gym_environment(
         max_retries=gym.max_retries,
         retry_backoff_s=gym.retry_backoff_s,
     )
+    client.wait_ready(gym.startup_timeout_s)  # attach mode: Gym may still be starting
     return NemoGymEnvironment(
         client,
         max_seq_len=max_seq_len,

@@ -123,6 +123,10 @@ class GymStandIn:
     def _head_app(self) -> FastAPI:
         app = FastAPI()
 
+        @app.get("/readyz")
+        async def ready() -> Any:
+            return {"status": "ok"}
+
         @app.get("/global_config_dict_yaml")
         async def config() -> Any:
             return JSONResponse(yaml.safe_dump(self.global_config()))

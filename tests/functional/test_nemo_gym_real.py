@@ -145,3 +145,17 @@ def _free_port() -> int:
     with socket.socket() as s:  # Gym takes a port number, not a socket: a small race, tests only
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_gym_examples_command_writes_routed_rows(worker_venvs_dir, tmp_path):
+    from tempering.cli import main
+    from tempering.data.nemo_gym import load_gym_rows
+
+    out = tmp_path / "rows.jsonl"
+    envs = "example_single_tool_call,math_with_judge"
+    assert main(["gym-examples", str(out), "--environments", envs]) == 0
+    rows = load_gym_rows(out)  # every row passes the loader's checks, routing included
+    names = {r["agent_ref"]["name"] for r in rows}
+    assert names == {"example_single_tool_call_simple_agent", "math_with_judge_simple_agent"}
+    assert len(rows) == 10  # Gym 0.7 ships 5 example rows for each
+    assert main(["gym-examples", str(out), "--environments", "no_such_env"]) == 2

@@ -113,6 +113,31 @@ def test_cross_field_checks():
     assert "cannot both be set" in str(e.value) and "loss_fn.ratio_clip_c" in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["grpo.rollout_transport=http"], "needs policy.generation.http_server.enabled=true"),
+        (["env.task_name=nemo_gym", "policy.generation.http_server.enabled=true"],
+         "exactly one of env.nemo_gym.head_server_url"),
+        (["env.task_name=nemo_gym", "env.nemo_gym.head_server_url=http://h:1",
+          "env.nemo_gym.config_paths=[a.yaml]", "policy.generation.http_server.enabled=true"],
+         "exactly one of"),
+        (["env.task_name=nemo_gym", "env.nemo_gym.head_server_url=http://h:1"],
+         "agents call the trainer's generation server"),
+        (["env.task_name=nemo_gym", "env.nemo_gym.head_server_url=http://h:1",
+          "policy.generation.http_server.enabled=true", "grpo.max_rollout_turns=3"],
+         "max_steps in the agent's Gym config"),
+        (["data.dataset_name=nemo_gym", "env.nemo_gym.head_server_url=http://h:1",
+          "policy.generation.http_server.enabled=true"], "needs data.train_data_path"),
+    ],
+)  # fmt: skip
+def test_agentic_cross_field_checks(overrides, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(
+            REPO / "examples/configs/grpo_math_tiny.yaml", overrides, schema=GRPOMasterConfig
+        )
+
+
 def test_overrides_reach_the_model():
     cfg, resolved = load_config(
         REPO / "examples/configs/sft.yaml",
