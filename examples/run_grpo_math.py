@@ -9,22 +9,9 @@ addition with exact-answer rewards, on CPU, in a few minutes.
 import sys
 from pathlib import Path
 
-from tempering.config import GRPOMasterConfig, parse_args_and_load
+from tempering.algorithms.common import run_grpo_example
 
 DEFAULT = Path(__file__).parent / "configs" / "grpo_math_tiny.yaml"
 
-
-def main() -> None:
-    cfg, resolved = parse_args_and_load(sys.argv[1:], DEFAULT, GRPOMasterConfig)  # fails fast
-    from tempering.algorithms import grpo  # heavy imports only after the config is valid
-
-    run = grpo.setup(cfg, resolved)
-    try:
-        s = grpo.train(run)
-    finally:
-        run.close()
-    print(grpo.summary_text(s, cfg))
-
-
 if __name__ == "__main__":
-    main()
+    run_grpo_example(sys.argv[1:], DEFAULT)

@@ -11,22 +11,9 @@ environment and `grpo.max_rollout_turns` differ.
 import sys
 from pathlib import Path
 
-from tempering.config import GRPOMasterConfig, parse_args_and_load
+from tempering.algorithms.common import run_grpo_example
 
 DEFAULT = Path(__file__).parent / "configs" / "grpo_multiturn_tiny.yaml"
 
-
-def main() -> None:
-    cfg, resolved = parse_args_and_load(sys.argv[1:], DEFAULT, GRPOMasterConfig)  # fails fast
-    from tempering.algorithms import grpo  # heavy imports only after the config is valid
-
-    run = grpo.setup(cfg, resolved)
-    try:
-        s = grpo.train(run)
-    finally:
-        run.close()
-    print(grpo.summary_text(s, cfg))
-
-
 if __name__ == "__main__":
-    main()
+    run_grpo_example(sys.argv[1:], DEFAULT)

@@ -181,3 +181,19 @@ class Deadline:
 
     def passed(self) -> bool:
         return self.seconds is not None and self.elapsed >= self.seconds
+
+
+def run_grpo_example(argv: list[str], default_config: Path) -> None:
+    """What every GRPO example script does: load and validate the config (failing fast,
+    before any heavy import), set up, train, free everything, print the summary."""
+    from tempering.config import GRPOMasterConfig, parse_args_and_load
+
+    cfg, resolved = parse_args_and_load(argv, default_config, GRPOMasterConfig)
+    from tempering.algorithms import grpo  # heavy imports only after the config is valid
+
+    run = grpo.setup(cfg, resolved)
+    try:
+        summary = grpo.train(run)
+    finally:
+        run.close()
+    print(grpo.summary_text(summary, cfg))

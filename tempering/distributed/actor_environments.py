@@ -39,8 +39,10 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import filelock
 
@@ -239,40 +241,14 @@ def create_local_venv(
             "(pip install uv) or register a ready interpreter for this worker class."
         )
     sync_args = uv_sync_args(executable)
-    force = force_rebuild_requested() if force_rebuild is None else force_rebuild
-    root = venvs_root()
-    root.mkdir(parents=True, exist_ok=True)
-    venv = root / venv_name
-    expected = _expected_marker(sync_args)
-    lock = filelock.FileLock(str(root / f".{venv_name}.lock"), timeout=lock_timeout_s)
-    try:
-        with lock:
-            if not force and _marker_matches(venv, expected):
-                return str(venv / "bin" / "python")
-            if venv.exists():
-                shutil.rmtree(venv)
-            start = time.perf_counter()
-            env = {**os.environ, "UV_PROJECT_ENVIRONMENT": str(venv)}
-            env.pop("VIRTUAL_ENV", None)
-            cmd = ["uv", "sync", *sync_args, "--python", sys.executable, "--quiet"]
-            proc = subprocess.run(
-                cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=lock_timeout_s
-            )
-            if proc.returncode != 0:
-                raise RuntimeError(
-                    f"building worker venv {venv} failed (exit {proc.returncode}): "
-                    f"{shlex.join(cmd)}\n{proc.stderr.strip()}\nFix the error above, or set "
-                    f"{FORCE_REBUILD_ENV}=true to start from a clean venv."
-                )
-            (venv / MARKER_FILE).write_text(json.dumps(expected, indent=1))
-            logger.info("built worker venv %s in %.1f s", venv, time.perf_counter() - start)
-    except filelock.Timeout:
-        raise TimeoutError(
-            f"waited {lock_timeout_s:.0f} s for the lock {lock.lock_file} guarding worker venv "
-            f"{venv}; another process is building it or left the lock behind -- check for a "
-            "running build, then delete the lock file."
-        ) from None
-    return str(venv / "bin" / "python")
+
+    def build(venv: Path) -> None:
+        env = {**os.environ, "UV_PROJECT_ENVIRONMENT": str(venv)}
+        env.pop("VIRTUAL_ENV", None)
+        cmd = ["uv", "sync", *sync_args, "--python", sys.executable, "--quiet"]
+        _run_build_step(venv, cmd, lock_timeout_s, cwd=REPO_ROOT, env=env)
+
+    return _build_venv(venv_name, _expected_marker(sync_args), build, force_rebuild, lock_timeout_s)
 
 
 def create_pip_venv(
@@ -284,10 +260,6 @@ def create_pip_venv(
     The checkout is put on the venv's path with a ``.pth`` file (no copy, no build step).
     Reuse, rebuild (``NRL_FORCE_REBUILD_VENVS``) and locking work as for uv venvs."""
     spec = PIP_VENV_SPECS[spec_name]
-    force = force_rebuild_requested() if force_rebuild is None else force_rebuild
-    root = venvs_root()
-    root.mkdir(parents=True, exist_ok=True)
-    venv = root / venv_name
     expected = {
         "pip_venv": spec_name,
         "requirements": list(spec.requirements),
@@ -295,6 +267,45 @@ def create_pip_venv(
         "python": f"{sys.version_info.major}.{sys.version_info.minor}",
         "checkout": str(REPO_ROOT),
     }
+
+    def build(venv: Path) -> None:
+        python = str(venv / "bin" / "python")
+        _run_build_step(venv, [sys.executable, "-m", "venv", str(venv)], timeout_s)
+        _run_build_step(venv, [python, "-m", "pip", "install", "--quiet",
+                               "--disable-pip-version-check", *spec.pip_args,
+                               *spec.requirements], timeout_s)  # fmt: skip
+        site = subprocess.run(
+            [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+        (Path(site) / "tempering-checkout.pth").write_text(f"{REPO_ROOT}\n")
+
+    return _build_venv(venv_name, expected, build, force_rebuild, timeout_s)
+
+
+def _run_build_step(venv: Path, cmd: list[str], timeout_s: float, **kwargs: Any) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, **kwargs)
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"building worker venv {venv} failed (exit {proc.returncode}): {shlex.join(cmd)}\n"
+            f"{proc.stderr.strip()[-3000:]}\nFix the error above, or set "
+            f"{FORCE_REBUILD_ENV}=true to start from a clean venv."
+        )
+
+
+def _build_venv(
+    venv_name: str,
+    expected: dict[str, object],
+    build: Callable[[Path], None],
+    force_rebuild: bool | None,
+    timeout_s: float,
+) -> str:
+    """Under a file lock: reuse ``<venvs root>/<venv_name>`` when its marker equals `expected`
+    (and no rebuild is forced), else rebuild it with `build(venv)` and write the marker."""
+    force = force_rebuild_requested() if force_rebuild is None else force_rebuild
+    root = venvs_root()
+    root.mkdir(parents=True, exist_ok=True)
+    venv = root / venv_name
     lock = filelock.FileLock(str(root / f".{venv_name}.lock"), timeout=timeout_s)
     try:
         with lock:
@@ -303,25 +314,7 @@ def create_pip_venv(
             if venv.exists():
                 shutil.rmtree(venv)
             start = time.perf_counter()
-            python = str(venv / "bin" / "python")
-            steps = [
-                [sys.executable, "-m", "venv", str(venv)],
-                [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-                 *spec.pip_args, *spec.requirements],
-            ]  # fmt: skip
-            for cmd in steps:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-                if proc.returncode != 0:
-                    raise RuntimeError(
-                        f"building worker venv {venv} failed (exit {proc.returncode}): "
-                        f"{shlex.join(cmd)}\n{proc.stderr.strip()[-3000:]}\nFix the error "
-                        f"above, or set {FORCE_REBUILD_ENV}=true to start from a clean venv."
-                    )
-            site = subprocess.run(
-                [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                capture_output=True, text=True, check=True,
-            ).stdout.strip()  # fmt: skip
-            (Path(site) / "tempering-checkout.pth").write_text(f"{REPO_ROOT}\n")
+            build(venv)
             (venv / MARKER_FILE).write_text(json.dumps(expected, indent=1))
             logger.info("built worker venv %s in %.1f s", venv, time.perf_counter() - start)
     except filelock.Timeout:
