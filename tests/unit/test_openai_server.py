@@ -271,6 +271,15 @@ def test_refit_waits_for_in_flight_calls_and_versions_the_responses(backend, tok
         assert later["weight_version"] == 7
 
 
+def test_a_service_outlives_its_server(backend, tokenizer):
+    service = _service(backend, tokenizer)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": Q1}], "max_tokens": 2}
+    for _ in range(2):  # the second server gets fresh batching loops on its own event loop
+        with OpenAIServer(service) as srv:
+            r = httpx.post(f"{srv.base_url}/chat/completions", json=body, timeout=30)
+            assert r.status_code == 200
+
+
 def test_beyond_loopback_a_key_is_required_and_checked(backend, tokenizer):
     with pytest.raises(ValueError, match="without an API key"):
         OpenAIServer(_service(backend, tokenizer), host="0.0.0.0")

@@ -307,9 +307,15 @@ class ChatCompletionService:
                 self._cv.notify_all()
 
     def close(self) -> None:
+        """Forget the HTTP batching loops (they die with their server's event loop), so a
+        later server can serve this service again; in-process use needs none of them."""
         for task in self._loops:
-            task.cancel()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+            loop = task.get_loop()
+            if not task.done() and not loop.is_closed():
+                loop.call_soon_threadsafe(task.cancel)
+        self._loops, self._wake = [], []
+        for pending in self._pending:
+            pending.clear()
 
     # ---- internals -----------------------------------------------------------------------
     def _ensure_loops(self) -> None:
