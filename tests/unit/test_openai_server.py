@@ -271,6 +271,57 @@ def test_refit_waits_for_in_flight_calls_and_versions_the_responses(backend, tok
         assert later["weight_version"] == 7
 
 
+class TwoReplicas:
+    """Two data-parallel replicas of the same engine, recording which served each row."""
+
+    num_replicas = 2
+
+    def __init__(self, engine: TorchGenerationEngine) -> None:
+        self.engine = engine
+        self.rows: list[tuple[int, tuple[int, ...]]] = []  # (replica, prompt ids)
+
+    def generate_on(self, replica, data, greedy=False, sampling=None):
+        for b in range(data["input_ids"].shape[0]):
+            ids = data["input_ids"][b, : int(data["input_lengths"][b])].tolist()
+            self.rows.append((replica, tuple(ids)))
+        return self.engine.generate(data, greedy, sampling)
+
+    def generate(self, data, greedy=False, sampling=None):
+        return self.generate_on(0, data, greedy, sampling)
+
+
+def test_conversations_stick_to_a_replica_and_new_ones_spread(engine, tokenizer):
+    replicas = TwoReplicas(engine)
+    problems = [f"Q: {a}+{a}=? A:" for a in range(10, 26)]
+
+    async def conversation(client, prompt, session):
+        headers = {"X-Session-ID": session} if session else {}
+        messages = [{"role": "user", "content": prompt}]
+        for _ in range(2):
+            body = {"model": MODEL, "messages": messages, "max_tokens": 4}
+            r = (await client.post("/chat/completions", json=body, headers=headers)).json()
+            messages += [r["choices"][0]["message"], {"role": "user", "content": prompt}]
+        return messages
+
+    async def run_all():
+        async with httpx.AsyncClient(base_url=srv.base_url, timeout=60) as client:
+            sessions = [f"s{i}" if i % 2 else None for i in range(len(problems))]
+            return await asyncio.gather(
+                *(conversation(client, p, s) for p, s in zip(problems, sessions, strict=True))
+            )
+
+    with OpenAIServer(_service(replicas, tokenizer)) as srv:
+        logs = asyncio.run(run_all())
+    served = dict((ids, r) for r, ids in replicas.rows)
+    used = set()
+    for log in logs:  # with or without a session id: both turns on one replica
+        first, second = (m for m in log if m["role"] == "assistant")
+        r1 = served[tuple(first["prompt_token_ids"])]
+        assert served[tuple(second["prompt_token_ids"])] == r1
+        used.add(r1)
+    assert used == {0, 1}  # new conversations went to both replicas
+
+
 def test_a_service_outlives_its_server(backend, tokenizer):
     service = _service(backend, tokenizer)
     body = {"model": MODEL, "messages": [{"role": "user", "content": Q1}], "max_tokens": 2}
