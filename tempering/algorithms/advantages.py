@@ -12,6 +12,10 @@ With ``normalize_std=True`` the advantage is divided by ``std + eps`` where std 
 **sample** standard deviation of the whole group (Bessel-corrected, ``torch.std`` default,
 ``unbiased=True``). A group whose rewards are all equal has std 0: its advantages are set to
 exactly 0 either way (not left to float rounding), and dynamic sampling drops such groups.
+
+``valid`` (``[P * G]`` bool, optional) drops samples from their group: a dropped sample (e.g.
+NeMo Gym's ``mask_sample``) takes no part in any baseline or std and gets advantage 0; the
+others are computed as if the group had only its valid members.
 """
 
 from __future__ import annotations
@@ -50,22 +54,40 @@ def group_std(rewards: Tensor, group_size: int) -> Tensor:
     return grouped.std(dim=1, unbiased=True)
 
 
+def _valid(valid: Tensor | None, grouped: Tensor) -> Tensor:
+    if valid is None:
+        return torch.ones_like(grouped, dtype=torch.bool)
+    if valid.numel() != grouped.numel():
+        raise ValueError(f"valid has {valid.numel()} entries for {grouped.numel()} rewards")
+    return valid.reshape(grouped.shape).bool()
+
+
 def _finish(
-    grouped: Tensor, baseline: Tensor, normalize_std: bool, eps: float, group_size: int
+    grouped: Tensor, baseline: Tensor, normalize_std: bool, eps: float, valid: Tensor
 ) -> Advantages:
-    std = group_std(grouped.reshape(-1), group_size)  # [P]
+    v = valid.to(grouped.dtype)
+    n = v.sum(dim=1)  # [P] valid samples per group
+    mean = (grouped * v).sum(dim=1) / n.clamp(min=1)
+    var = (((grouped - mean[:, None]) * v) ** 2).sum(dim=1) / (n - 1).clamp(min=1)
+    std = torch.where(n > 1, var.sqrt(), torch.zeros_like(var))  # [P], Bessel-corrected
     adv = grouped - baseline  # [P, G]
     if normalize_std:
         adv = adv / (std.unsqueeze(-1) + eps)
     # A constant group must give exactly 0: the leave-one-out mean of equal floats can differ
     # from them by rounding, which / (0 + eps) would blow up to a spurious advantage.
-    constant = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)
-    adv = torch.where(constant, torch.zeros_like(adv), adv)
+    big = torch.finfo(grouped.dtype).max
+    hi = torch.where(valid, grouped, -big).amax(dim=1, keepdim=True)
+    lo = torch.where(valid, grouped, big).amin(dim=1, keepdim=True)
+    adv = torch.where((hi <= lo) | ~valid, torch.zeros_like(adv), adv)
     return Advantages(adv.reshape(-1), baseline.reshape(-1), std)
 
 
 def leave_one_out_advantages(
-    rewards: Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6
+    rewards: Tensor,
+    group_size: int,
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+    valid: Tensor | None = None,
 ) -> Advantages:
     """Advantage = reward - mean of the other G - 1 rewards in the group (optionally / std).
 
@@ -77,14 +99,23 @@ def leave_one_out_advantages(
             f"grpo.num_generations_per_prompt or use mean_baseline_advantages."
         )
     grouped = _grouped(rewards, group_size)  # [P, G]
-    baseline = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)  # [P, G]
-    return _finish(grouped, baseline, normalize_std, eps, group_size)
+    ok = _valid(valid, grouped)
+    v = ok.to(grouped.dtype)
+    total, n = (grouped * v).sum(dim=1, keepdim=True), v.sum(dim=1, keepdim=True)
+    baseline = (total - grouped * v) / (n - v).clamp(min=1)  # [P, G]: the other valid ones
+    return _finish(grouped, baseline, normalize_std, eps, ok)
 
 
 def mean_baseline_advantages(
-    rewards: Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6
+    rewards: Tensor,
+    group_size: int,
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+    valid: Tensor | None = None,
 ) -> Advantages:
     """Advantage = reward - mean of all G rewards in the group (optionally / std)."""
     grouped = _grouped(rewards, group_size)  # [P, G]
-    baseline = grouped.mean(dim=1, keepdim=True).expand_as(grouped)  # [P, G]
-    return _finish(grouped, baseline, normalize_std, eps, group_size)
+    ok = _valid(valid, grouped)
+    v = ok.to(grouped.dtype)
+    mean = (grouped * v).sum(dim=1, keepdim=True) / v.sum(dim=1, keepdim=True).clamp(min=1)
+    return _finish(grouped, mean.expand_as(grouped), normalize_std, eps, ok)

@@ -493,7 +493,10 @@ def rollout_batch(run: GRPORun, problems: list[Problem], group_size: int) -> Any
         if cfg.grpo.use_leave_one_out_baseline
         else mean_baseline_advantages
     )
-    adv = baseline(batch["rewards"], group_size, normalize_std=cfg.grpo.normalize_rewards)
+    valid = batch["sample_mask"] > 0  # e.g. NeMo Gym's mask_sample: out of every baseline
+    adv = baseline(
+        batch["rewards"], group_size, normalize_std=cfg.grpo.normalize_rewards, valid=valid
+    )
     # [B, S]: one advantage per episode, on its generated tokens
     batch["advantages"] = adv.advantages[:, None] * batch["token_mask"]
     return batch

@@ -63,3 +63,17 @@ def test_integer_rewards_and_errors():
         leave_one_out_advantages(torch.zeros(4), group_size=3)
     with pytest.raises(ValueError, match="group_size >= 2"):
         leave_one_out_advantages(torch.zeros(4), group_size=1)
+
+
+@pytest.mark.parametrize("fn", [leave_one_out_advantages, mean_baseline_advantages])
+def test_dropped_samples_leave_their_group_as_if_absent(fn):
+    rewards = torch.tensor([1.0, 0.0, 5.0, 1.0, 0.0, 1.0, 0.0, 0.0])  # groups of 4
+    valid = torch.tensor([True, True, False, True, True, True, False, True])
+    out = fn(rewards, 4, normalize_std=True, valid=valid)
+    # group 1 without its dropped 5.0 is [1, 0, 1]; group 2 without its 0 is [0, 1, 0]
+    ref1 = fn(torch.tensor([1.0, 0.0, 1.0]), 3, normalize_std=True)
+    ref2 = fn(torch.tensor([0.0, 1.0, 0.0]), 3, normalize_std=True)
+    assert torch.allclose(out.advantages[[0, 1, 3]], ref1.advantages)
+    assert torch.allclose(out.advantages[[4, 5, 7]], ref2.advantages)
+    assert out.advantages[2] == 0 and out.advantages[6] == 0
+    assert torch.allclose(out.group_std, torch.stack([ref1.group_std[0], ref2.group_std[0]]))
