@@ -22,8 +22,7 @@ def main() -> None:
     run = dpo.setup(cfg, resolved)
     try:
         summary = dpo.train(run)
-        export = Path(cfg.checkpointing.checkpoint_dir) / "final_hf"
-        run.policy.export_hf(str(export))
+        export = Path(cfg.checkpointing.checkpoint_dir) / "final_hf"  # written by train()
         print(
             f"DPO done: {summary['steps']} steps; val at start {summary['start']}; "
             f"val at end {summary['end']}; HF model exported to {export}"

@@ -20,8 +20,7 @@ def main() -> None:
     run = sft.setup(cfg, resolved)
     try:
         val = sft.train(run)
-        export = Path(cfg.checkpointing.checkpoint_dir) / "final_hf"
-        run.policy.export_hf(str(export))
+        export = Path(cfg.checkpointing.checkpoint_dir) / "final_hf"  # written by train()
         print(f"SFT done: {run.final_step} steps, val {val}; HF model exported to {export}")
     finally:
         run.close()

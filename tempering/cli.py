@@ -2,6 +2,7 @@
 
     tempering plot LOG_DIR [--out FILE.png] [--keys train/loss,val/accuracy]
     tempering gym-examples OUT.jsonl [--environments math_with_judge,example_single_tool_call]
+    tempering export CKPT_DIR OUT_DIR [--dtype float32|bfloat16|float16]
 
 Each subcommand is one ``_add_<name>(subparsers)`` function that declares its arguments and
 sets ``func`` (called with the parsed namespace, returns an exit code); list it in
@@ -66,7 +67,41 @@ def _add_gym_examples(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_gym_examples)
 
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_plot, _add_gym_examples]
+def _run_export(args: argparse.Namespace) -> int:
+    from tempering.models.export import export_checkpoint
+
+    folder, info = export_checkpoint(args.ckpt_dir, args.out_dir, dtype=args.dtype)
+    print(
+        f"exported step {info['step']} of {info['model_name']} ({info['dtype']}) to {folder}; "
+        "load it with AutoModelForCausalLM.from_pretrained or vLLM"
+    )
+    return 0
+
+
+def _add_export(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "export",
+        help="turn a step checkpoint into a Hugging Face folder",
+        description="Write CKPT_DIR (a results/<run>/step_<N> folder, any data/tensor-parallel "
+        "layout) as a Hugging Face folder OUT_DIR: weights, config, generation config, "
+        "tokenizer and chat template. A partial checkpoint is refused.",
+    )
+    p.add_argument("ckpt_dir", metavar="CKPT_DIR", help="a step_<N> folder (or its policy/)")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="the HF folder to write (replaced)")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="weight dtype (default: the run's policy.precision)",
+    )
+    p.set_defaults(func=_run_export)
+
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _add_plot,
+    _add_gym_examples,
+    _add_export,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

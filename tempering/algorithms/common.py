@@ -197,3 +197,11 @@ def run_grpo_example(argv: list[str], default_config: Path) -> None:
     finally:
         run.close()
     print(grpo.summary_text(summary, cfg))
+
+
+def export_final_model(policy: Any, checkpointing: CheckpointingConfig) -> Path:
+    """The usable model every run ends with: ``<checkpoint_dir>/final_hf`` (atomic)."""
+    path = Path(checkpointing.checkpoint_dir) / "final_hf"
+    policy.export_hf(str(path))
+    log.info("final model written to %s", path)
+    return path

@@ -286,7 +286,8 @@ def train(run: DPORun) -> dict[str, Any]:
                     config=run.resolved,
                 )
     run.final_step = step
-    return {"steps": step, "start": first, "end": val}
+    final = common.export_final_model(run.policy, run.cfg.checkpointing)
+    return {"steps": step, "start": first, "end": val, "final_model": str(final)}
 
 
 def validate(run: DPORun, step: int) -> dict[str, float]:

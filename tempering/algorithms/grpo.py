@@ -38,6 +38,7 @@ class Problem:
     answer: str
     task_name: str
     row: dict[str, Any] | None = None  # a NeMo Gym row (task "nemo_gym")
+    system: str | None = None  # a system message before the prompt (data.system_prompt_file)
 
 
 def load_problems(
@@ -46,9 +47,16 @@ def load_problems(
     """(train, held-out) prompts with ground-truth answers and their environment's name; the
     train prompts gain `data.reasoning_gym_tasks` problems when that list is set. NeMo Gym rows
     without routing fields go to `gym_route` (env.nemo_gym.default_route)."""
+    from tempering.data.problems import apply_prompt_template, read_prompt_file
+
     train, val = _dataset_problems(data_cfg, gym_route)
     for task in data_cfg.reasoning_gym_tasks:
         train += reasoning_gym_problems(task, data_cfg.reasoning_gym_samples, data_cfg.seed)
+    template = read_prompt_file(data_cfg.prompt_file, "prompt_file")
+    system = read_prompt_file(data_cfg.system_prompt_file, "system_prompt_file")
+    for p in train + val:
+        if p.row is None:  # NeMo Gym rows carry their own messages
+            p.prompt, p.system = apply_prompt_template(template, p.prompt), system
     return train, val
 
 
@@ -87,12 +95,38 @@ def _dataset_problems(
             return [Problem(gsm8k_user_prompt(q), a, "math") for q, a in gsm8k_rl_pairs(split)]
 
         return gsm("train"), gsm("test")[: data_cfg.num_val_samples]
+    if name == "problems":
+        return _file_problems(data_cfg)
     if name == "nemo_gym":
         train = _gym_problems(data_cfg.train_data_path, gym_route)
         return train, _gym_problems(data_cfg.val_data_path, gym_route)[: data_cfg.num_val_samples]
     raise ValueError(
-        f"data.dataset_name={name!r} has no GRPO prompts; use 'arithmetic', 'gsm8k' or 'nemo_gym'"
+        f"data.dataset_name={name!r} has no GRPO prompts; use 'arithmetic', 'gsm8k', 'problems' "
+        "(your JSONL / Hugging Face dataset) or 'nemo_gym'"
     )
+
+
+def _file_problems(data_cfg: DataConfig) -> tuple[list[Problem], list[Problem]]:
+    """Your problems (tempering/data/problems.py), scored by math-verify unless
+    env.task_name says otherwise; without a validation file, num_val_samples are held out of
+    the training file (deterministically)."""
+    from tempering.data.problems import load_problem_rows
+    from tempering.data.records import split_off_val
+
+    if not data_cfg.train_data_path:
+        raise ValueError("data.dataset_name=problems needs data.train_data_path (JSONL or HF)")
+
+    def rows(path: str, split: str) -> list[Problem]:
+        pairs = load_problem_rows(
+            path, data_cfg.problem_key, data_cfg.answer_key, split, data_cfg.on_bad_row
+        )
+        return [Problem(q, a, "math") for q, a in pairs]
+
+    train = rows(data_cfg.train_data_path, data_cfg.train_split)
+    if data_cfg.val_data_path:
+        val = rows(data_cfg.val_data_path, data_cfg.val_split)[: data_cfg.num_val_samples]
+        return train, val
+    return split_off_val(train, min(data_cfg.num_val_samples, len(train) // 2), data_cfg.seed)
 
 
 def _gym_problems(path: str | None, default_route: str | None) -> list[Problem]:
@@ -319,8 +353,10 @@ def train(run: GRPORun) -> dict[str, Any]:
                     "grpo.max_wall_time_s=%s reached at step %d", cfg.grpo.max_wall_time_s, step
                 )
                 break
+    final = common.export_final_model(run.policy, cfg.checkpointing)
     return {
         "steps": step,
+        "final_model": str(final),
         "start_accuracy": first_val.get("accuracy"),
         "end_accuracy": val.get("accuracy"),
         "start_success": first_val.get("success"),
@@ -345,6 +381,7 @@ def summary_text(s: dict[str, Any], cfg: GRPOMasterConfig) -> str:
             f"{pct(s['start_success'])} -> {pct(s['end_success'])}"
         )
     lines.append(f"  metrics: {cfg.logger.log_dir}/metrics.jsonl")
+    lines.append(f"  final model (HF folder): {s['final_model']}")
     lines.append(f"  checkpoints: {cfg.checkpointing.checkpoint_dir}")
     return "\n".join(lines)
 
@@ -456,10 +493,11 @@ def rollouts(run: GRPORun, problems: list[Problem], greedy: bool, repeat: int = 
     in_process = isinstance(run.turns, InProcessTurnClient)
     samples = []
     for p in problems:
-        ids = prompt_token_ids(p.prompt, run.tokenizer, cfg.data.use_chat_template)
+        ids = prompt_token_ids(p.prompt, run.tokenizer, cfg.data.use_chat_template, p.system)
         tools = get_environment_class(p.task_name).tools if p.task_name in _TOOL_TASKS else None
+        system = [{"role": "system", "content": p.system}] if p.system else []
         sample = RolloutSample(
-            messages=[{"role": "user", "content": p.prompt}],
+            messages=[*system, {"role": "user", "content": p.prompt}],
             metadata={"ground_truth": p.answer, "prompt": p.prompt},
             task_name=p.task_name,
             prompt_ids=ids if in_process else None,

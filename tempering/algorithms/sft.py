@@ -218,6 +218,7 @@ def train(run: SFTRun) -> dict[str, float]:
                 )
                 break
     run.final_step = step  # type: ignore[attr-defined]
+    common.export_final_model(run.policy, run.cfg.checkpointing)  # <checkpoint_dir>/final_hf
     return val_metrics
 
 

@@ -199,7 +199,7 @@ class CheckpointingConfig(Section):
 class DataConfig(Section):
     dataset_name: str = Field(
         "arithmetic",
-        description="arithmetic | gsm8k | nemo_gym (GRPO) | squad | messages | prompt_response | hf | preference | helpsteer3",
+        description="arithmetic | gsm8k | problems | nemo_gym (GRPO) | squad | messages | prompt_response | hf | preference | helpsteer3",
     )
     train_data_path: str | None = None
     val_data_path: str | None = None
@@ -219,6 +219,20 @@ class DataConfig(Section):
         "scored by the math environment",
     )
     reasoning_gym_samples: int = Field(1000, ge=1, description="problems per reasoning-gym task")
+    problem_key: str = Field(
+        "problem", description="GRPO/eval problems files: the problem column (OpenMathInstruct-2)"
+    )
+    answer_key: str = Field(
+        "expected_answer", description="GRPO/eval problems files: the answer column"
+    )
+    train_split: str = Field("train", description="split of a Hugging Face dataset for training")
+    val_split: str = Field("test", description="split of a Hugging Face dataset for validation")
+    prompt_file: str | None = Field(
+        None, description="GRPO: a prompt template file with one {} where the problem goes"
+    )
+    system_prompt_file: str | None = Field(
+        None, description="GRPO: a system prompt file (with data.use_chat_template)"
+    )
 
 
 # --------------------------------------------------------------------- algorithms
@@ -387,16 +401,53 @@ class _Master(Section):
     data: DataConfig = DataConfig()
 
 
+_GRPO_ONLY_DATA_KEYS = (
+    "problem_key",
+    "answer_key",
+    "train_split",
+    "val_split",
+    "prompt_file",
+    "system_prompt_file",
+    "reasoning_gym_tasks",
+)
+
+
+def _reject_grpo_data_keys(data: DataConfig, algorithm: str) -> None:
+    """A key that no code reads is refused, not ignored (GRPO's data keys elsewhere)."""
+    default = DataConfig()
+    set_keys = [k for k in _GRPO_ONLY_DATA_KEYS if getattr(data, k) != getattr(default, k)]
+    if set_keys:
+        raise ValueError(
+            f"data.{', data.'.join(set_keys)} apply to GRPO problems only; {algorithm} does not "
+            "read them: remove them"
+        )
+
+
 class SFTMasterConfig(_Master):
     sft: SFTConfig = SFTConfig()
+
+    @model_validator(mode="after")
+    def _unread(self) -> SFTMasterConfig:
+        _reject_grpo_data_keys(self.data, "SFT")
+        return self
 
 
 class DPOMasterConfig(_Master):
     dpo: DPOConfig = DPOConfig()
 
+    @model_validator(mode="after")
+    def _unread(self) -> DPOMasterConfig:
+        _reject_grpo_data_keys(self.data, "DPO")
+        return self
+
 
 class RMMasterConfig(_Master):
     rm: RMConfig = RMConfig()
+
+    @model_validator(mode="after")
+    def _unread(self) -> RMMasterConfig:
+        _reject_grpo_data_keys(self.data, "RM")
+        return self
 
 
 class GRPOMasterConfig(_Master):
@@ -412,6 +463,11 @@ class GRPOMasterConfig(_Master):
             raise ValueError(
                 f"grpo.num_prompts_per_step * grpo.num_generations_per_prompt = {n} is not a "
                 f"multiple of policy.train_global_batch_size={gbs}"
+            )
+        if self.data.system_prompt_file and not self.data.use_chat_template:
+            raise ValueError(
+                "data.system_prompt_file needs data.use_chat_template=true (a system message "
+                "exists only in the chat template)"
             )
         if self.grpo.rollout_transport == "http" and not self.policy.generation.http_server.enabled:
             raise ValueError(

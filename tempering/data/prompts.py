@@ -16,12 +16,19 @@ from tempering.data.collate import pad_token_id_of
 from tempering.distributed.batched_data_dict import BatchedDataDict
 
 
-def prompt_token_ids(prompt: str, tokenizer: Any, use_chat_template: bool) -> list[int]:
+def prompt_token_ids(
+    prompt: str, tokenizer: Any, use_chat_template: bool, system: str | None = None
+) -> list[int]:
     if use_chat_template:
+        messages = [{"role": "system", "content": system}] if system else []
         text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            [*messages, {"role": "user", "content": prompt}],
+            tokenize=False,
+            add_generation_prompt=True,
         )
         return tokenizer(text, add_special_tokens=False)["input_ids"]
+    if system:
+        raise ValueError("a system prompt needs the chat template (data.use_chat_template=true)")
     return tokenizer(prompt)["input_ids"]
 
 

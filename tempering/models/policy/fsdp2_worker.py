@@ -127,6 +127,7 @@ class FSDP2PolicyWorker:
             torch.set_num_threads(num_threads)
         torch.manual_seed(seed)
         self.model_path = str(model_path)
+        self.export_dtype = getattr(torch, precision)  # final_hf keeps the configured precision
         self.max_grad_norm = max_grad_norm
         self._init_distributed()
 
@@ -569,28 +570,14 @@ class FSDP2PolicyWorker:
         return sd
 
     def export_hf(self, path: str) -> None:
-        """Write an HF folder (config, safetensors, tokenizer when the source has one)."""
+        """Write an HF folder atomically (weights in `precision`, config, generation config,
+        tokenizer with its chat template); see `tempering.models.export`. Collective."""
         sd = self._full_state_dict()
         if self.rank == 0:
-            from transformers import AutoModelForCausalLM
+            from tempering.models.export import save_hf_folder
 
-            with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(self.hf_config)
-            model.load_state_dict(sd, assign=True, strict=True)
-            model.tie_weights()
-            model.save_pretrained(path)
-            self._save_tokenizer(path)
+            save_hf_folder(path, sd, self.hf_config, self.model_path, self.export_dtype)
         dist.barrier()
-
-    def _save_tokenizer(self, path: str) -> None:
-        from tempering.models.hf import load_tokenizer
-
-        try:
-            tokenizer = load_tokenizer(self.model_path)
-        except (OSError, ValueError) as err:
-            logger.warning("export_hf: no tokenizer saved (%s has none: %s)", self.model_path, err)
-            return
-        tokenizer.save_pretrained(path)
 
     # ------------------------------------------------- colocation with generation
     def prepare_for_generation(self) -> None:

@@ -320,12 +320,14 @@ class RewardModelWorker:
             from transformers import AutoModelForSequenceClassification
 
             from tempering.models.hf import load_tokenizer
+            from tempering.utils.atomic import atomic_directory
 
             with torch.device("meta"):
                 model = AutoModelForSequenceClassification.from_config(self.hf_config)
             model.load_state_dict(sd, assign=True, strict=True)
-            model.save_pretrained(path)
-            load_tokenizer(self.model_path).save_pretrained(path)
+            with atomic_directory(path, overwrite=True) as tmp:  # no half-written folder
+                model.save_pretrained(tmp)
+                load_tokenizer(self.model_path).save_pretrained(tmp)
         dist.barrier()
 
     def shutdown(self) -> None:

@@ -1,0 +1,149 @@
+"""Hugging Face folders from training: the model every run ends with, and `tempering export`.
+
+    save_hf_folder("results/run/final_hf", state_dict, hf_config, tokenizer_source="tiny-arith")
+    export_checkpoint("results/run/step_600", "exported/")       # any DP/TP layout (DCP)
+
+A folder holds the weights (safetensors, in the run's `policy.precision` unless told otherwise), the
+model config, its generation config, and the tokenizer with its chat template, so that
+``AutoModelForCausalLM.from_pretrained`` and vLLM load it. It is built under a temporary name
+and renamed when complete (`tempering.utils.atomic.atomic_directory`): a crash leaves no
+half-written folder behind.
+
+`export_checkpoint` reads a step checkpoint written by the policy workers (DCP, sharded over
+any number of ranks) into one process: the run's ``config.yaml`` names the model (for its
+architecture and tokenizer), `torch.distributed.checkpoint` reshards the weights into a plain
+model. A checkpoint still under its temporary name, or without ``.metadata`` /
+``training_info.json``, is refused: it was not finished.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tempering.utils.atomic import TMP_MARKER, atomic_directory
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PartialCheckpointError", "export_checkpoint", "save_hf_folder"]
+
+
+class PartialCheckpointError(ValueError):
+    """The folder is not a complete step checkpoint."""
+
+
+def save_hf_folder(
+    path: str | Path,
+    state_dict: Mapping[str, torch.Tensor],
+    hf_config: Any,
+    tokenizer_source: str | None,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write an HF folder atomically (replacing an existing one); returns its path."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from tempering.models.hf import load_tokenizer
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    sd = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
+          for k, v in state_dict.items()}  # fmt: skip
+    missing, unexpected = model.load_state_dict(sd, assign=True, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    missing = [k for k in missing if k not in tied and not _tied(model, k)]
+    if missing or unexpected:
+        raise ValueError(
+            f"the weights do not fit {type(model).__name__}: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+    model.tie_weights()
+    if dtype is not None:
+        model.config.dtype = dtype
+    with atomic_directory(path, overwrite=True) as tmp:
+        model.save_pretrained(tmp)
+        try:  # sampling defaults from the source model when it has them
+            GenerationConfig.from_pretrained(tokenizer_source).save_pretrained(tmp)
+        except (OSError, TypeError, ValueError):
+            GenerationConfig.from_model_config(model.config).save_pretrained(tmp)
+        if tokenizer_source is not None:
+            try:
+                load_tokenizer(tokenizer_source).save_pretrained(tmp)
+            except (OSError, ValueError) as err:
+                log.warning(
+                    "no tokenizer saved with %s (%s has none: %s)", path, tokenizer_source, err
+                )
+    return Path(path)
+
+
+def _tied(model: Any, key: str) -> bool:
+    """True for an output embedding tied to the input one (absent from some checkpoints)."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return False
+    out = model.get_output_embeddings()
+    return out is not None and key.endswith("lm_head.weight")
+
+
+def _policy_dir(ckpt: Path) -> tuple[Path, Path]:
+    """(step folder, its policy/ DCP folder) for a step folder or its policy/ subfolder."""
+    step = ckpt.parent if ckpt.name == "policy" else ckpt
+    policy = step / "policy"
+    if TMP_MARKER in step.name:
+        raise PartialCheckpointError(
+            f"{step} is a checkpoint still being written (or left by a crash): its name has "
+            f"{TMP_MARKER!r}; export a complete step_<N> folder"
+        )
+    problems = [
+        f"no {name}" for name, p in (("policy/.metadata", policy / ".metadata"),
+                                     ("training_info.json", step / "training_info.json"),
+                                     ("config.yaml", step / "config.yaml")) if not p.is_file()
+    ]  # fmt: skip
+    if problems:
+        raise PartialCheckpointError(
+            f"{step} is not a complete step checkpoint ({', '.join(problems)}); pass a "
+            "step_<N> folder that a run finished writing"
+        )
+    return step, policy
+
+
+def export_checkpoint(
+    ckpt: str | Path, out: str | Path, dtype: str | None = None
+) -> tuple[Path, dict[str, Any]]:
+    """A step checkpoint (any data/tensor-parallel layout) -> an HF folder at `out`.
+
+    Returns the folder and what it was made from (step, model, dtype)."""
+    import torch.distributed.checkpoint as dcp
+    import yaml
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tempering.models.registry import resolve_model_path
+
+    step_dir, policy_dir = _policy_dir(Path(ckpt))
+    config = yaml.safe_load((step_dir / "config.yaml").read_text())
+    policy_cfg = config.get("policy") or {}
+    source = resolve_model_path(policy_cfg["model_name"])
+    tokenizer_source = resolve_model_path((policy_cfg.get("tokenizer") or {}).get("name") or source)
+    hf_config = AutoConfig.from_pretrained(source)
+    with torch.device("cpu"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    state = {"model": model.state_dict()}
+    # Strict: a weight missing from the checkpoint fails here instead of staying random.
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(policy_dir), planner=DefaultLoadPlanner(), no_dist=True)
+    precision = dtype or policy_cfg.get("precision") or "float32"
+    folder = save_hf_folder(
+        out, state["model"], hf_config, tokenizer_source, getattr(torch, precision)
+    )
+    info = json.loads((step_dir / "training_info.json").read_text())
+    return folder, {
+        "step": info.get("step"),
+        "model_name": policy_cfg["model_name"],
+        "dtype": precision,
+    }

@@ -1,0 +1,139 @@
+"""Every algorithm ends with a usable model, and any step checkpoint exports to one.
+
+Each algorithm runs two steps through `setup()`/`train()` on the committed tiny-arith; its
+`<checkpoint_dir>/final_hf` must load with plain transformers and generate (the reward model:
+load as a sequence classifier and score). GRPO runs on a user's own problems file in
+OpenMathInstruct-2's shape (`problem` / `expected_answer`), scored by math-verify. The GRPO
+step checkpoint goes through `tempering export`: the exported model's log-probs equal the
+live policy's within 1e-6 (fp32), and a partial checkpoint is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tempering.config import (
+    DPOMasterConfig,
+    GRPOMasterConfig,
+    RMMasterConfig,
+    SFTMasterConfig,
+    load_config,
+)
+
+REPO = Path(__file__).parents[2]
+
+
+def _common(tmp: Path) -> list[str]:
+    return [
+        "policy.num_threads=1",
+        f"logger.log_dir={tmp}/logs",
+        "logger.tensorboard_enabled=false",
+        f"checkpointing.checkpoint_dir={tmp}/ckpt",
+    ]
+
+
+def _generates(folder: Path) -> str:
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = tokenizer("Q: 23+45=? A:", return_tensors="pt")["input_ids"]
+    out = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert out.shape[1] > ids.shape[1]
+    assert tokenizer.chat_template and (folder / "generation_config.json").is_file()
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def _omi2_file(path: Path, n: int) -> Path:
+    from tempering.models.tiny_arith import make_problems
+
+    rows = [{"problem": p["prompt"], "expected_answer": p["answer"], "problem_source": "tiny"}
+            for p in make_problems(n, seed=5)]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_grpo_on_own_problems_leaves_final_hf_and_exports_any_step(ray_session, tmp_path):
+    from tempering.algorithms import grpo
+    from tempering.distributed.batched_data_dict import BatchedDataDict
+    from tempering.models.export import PartialCheckpointError, export_checkpoint
+
+    data = _omi2_file(tmp_path / "omi2.jsonl", 400)
+    cfg, resolved = load_config(
+        REPO / "examples/configs/grpo_math_tiny.yaml",
+        [*_common(tmp_path), "data.dataset_name=problems", f"data.train_data_path={data}",
+         "data.num_val_samples=32", "grpo.num_prompts_per_step=8", "grpo.max_num_steps=2",
+         "grpo.val_period=2", "policy.train_global_batch_size=64",
+         "policy.train_micro_batch_size=64", "checkpointing.save_period=1"],
+        schema=GRPOMasterConfig,
+    )  # fmt: skip
+    run = grpo.setup(cfg, resolved)
+    try:
+        assert {p.task_name for p in run.train_problems} == {"math"}  # math-verify by default
+        summary = grpo.train(run)
+        rewards = [json.loads(line).get("train/reward_mean") for line in
+                   (tmp_path / "logs/metrics.jsonl").read_text().splitlines()]  # fmt: skip
+        assert max(r for r in rewards if r is not None) > 0  # math-verify scored " 68" as 68
+        exported, info = export_checkpoint(tmp_path / "ckpt/step_2", tmp_path / "exported")
+        assert info["step"] == 2
+        probe = grpo.rollout_batch(run, run.val_problems[:4], 2)
+        data_view = BatchedDataDict(
+            input_ids=probe["input_ids"], input_lengths=probe["input_lengths"]
+        )
+        live = run.policy.get_logprobs(data_view)["logprobs"]
+    finally:
+        run.close()
+    final = Path(summary["final_model"])
+    assert final == tmp_path / "ckpt/final_hf"
+    _generates(final)
+    model = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
+    ids, lengths = probe["input_ids"], probe["input_lengths"]
+    mask = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits.float()
+    lp = torch.log_softmax(logits[:, :-1], -1).gather(2, ids[:, 1:, None])[..., 0]
+    valid = mask[:, 1:].bool()
+    diff = (lp - live[:, 1:]).abs()[valid].max()
+    assert diff < 1e-6, f"exported vs checkpoint log-probs differ by {float(diff):.2e}"
+    # a checkpoint that was never finished is refused, by name
+    partial = tmp_path / "ckpt/step_9"
+    shutil.copytree(tmp_path / "ckpt/step_2", partial)
+    (partial / "training_info.json").unlink()
+    with pytest.raises(PartialCheckpointError, match="step_9 is not a complete step checkpoint"):
+        export_checkpoint(partial, tmp_path / "never")
+
+
+@pytest.mark.parametrize("algorithm", ["sft", "dpo", "rm"])
+def test_sft_dpo_rm_leave_final_hf(ray_session, tmp_path, algorithm):
+    from tempering.algorithms import dpo, rm, sft
+
+    module, schema, config, extra = {
+        "sft": (sft, SFTMasterConfig, "sft.yaml", ["sft.max_num_steps=2", "sft.val_period=0",
+                                                   "policy.model_name=tiny-arith"]),
+        "dpo": (dpo, DPOMasterConfig, "dpo.yaml", ["dpo.max_num_steps=2", "dpo.val_period=0"]),
+        "rm": (rm, RMMasterConfig, "rm.yaml", ["rm.max_num_steps=2", "rm.val_period=0",
+                                                "policy.scheduler.warmup_steps=0"]),
+    }[algorithm]  # fmt: skip
+    cfg, resolved = load_config(
+        REPO / "examples/configs" / config, [*_common(tmp_path), *extra], schema=schema
+    )
+    run = module.setup(cfg, resolved)
+    try:
+        module.train(run)
+        if algorithm == "rm":
+            folder = rm.export(run)
+    finally:
+        run.close()
+    if algorithm != "rm":
+        _generates(tmp_path / "ckpt/final_hf")
+        return
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    scores = model(**tokenizer(["Q: 1+1=? A: 2"], return_tensors="pt")).logits
+    assert scores.shape == (1, 1) and torch.isfinite(scores).all()
