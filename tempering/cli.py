@@ -3,6 +3,7 @@
     tempering plot LOG_DIR [--out FILE.png] [--keys train/loss,val/accuracy]
     tempering gym-examples OUT.jsonl [--environments math_with_judge,example_single_tool_call]
     tempering export CKPT_DIR OUT_DIR [--dtype float32|bfloat16|float16]
+    tempering eval MODEL [--baseline MODEL] --task NAME [--split test] [--samples N] [--pass-at-k K]
 
 Each subcommand is one ``_add_<name>(subparsers)`` function that declares its arguments and
 sets ``func`` (called with the parsed namespace, returns an exit code); list it in
@@ -97,10 +98,66 @@ def _add_export(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_export)
 
 
+def _run_eval(args: argparse.Namespace) -> int:
+    import os
+
+    from tempering.evaluation import evaluate, report
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    kwargs = {
+        "task": args.task, "split": args.split, "samples": args.samples, "seed": args.seed,
+        "pass_at_k": args.pass_at_k, "temperature": args.temperature,
+        "batch_size": args.batch_size, "backend": args.backend, "data": args.data,
+        "problem_key": args.problem_key, "answer_key": args.answer_key,
+        "max_new_tokens": args.max_new_tokens, "max_turns": args.max_turns,
+        "use_chat_template": args.chat_template,
+    }  # fmt: skip
+    result = evaluate(args.model, **kwargs)
+    baseline = None
+    if args.baseline:  # the same problems and settings as the model's
+        s = result.settings
+        kwargs.update(max_new_tokens=s["max_new_tokens"], max_turns=s["max_turns"],
+                      use_chat_template=s["use_chat_template"])  # fmt: skip
+        baseline = evaluate(args.baseline, **kwargs)
+    print(report(result, baseline, args.report))
+    return 0
+
+
+def _add_eval(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "eval",
+        help="held-out accuracy of a model (HF folder, name or step checkpoint)",
+        description="Score MODEL on held-out problems exactly as GRPO validation does (same "
+        "problems, prompts, rollout loop and scorer; greedy), with a 95%% interval; against "
+        "--baseline, the paired difference with its interval. See tempering/evaluation.py.",
+    )
+    p.add_argument("model", metavar="MODEL", help="HF folder, registered name or step_<N> folder")
+    p.add_argument("--baseline", default=None, help="a second MODEL on the same problems")
+    p.add_argument("--task", required=True,
+                   help="arithmetic | arithmetic_retry | gsm8k | problems | rg:<reasoning-gym task>")  # fmt: skip
+    p.add_argument("--split", default="test", help="held-out split (default: %(default)s)")
+    p.add_argument("--samples", type=int, default=256, help="problems (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="problem generator seed (GRPO's: 0)")
+    p.add_argument("--pass-at-k", type=int, default=0, help="also pass@K with K samples")
+    p.add_argument("--temperature", type=float, default=1.0, help="for pass@K sampling")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default: the run's / task's")
+    p.add_argument("--max-turns", type=int, default=None, help="multi-turn tasks (default 3)")
+    p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
+                   help="format prompts with the chat template (default: the run's / task's)")  # fmt: skip
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--backend", choices=["torch", "vllm"], default="torch")
+    p.add_argument("--data", default=None, help="--task problems: JSONL / HF dataset")
+    p.add_argument("--problem-key", default="problem")
+    p.add_argument("--answer-key", default="expected_answer")
+    p.add_argument("--report", default="eval_report.json", help="JSON report path")
+    p.set_defaults(func=_run_eval)
+
+
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_plot,
     _add_gym_examples,
     _add_export,
+    _add_eval,
 ]
 
 
@@ -118,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, KeyError) as e:
         print(f"tempering {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -137,3 +137,28 @@ def test_sft_dpo_rm_leave_final_hf(ray_session, tmp_path, algorithm):
     tokenizer = AutoTokenizer.from_pretrained(folder)
     scores = model(**tokenizer(["Q: 1+1=? A: 2"], return_tensors="pt")).logits
     assert scores.shape == (1, 1) and torch.isfinite(scores).all()
+
+
+def test_eval_of_the_final_model_agrees_with_the_runs_last_validation(ray_session, tmp_path):
+    """`tempering eval` scores the same problems the way GRPO validation does: on the main
+    job's config, the final model's eval accuracy equals the run's last validation."""
+    from tempering.algorithms import grpo
+    from tempering.evaluation import evaluate
+
+    cfg, resolved = load_config(
+        REPO / "examples/configs/grpo_math_tiny.yaml",
+        [*_common(tmp_path), "grpo.max_num_steps=3", "grpo.val_period=3",
+         "data.num_val_samples=96", "grpo.max_val_samples=96", "checkpointing.save_period=3"],
+        schema=GRPOMasterConfig,
+    )  # fmt: skip
+    run = grpo.setup(cfg, resolved)
+    try:
+        summary = grpo.train(run)
+    finally:
+        run.close()
+    final = evaluate(summary["final_model"], "arithmetic", samples=96, progress=False)
+    assert final.accuracy == summary["end_accuracy"]
+    start = evaluate("tiny-arith", "arithmetic", samples=96, progress=False)
+    assert start.accuracy == summary["start_accuracy"]
+    step = evaluate(str(tmp_path / "ckpt/step_3"), "arithmetic", samples=96, progress=False)
+    assert step.correct == final.correct  # a step checkpoint, exported on the fly

@@ -1,0 +1,311 @@
+"""Held-out evaluation outside training: ``tempering eval``.
+
+    tempering eval MODEL [--baseline MODEL] --task NAME [--split test] [--samples N]
+                   [--pass-at-k K] [--data FILE] [--backend torch|vllm] [--report FILE]
+
+MODEL is a Hugging Face folder (e.g. a run's ``final_hf``), a registered name (``tiny-arith``)
+or a step checkpoint (``results/<run>/step_N``, exported on the fly with
+`tempering.models.export`). Problems, prompts and scoring are GRPO validation's own: the same
+problem sets (``arithmetic`` is tiny-arith's held-out problems with GRPO's seed, so 256 of them
+are exactly a run's validation set), the same prompt construction (`data.prompts`, chat
+template or not), the same rollout loop and environments (`experience.rollouts`), greedy.
+
+Tasks: ``arithmetic`` (exact answer), ``arithmetic_retry`` (multi-turn, ``--max-turns``),
+``gsm8k`` (math-verify), ``rg:<name>`` (a reasoning-gym generator, math-verify), ``problems``
+(your JSONL / Hugging Face file via ``--data``, keys ``--problem-key`` / ``--answer-key``).
+
+Printed and written to the JSON report: accuracy with a 95% Wilson interval; with
+``--baseline``, the baseline's, and the paired difference on the same problems with its 95%
+interval (normal approximation over per-problem differences); with ``--pass-at-k K``, pass@K
+from K samples per problem at ``--temperature``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["EvalResult", "evaluate", "paired_difference", "wilson_interval"]
+
+Z95 = 1.959963984540054
+TASKS = ("arithmetic", "arithmetic_retry", "gsm8k", "problems", "rg:<name>")
+
+
+def wilson_interval(k: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion k/n."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def paired_difference(a: list[bool], b: list[bool], z: float = Z95) -> tuple[float, float, float]:
+    """Mean of a_i - b_i over the same problems, with its 95% interval."""
+    n = len(a)
+    d = [float(x) - float(y) for x, y in zip(a, b, strict=True)]
+    mean = sum(d) / n
+    var = sum((x - mean) ** 2 for x in d) / (n - 1) if n > 1 else 0.0
+    half = z * math.sqrt(var / n)
+    return mean, mean - half, mean + half
+
+
+@dataclass
+class EvalResult:
+    model: str
+    task: str
+    metric: str  # "accuracy" (single turn) or "solved within N turns"
+    samples: int
+    correct: list[bool]
+    accuracy: float
+    ci95: tuple[float, float]
+    pass_at_k: dict[str, Any] | None = None
+    settings: dict[str, Any] = field(default_factory=dict)
+    examples: list[dict[str, Any]] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------ problems
+def task_problems(
+    task: str,
+    *,
+    split: str,
+    samples: int,
+    seed: int,
+    data: str | None,
+    problem_key: str,
+    answer_key: str,
+) -> list[Any]:
+    """The task's problems (`tempering.algorithms.grpo.Problem`), as GRPO builds them."""
+    from tempering.algorithms.grpo import Problem, reasoning_gym_problems
+
+    if task in ("arithmetic", "arithmetic_retry"):
+        from tempering.models.tiny_arith import make_problems
+
+        if split not in ("train", "test"):
+            raise ValueError(f"--split {split!r}: arithmetic has 'train' and 'test'")
+        return [
+            Problem(p["prompt"], p["answer"], task) for p in make_problems(samples, seed, split)
+        ]
+    if task == "gsm8k":
+        from tempering.data.gsm8k import gsm8k_rl_pairs, gsm8k_user_prompt
+
+        pairs = gsm8k_rl_pairs(split)[:samples]
+        return [Problem(gsm8k_user_prompt(q), a, "math") for q, a in pairs]
+    if task.startswith("rg:"):
+        return reasoning_gym_problems(task[3:], samples, seed)
+    if task == "problems":
+        from tempering.data.problems import load_problem_rows
+
+        if not data:
+            raise ValueError("--task problems needs --data FILE (JSONL or Hugging Face dataset)")
+        rows = load_problem_rows(data, problem_key, answer_key, split)[:samples]
+        return [Problem(q, a, "math") for q, a in rows]
+    raise ValueError(f"--task {task!r} is unknown; use one of {', '.join(TASKS)}")
+
+
+# ------------------------------------------------------------------------- models
+def resolve_model(model: str, scratch: Path) -> tuple[str, dict[str, Any] | None]:
+    """(an HF folder or registered name, the run's config when MODEL is a checkpoint)."""
+    import yaml
+
+    from tempering.models.export import export_checkpoint
+
+    path = Path(model)
+    step = path.parent if path.name == "policy" else path
+    if (step / "config.yaml").is_file() and (step / "policy").is_dir():
+        out = scratch / step.name
+        export_checkpoint(step, out)
+        return str(out), yaml.safe_load((step / "config.yaml").read_text())
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{model} is neither a Hugging Face folder (no config.json) nor a step checkpoint "
+            "(no config.yaml + policy/); pass results/<run>/final_hf or results/<run>/step_<N>"
+        )
+    return model, None
+
+
+def _backend(model_path: str, backend: str, sampling: Any) -> tuple[Any, Any]:
+    """(generation backend, a close function) on the torch engine here or a vLLM worker."""
+    from tempering.models.generation.torch_engine import TorchGenerationEngine
+    from tempering.models.hf import load_causal_lm, load_tokenizer
+
+    if backend == "torch":
+        engine = TorchGenerationEngine(
+            load_causal_lm(model_path), load_tokenizer(model_path), sampling
+        )
+        return engine, lambda: None
+    if backend != "vllm":
+        raise ValueError(f"--backend {backend!r}: use torch or vllm")
+    from tempering.distributed.virtual_cluster import cluster_from_config, init_ray
+    from tempering.distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup
+    from tempering.models.generation.builders import VLLM_WORKER_FQN, SplitGeneration
+
+    init_ray()
+    cluster = cluster_from_config(1, 0, workers_per_node=1, cpus_per_worker=1, name="eval")
+    builder = RayWorkerBuilder(
+        VLLM_WORKER_FQN, model_path, sampling, dtype="float32", enforce_eager=True,
+        kv_cache_memory_bytes=256 * 2**20,
+    )  # fmt: skip
+    generation = SplitGeneration(RayWorkerGroup(cluster, builder, name_prefix="eval-vllm"), cluster)
+    return generation, generation.shutdown
+
+
+# ----------------------------------------------------------------------- evaluate
+def evaluate(
+    model: str,
+    task: str,
+    *,
+    split: str = "test",
+    samples: int = 256,
+    seed: int = 0,
+    max_new_tokens: int | None = None,
+    use_chat_template: bool | None = None,
+    max_turns: int | None = None,
+    pass_at_k: int = 0,
+    temperature: float = 1.0,
+    batch_size: int = 256,
+    backend: str = "torch",
+    data: str | None = None,
+    problem_key: str = "problem",
+    answer_key: str = "expected_answer",
+    progress: bool | None = None,
+) -> EvalResult:
+    """Score `model` on `task` as GRPO validation does (see the module docstring)."""
+    from tempering.data.prompts import prompt_token_ids
+    from tempering.environments.registry import create_environment
+    from tempering.experience.rollouts import InProcessTurnClient, RolloutSample, run_rollouts
+    from tempering.models.generation.interfaces import SamplingConfig
+    from tempering.models.generation.openai_server import ChatCompletionService, ServerSettings
+    from tempering.models.hf import load_tokenizer
+    from tempering.utils.logger import track
+
+    problems = task_problems(task, split=split, samples=samples, seed=seed, data=data,
+                             problem_key=problem_key, answer_key=answer_key)  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="tempering_eval_") as scratch:
+        path, run_cfg = resolve_model(model, Path(scratch))
+        run_cfg = run_cfg or {}
+        gen_cfg = (run_cfg.get("policy") or {}).get("generation") or {}
+        multi_turn = task == "arithmetic_retry"
+        turns = max_turns or (3 if multi_turn else 1)
+        chat = use_chat_template
+        if chat is None:
+            chat = (run_cfg.get("data") or {}).get("use_chat_template", task not in (
+                "arithmetic", "arithmetic_retry"))  # fmt: skip
+        new_tokens = max_new_tokens or gen_cfg.get("max_new_tokens") or (
+            6 if task.startswith("arithmetic") else 256)  # fmt: skip
+        sampling = SamplingConfig(max_new_tokens=new_tokens, temperature=temperature)
+        tokenizer = load_tokenizer(path)
+        generation, close = _backend(path, backend, sampling)
+        try:
+            max_len = int((run_cfg.get("policy") or {}).get("max_total_sequence_length") or 4096)
+            service = ChatCompletionService(generation, tokenizer, ServerSettings(
+                model_name="eval", max_model_len=max_len, default_sampling=sampling))  # fmt: skip
+            client = InProcessTurnClient(service)
+            env_kwargs = {"arithmetic_retry": {"max_attempts": turns}}
+            envs: dict[str, Any] = {}
+
+            def run(chunk: list[Any], greedy: bool, repeat: int = 1) -> Any:
+                for p in chunk:
+                    if p.task_name not in envs:
+                        envs[p.task_name] = create_environment(
+                            p.task_name, **env_kwargs.get(p.task_name, {})
+                        )
+                samples_ = [
+                    RolloutSample(
+                        [{"role": "user", "content": p.prompt}],
+                        {"ground_truth": p.answer, "prompt": p.prompt},
+                        p.task_name,
+                        prompt_token_ids(p.prompt, tokenizer, chat),
+                    )
+                    for p in chunk for _ in range(repeat)
+                ]  # fmt: skip
+                return run_rollouts(client, samples_, envs, sampling=sampling, max_turns=turns,
+                                    max_seq_len=max_len, greedy=greedy)  # fmt: skip
+
+            threshold = 0.0 if multi_turn else 0.5  # solved (any turn) / correct
+            correct: list[bool] = []
+            examples: list[dict[str, Any]] = []
+            chunks = [problems[i : i + batch_size] for i in range(0, len(problems), batch_size)]
+            with track(chunks, len(chunks), f"eval {task}", enabled=progress) as bar:
+                for chunk in bar:
+                    batch = run(chunk, greedy=True)
+                    for p, reward, log in zip(chunk, batch["rewards"].tolist(),
+                                              batch["message_logs"], strict=True):  # fmt: skip
+                        correct.append(reward > threshold)
+                        said = [m.get("content") for m in log if m["role"] == "assistant"]
+                        examples.append({"prompt": p.prompt, "answer": p.answer,
+                                         "completions": said, "reward": reward})  # fmt: skip
+            passk = None
+            if pass_at_k:
+                hits = []
+                for chunk in chunks:
+                    rewards = run(chunk, greedy=False, repeat=pass_at_k)["rewards"]
+                    hits += (rewards.view(-1, pass_at_k) > threshold).any(dim=1).tolist()
+                n_hit = sum(hits)
+                passk = {"k": pass_at_k, "temperature": temperature, "value": n_hit / len(hits),
+                         "ci95": wilson_interval(n_hit, len(hits))}  # fmt: skip
+            for env in envs.values():
+                env.shutdown()
+        finally:
+            close()
+    k = sum(correct)
+    return EvalResult(
+        model=model,
+        task=task,
+        metric=f"solved within {turns} turns" if multi_turn else "accuracy",
+        samples=len(correct),
+        correct=correct,
+        accuracy=k / len(correct),
+        ci95=wilson_interval(k, len(correct)),
+        pass_at_k=passk,
+        settings={
+            "split": split,
+            "seed": seed,
+            "max_new_tokens": new_tokens,
+            "use_chat_template": chat,
+            "max_turns": turns,
+            "backend": backend,
+            "greedy": True,
+        },  # fmt: skip
+        examples=examples,
+    )
+
+
+def report(result: EvalResult, baseline: EvalResult | None, path: str | None) -> str:
+    """The printed summary; the JSON report goes to `path` (atomically) when given."""
+    from tempering.utils.atomic import atomic_write_text
+
+    def line(r: EvalResult, role: str) -> str:
+        lo, hi = r.ci95
+        text = (f"  {role:9s}{r.model}: {r.metric} {r.accuracy:.1%} [{lo:.1%}, {hi:.1%}] "
+                f"({sum(r.correct)}/{r.samples})")  # fmt: skip
+        if r.pass_at_k:
+            p = r.pass_at_k
+            text += f"; pass@{p['k']} {p['value']:.1%} [{p['ci95'][0]:.1%}, {p['ci95'][1]:.1%}]"
+        return text
+
+    s = result.settings
+    lines = [
+        f"tempering eval: {result.task} ({s['split']} split, {result.samples} problems, greedy, "
+        f"{s['backend']} engine, max {s['max_new_tokens']} new tokens"
+        + (f", {s['max_turns']} turns" if s["max_turns"] > 1 else "")
+        + ")",
+        line(result, "model"),
+    ]
+    out: dict[str, Any] = {"model": asdict(result)}
+    if baseline is not None:
+        lines.append(line(baseline, "baseline"))
+        d, lo, hi = paired_difference(result.correct, baseline.correct)
+        lines.append(f"  difference {100 * d:+.1f} points [{100 * lo:+.1f}, {100 * hi:+.1f}] "
+                     "(paired over the same problems, 95%)")  # fmt: skip
+        out["baseline"] = asdict(baseline)
+        out["difference"] = {"value": d, "ci95": [lo, hi]}
+    if path:
+        atomic_write_text(path, json.dumps(out, indent=1))
+        lines.append(f"  report: {path}")
+    return "\n".join(lines)

@@ -1,0 +1,51 @@
+"""`tempering eval`'s statistics and its command line (the agreement with GRPO validation is
+tested with a real run in tests/functional/test_final_models.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tempering.cli import main
+from tempering.evaluation import paired_difference, wilson_interval
+
+
+def test_wilson_interval_matches_known_values():
+    lo, hi = wilson_interval(102, 256)  # 39.8%
+    assert abs(lo - 0.3404) < 1e-3 and abs(hi - 0.4590) < 1e-3
+    assert wilson_interval(0, 10)[0] == pytest.approx(0.0, abs=1e-12)
+    assert wilson_interval(10, 10)[1] == pytest.approx(1.0)
+
+
+def test_paired_difference_uses_the_per_problem_differences():
+    a = [True] * 60 + [False] * 40
+    b = [True] * 40 + [False] * 60
+    d, lo, hi = paired_difference(a, b)  # 20 problems flipped, all in a's favour
+    assert abs(d - 0.2) < 1e-12 and 0.12 < lo < d < hi < 0.28
+    same = paired_difference(a, a)
+    assert same == (0.0, 0.0, 0.0)
+
+
+def test_eval_command_prints_and_reports(tmp_path, capsys):
+    report = tmp_path / "r.json"
+    assert main(["eval", "tiny-arith", "--baseline", "tiny-arith", "--task", "arithmetic",
+                 "--samples", "32", "--report", str(report)]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "accuracy" in out and "difference +0.0 points [+0.0, +0.0]" in out
+    data = json.loads(report.read_text())
+    assert data["model"]["samples"] == 32 and len(data["model"]["examples"]) == 32
+    assert data["difference"]["value"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["eval", "tiny-arith", "--task", "poetry"], "--task 'poetry' is unknown"),
+        (["eval", "tiny-arith", "--task", "problems"], "needs --data"),
+        (["eval", "/nonexistent/model", "--task", "arithmetic"], "neither a local folder"),
+    ],
+)
+def test_eval_errors_name_the_problem(argv, needle, capsys):
+    assert main(argv) == 2
+    assert needle in capsys.readouterr().err
