@@ -205,3 +205,24 @@ def export_final_model(policy: Any, checkpointing: CheckpointingConfig) -> Path:
     policy.export_hf(str(path))
     log.info("final model written to %s", path)
     return path
+
+
+def first_logged(log_dir: str, prefix: str) -> dict[str, float]:
+    """The earliest step's metrics under `prefix` (e.g. ``val/``) in ``<log_dir>/metrics.jsonl``,
+    without the prefix: a resumed run's summary starts from its records, not from this
+    process's memory. A torn last line (a killed writer) is skipped."""
+    import json
+
+    path = Path(log_dir) / "metrics.jsonl"
+    best: tuple[int, dict[str, float]] | None = None
+    if not path.is_file():
+        return {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        found = {k[len(prefix) :]: v for k, v in row.items() if k.startswith(prefix)}
+        if found and (best is None or row.get("step", 0) < best[0]):
+            best = (row.get("step", 0), found)
+    return best[1] if best else {}

@@ -287,6 +287,7 @@ def train(run: DPORun) -> dict[str, Any]:
                 )
     run.final_step = step
     final = common.export_final_model(run.policy, run.cfg.checkpointing)
+    first = first or common.first_logged(run.cfg.logger.log_dir, "val/")  # resumed: records
     return {"steps": step, "start": first, "end": val, "final_model": str(final)}
 
 

@@ -160,6 +160,7 @@ class GRPORun:
     chat: Any  # ChatCompletionService: prompts, batching, refit lock
     turns: Any  # TurnClient: in-process or over HTTP
     server: Any = None  # OpenAIServer when policy.generation.http_server.enabled
+    prior_wall_time_s: float = 0.0  # training time of the runs this one resumed
     history: list[dict[str, float]] = field(default_factory=list)
 
     def close(self) -> None:
@@ -224,7 +225,7 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any]) -> GRPORun:
     else:
         turns = InProcessTurnClient(chat)
     checkpointer = common.build_checkpointer(cfg.checkpointing)
-    start_step, _ = common.maybe_resume(checkpointer, policy, dataloader)
+    start_step, info = common.maybe_resume(checkpointer, policy, dataloader)
     if start_step:
         chat.refit(lambda: generation.refit(policy), version=start_step)
     logger = common.build_logger(cfg.logger, resolved)
@@ -245,6 +246,7 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any]) -> GRPORun:
         chat,
         turns,
         server,
+        prior_wall_time_s=float(info.get("wall_time_s", 0.0)),
     )
 
 
@@ -321,7 +323,8 @@ def train(run: GRPORun) -> dict[str, Any]:
         use_importance_sampling_correction=lf.use_importance_sampling_correction,
         truncated_importance_sampling_ratio=lf.truncated_importance_sampling_ratio,
     )
-    deadline = common.Deadline(cfg.grpo.max_wall_time_s)
+    budget = cfg.grpo.max_wall_time_s  # covers the whole run, resumed parts included
+    deadline = common.Deadline(None if budget is None else budget - run.prior_wall_time_s)
     first_val: dict[str, float] = {}
     val: dict[str, float] = {}
     if cfg.grpo.val_at_start and cfg.grpo.val_period and run.start_step == 0:
@@ -347,6 +350,7 @@ def train(run: GRPORun) -> dict[str, Any]:
                     metrics={f"val/{k}": v for k, v in val.items()},
                     dataloader=run.dataloader,
                     config=run.resolved,
+                    extra={"wall_time_s": run.prior_wall_time_s + deadline.elapsed},
                 )
             if deadline.passed():
                 log.info(
@@ -354,14 +358,16 @@ def train(run: GRPORun) -> dict[str, Any]:
                 )
                 break
     final = common.export_final_model(run.policy, cfg.checkpointing)
+    first_val = first_val or common.first_logged(cfg.logger.log_dir, "val/")  # resumed: records
     return {
         "steps": step,
+        "steps_this_run": step - run.start_step,
         "final_model": str(final),
         "start_accuracy": first_val.get("accuracy"),
         "end_accuracy": val.get("accuracy"),
         "start_success": first_val.get("success"),
         "end_success": val.get("success"),
-        "wall_time_s": deadline.elapsed,
+        "wall_time_s": run.prior_wall_time_s + deadline.elapsed,
     }
 
 
@@ -371,9 +377,11 @@ def summary_text(s: dict[str, Any], cfg: GRPOMasterConfig) -> str:
     def pct(x: float | None) -> str:
         return "n/a" if x is None else f"{x:.1%}"
 
+    resumed = s["steps"] - s["steps_this_run"]
+    where = f" ({s['steps_this_run']} in this run, resumed at step {resumed})" if resumed else ""
     lines = [
-        f"\nGRPO summary: {s['steps']} steps in {s['wall_time_s']:.0f} s; held-out greedy "
-        f"accuracy {pct(s['start_accuracy'])} -> {pct(s['end_accuracy'])}"
+        f"\nGRPO summary: {s['steps']} steps{where} in {s['wall_time_s']:.0f} s of training; "
+        f"held-out greedy accuracy {pct(s['start_accuracy'])} -> {pct(s['end_accuracy'])}"
     ]
     if cfg.grpo.max_rollout_turns > 1:
         lines.append(

@@ -170,6 +170,7 @@ def train(run: RMRun) -> dict[str, Any]:
                     config=run.resolved,
                 )
     run.final_step = step
+    first = first or common.first_logged(run.cfg.logger.log_dir, "val/")  # resumed: records
     return {"steps": step, "start": first, "end": val}
 
 
