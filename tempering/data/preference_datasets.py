@@ -251,6 +251,34 @@ def arithmetic_preference_pairs(n: int, seed: int = 0, split: str = "train") -> 
     return LoadedData(f"arithmetic_preference_{split}_seed{seed}", pairs)
 
 
+def arithmetic_parity_pairs(n: int, seed: int = 0, split: str = "train") -> LoadedData:
+    """SYNTHETIC, a preference the reference model does not already hold: for a tiny-arith
+    problem, chosen = " <an even number>", rejected = " <an odd number>", both two-digit and
+    neither the answer, so arithmetic gives no hint (tiny-arith ranks such pairs near chance)
+    and only the rewarded property, parity, separates them."""
+    import random
+
+    from tempering.data.arithmetic import arithmetic_problems
+
+    rng = random.Random(f"parity:{split}:{seed}")
+    pairs = []
+    for problem in arithmetic_problems(n, seed, split):  # type: ignore[arg-type]
+        answer = int(problem["answer"])
+        even = odd = answer
+        while even == answer:
+            even = 2 * rng.randint(5, 49)
+        while odd == answer:
+            odd = 2 * rng.randint(5, 49) + 1
+        pairs.append(
+            PreferencePair(
+                [{"role": "user", "content": problem["prompt"]}],
+                [{"role": "assistant", "content": f" {even}"}],
+                [{"role": "assistant", "content": f" {odd}"}],
+            )
+        )
+    return LoadedData(f"arithmetic_parity_{split}_seed{seed}", pairs)
+
+
 def gsm8k_preference_pairs(split: str = "train") -> LoadedData:
     """SYNTHETIC: GSM8K worked answer (chosen) vs. the same answer corrupted (rejected)."""
     from tempering.data.gsm8k import gsm8k_user_prompt, load_gsm8k

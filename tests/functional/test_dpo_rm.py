@@ -182,3 +182,27 @@ def test_grpo_steps_scored_by_reward_model(rm_export, tmp_path):
             assert math.isfinite(metrics["train/reward_mean"])
     finally:
         run.close()
+
+
+def test_dpo_parity_config_learns_a_preference_the_reference_does_not_hold(ray_session, tmp_path):
+    """examples/configs/dpo_parity.yaml: the reference ranks the held-out pairs near chance,
+    and the policy's held-out log-prob accuracy rises >= 25 points above that."""
+    from tempering.algorithms import dpo
+
+    cfg, resolved = load_config(
+        REPO / "examples/configs/dpo_parity.yaml",
+        ["dpo.max_num_steps=80", "dpo.val_period=80", f"logger.log_dir={tmp_path}/logs",
+         "logger.tensorboard_enabled=false", f"checkpointing.checkpoint_dir={tmp_path}/ckpt",
+         "dpo.val_greedy_accuracy=false"],
+        schema=DPOMasterConfig,
+    )  # fmt: skip
+    run = dpo.setup(cfg, resolved)
+    try:
+        summary = dpo.train(run)
+    finally:
+        run.close()
+    start, end = summary["start"], summary["end"]
+    reference = end["reference_logprob_accuracy"]
+    assert start["logprob_accuracy"] == start["reference_logprob_accuracy"] == reference
+    assert reference <= 0.65, "the reference already holds this preference"
+    assert end["logprob_accuracy"] >= reference + 0.25, summary

@@ -251,3 +251,20 @@ def test_load_preference_splits(tmp_path):
     assert (len(train), len(val)) == (1000, 10)
     with pytest.raises(ValueError, match="not a preference dataset"):
         load_preference_splits("squad", str(path))
+
+
+def test_parity_pairs_reward_only_parity():
+    from tempering.data.preference_datasets import arithmetic_parity_pairs
+    from tempering.environments.arithmetic import first_integer
+    from tempering.models.tiny_arith import make_problems
+
+    pairs = arithmetic_parity_pairs(200, seed=3, split="test").examples
+    answers = [p["answer"] for p in make_problems(200, 3, "test")]
+    for pair, answer in zip(pairs, answers, strict=True):
+        chosen = first_integer(pair.chosen[-1]["content"])
+        rejected = first_integer(pair.rejected[-1]["content"])
+        assert chosen % 2 == 0 and rejected % 2 == 1
+        assert str(chosen) != answer and str(rejected) != answer
+    assert [p.chosen for p in arithmetic_parity_pairs(200, 3, "test").examples] == [
+        p.chosen for p in pairs
+    ]  # deterministic
