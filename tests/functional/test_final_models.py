@@ -162,3 +162,34 @@ def test_eval_of_the_final_model_agrees_with_the_runs_last_validation(ray_sessio
     assert start.accuracy == summary["start_accuracy"]
     step = evaluate(str(tmp_path / "ckpt/step_3"), "arithmetic", samples=96, progress=False)
     assert step.correct == final.correct  # a step checkpoint, exported on the fly
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_vllm_loads_final_hf_and_eval_agrees_across_engines(
+    ray_session, worker_venvs_dir, tmp_path
+):
+    """A run's final_hf loads in vLLM (its own venv, a Ray worker), and `tempering eval
+    --backend vllm` scores it as the torch engine does (fp32 greedy: the same tokens)."""
+    from tempering.algorithms import sft
+    from tempering.evaluation import evaluate
+
+    cfg, resolved = load_config(
+        REPO / "examples/configs/sft.yaml",
+        [*_common(tmp_path), "sft.max_num_steps=1", "sft.val_period=0",
+         "policy.model_name=tiny-arith"],
+        schema=SFTMasterConfig,
+    )  # fmt: skip
+    run = sft.setup(cfg, resolved)
+    try:
+        sft.train(run)
+    finally:
+        run.close()
+    final = str(tmp_path / "ckpt/final_hf")
+    torch_result = evaluate(final, "arithmetic", samples=32, progress=False)
+    vllm_result = evaluate(final, "arithmetic", samples=32, progress=False, backend="vllm")
+    assert vllm_result.correct == torch_result.correct
+    assert [e["completions"] for e in vllm_result.examples] == [
+        e["completions"] for e in torch_result.examples
+    ]
