@@ -226,3 +226,18 @@ def first_logged(log_dir: str, prefix: str) -> dict[str, float]:
         if found and (best is None or row.get("step", 0) < best[0]):
             best = (row.get("step", 0), found)
     return best[1] if best else {}
+
+
+def load_run_tokenizer(policy_cfg: PolicyConfig) -> Any:
+    """The run's tokenizer: `policy.tokenizer.name` (default: the model's), with
+    `policy.tokenizer.chat_template` replacing its chat template when set (for every prompt,
+    training example and the generation server alike)."""
+    from tempering.models.hf import load_tokenizer
+    from tempering.models.registry import resolve_model_path
+
+    tokenizer = load_tokenizer(
+        resolve_model_path(policy_cfg.tokenizer.name or policy_cfg.model_name)
+    )
+    if policy_cfg.tokenizer.chat_template:
+        tokenizer.chat_template = policy_cfg.tokenizer.chat_template
+    return tokenizer

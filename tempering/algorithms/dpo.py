@@ -173,8 +173,6 @@ class DPORun:
 
 def setup(cfg: DPOMasterConfig, resolved: dict[str, Any]) -> DPORun:
     from tempering.data.dataloader import StatefulDataLoader
-    from tempering.models.hf import load_tokenizer
-    from tempering.models.registry import resolve_model_path
 
     pol = cfg.policy
     dp = cfg.cluster.num_nodes * (cfg.cluster.gpus_per_node or cfg.cluster.workers_per_node)
@@ -191,7 +189,7 @@ def setup(cfg: DPOMasterConfig, resolved: dict[str, Any]) -> DPORun:
         "dpo.val_global_batch_size / val_micro_batch_size",
     )
     common.start_run(cfg.cluster)
-    tokenizer = load_tokenizer(resolve_model_path(pol.tokenizer.name or pol.model_name))
+    tokenizer = common.load_run_tokenizer(pol)
     data = load_preference_data(cfg.data)
     max_len = pol.max_total_sequence_length
     dataloader = StatefulDataLoader(

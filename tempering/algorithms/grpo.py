@@ -185,12 +185,11 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any]) -> GRPORun:
         build_generation,
         start_http_server,
     )
-    from tempering.models.hf import load_tokenizer
     from tempering.models.registry import resolve_model_path
 
     common.start_run(cfg.cluster)
     model_path = resolve_model_path(cfg.policy.model_name)
-    tokenizer = load_tokenizer(resolve_model_path(cfg.policy.tokenizer.name or model_path))
+    tokenizer = common.load_run_tokenizer(cfg.policy)
     train_problems, val_problems = load_problems(cfg.data, cfg.env.nemo_gym.default_route)
     if cfg.env.task_name:  # one environment scores every problem
         for p in train_problems + val_problems:
@@ -210,11 +209,7 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any]) -> GRPORun:
     )
     generation = build_generation(cfg.policy.generation, policy, model_path, tokenizer, cfg.cluster)
     chat = build_chat_service(
-        cfg.policy.generation,
-        generation,
-        tokenizer,
-        cfg.policy.max_total_sequence_length,
-        cfg.policy.tokenizer.chat_template,
+        cfg.policy.generation, generation, tokenizer, cfg.policy.max_total_sequence_length
     )
     server = start_http_server(cfg.policy.generation, chat)
     if "nemo_gym" in {p.task_name for p in train_problems + val_problems}:

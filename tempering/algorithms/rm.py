@@ -62,7 +62,6 @@ class RMRun:
 def setup(cfg: RMMasterConfig, resolved: dict[str, Any]) -> RMRun:
     from tempering.data.collate import pad_token_id_of
     from tempering.data.dataloader import StatefulDataLoader
-    from tempering.models.hf import load_tokenizer
     from tempering.models.policy.reward_model_worker import build_reward_model
     from tempering.models.registry import resolve_model_path
 
@@ -84,7 +83,7 @@ def setup(cfg: RMMasterConfig, resolved: dict[str, Any]) -> RMRun:
         log.warning("policy.precision=%s: the reward-model worker trains in float32", pol.precision)
     common.start_run(cfg.cluster)
     model_path = resolve_model_path(pol.model_name)
-    tokenizer = load_tokenizer(resolve_model_path(pol.tokenizer.name or model_path))
+    tokenizer = common.load_run_tokenizer(pol)
     data = load_preference_data(cfg.data)
     max_len = pol.max_total_sequence_length
     dataloader = StatefulDataLoader(

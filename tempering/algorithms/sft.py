@@ -112,13 +112,9 @@ class SFTRun:
 def setup(cfg: SFTMasterConfig, resolved: dict[str, Any]) -> SFTRun:
     from tempering.data.collate import collate_sft, pad_token_id_of
     from tempering.data.dataloader import StatefulDataLoader
-    from tempering.models.hf import load_tokenizer
-    from tempering.models.registry import resolve_model_path
 
     common.start_run(cfg.cluster)
-    tokenizer = load_tokenizer(
-        resolve_model_path(cfg.policy.tokenizer.name or cfg.policy.model_name)
-    )
+    tokenizer = common.load_run_tokenizer(cfg.policy)
     data = load_sft_data(
         cfg.data,
         tokenizer,

@@ -90,3 +90,14 @@ def test_loaders_read_a_saved_model_with_dtype_and_pad(tmp_path):
     mbf = load_causal_lm(str(folder), dtype=torch.bfloat16)
     assert next(m32.parameters()).dtype == torch.float32 and not m32.training
     assert next(mbf.parameters()).dtype == torch.bfloat16
+
+
+def test_the_configured_chat_template_replaces_the_tokenizers():
+    from tempering.algorithms.common import load_run_tokenizer
+    from tempering.config.schemas import PolicyConfig
+
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    tokenizer = load_run_tokenizer(PolicyConfig(tokenizer={"chat_template": template}))
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert rendered == "<user>hi"
+    assert load_run_tokenizer(PolicyConfig()).chat_template != template  # default: the model's
