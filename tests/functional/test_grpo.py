@@ -106,7 +106,10 @@ def test_generator_runs_where_the_backend_says(grpo_run):
         assert group.fqn.endswith("TorchGenerationWorker")
         return
     assert group.fqn.endswith("VllmGenerationWorker")
-    assert all("venvs" in Path(info["python"]).parts for info in group.worker_info)
+    from tempering.distributed.actor_environments import venvs_root
+
+    # its own venv under the venvs root (the repo's venvs/, or a session's TEMPERING_VENVS_DIR)
+    assert all(Path(info["python"]).is_relative_to(venvs_root()) for info in group.worker_info)
 
 
 def test_rollout_logprobs_and_rewards_are_consistent(grpo_run):
