@@ -4,6 +4,8 @@
     tempering gym-examples OUT.jsonl [--environments math_with_judge,example_single_tool_call]
     tempering export CKPT_DIR OUT_DIR [--dtype float32|bfloat16|float16]
     tempering eval MODEL [--baseline MODEL] --task NAME [--split test] [--samples N] [--pass-at-k K]
+    tempering envs [--build] [FQN ...]
+    tempering check-container
 
 Each subcommand is one ``_add_<name>(subparsers)`` function that declares its arguments and
 sets ``func`` (called with the parsed namespace, returns an exit code); list it in
@@ -153,11 +155,70 @@ def _add_eval(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_eval)
 
 
+def _run_envs(args: argparse.Namespace) -> int:
+    import time
+
+    from tempering.distributed import actor_environments as ae
+
+    fqns = args.fqns or list(ae.ACTOR_ENVIRONMENT_REGISTRY)
+    for fqn in fqns:
+        executable = ae.get_actor_executable(fqn)
+        state = ae.venv_state(fqn, executable)
+        line = f"{fqn}\n    executable: {executable}\n    state: {state}"
+        if args.build and state not in ("frozen", "interpreter", "ready"):
+            start = time.perf_counter()
+            python = ae.build_worker_venv(fqn, executable)
+            line += f" -> built {python} in {time.perf_counter() - start:.1f} s"
+        print(line, flush=True)
+    print(
+        f"venvs root: {ae.venvs_root()}; frozen launchers: "
+        f"{ae.os.environ.get(ae.FROZEN_ENVS_DIR_ENV) or '(none)'}; "
+        f"{ae.FORCE_REBUILD_ENV}={'true' if ae.force_rebuild_requested() else 'false'}"
+    )
+    return 0
+
+
+def _add_envs(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "envs",
+        help="list worker classes, the environment each runs in, and build them",
+        description="For each worker class of ACTOR_ENVIRONMENT_REGISTRY (or the FQNs given): "
+        "its executable and state -- frozen (a python-<fqn> launcher in "
+        "TEMPERING_FROZEN_ENVS_DIR), ready, stale (the code's lock or pyproject changed, or "
+        "NRL_FORCE_REBUILD_VENVS=true), missing, or interpreter (no venv).",
+    )
+    p.add_argument("fqns", nargs="*", metavar="FQN", help="worker classes (default: all)")
+    p.add_argument("--build", action="store_true", help="build the stale and missing venvs now")
+    p.set_defaults(func=_run_envs)
+
+
+def _run_check_container(args: argparse.Namespace) -> int:
+    from tempering.distributed.fingerprint import check_container_fingerprint, fingerprint_path
+
+    diff = check_container_fingerprint()
+    print(f"container fingerprint {fingerprint_path()}: {'mismatch' if diff else 'matches'}")
+    return 0
+
+
+def _add_check_container(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "check-container",
+        help="the start-up version check: does the code match the image it runs in?",
+        description="With NRL_CONTAINER=1, compare md5(pyproject.toml), md5(uv.lock) and "
+        "submodule commits with the image's fingerprint; on a difference print each key and "
+        "the remedies, and exit 1 unless NRL_FORCE_REBUILD_VENVS=true or "
+        "NRL_IGNORE_VERSION_MISMATCH=1 (the example scripts run the same check).",
+    )
+    p.set_defaults(func=_run_check_container)
+
+
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_plot,
     _add_gym_examples,
     _add_export,
     _add_eval,
+    _add_envs,
+    _add_check_container,
 ]
 
 

@@ -10,7 +10,7 @@ Workers are named by fully qualified class name (FQN). Each FQN maps to an *exec
   our uv lock; on 3.11 pip installs it with ``--ignore-requires-python``), with this checkout
   on its path (a ``.pth`` file) so worker classes import from it;
 - any other string is a path (or a name on ``PATH``) of a ready interpreter or launcher,
-  e.g. a frozen ``python-<WorkerClass>`` written by ``tools/freeze_worker_venvs.py``.
+  e.g. a frozen ``python-<fqn>`` launcher written by ``tools/freeze_worker_venvs.py``.
 
 For a ``uv ...`` executable, :func:`create_local_venv` builds a venv under
 ``<venvs root>/<fqn>`` with ``uv sync --locked --no-dev`` plus the executable's extras and
@@ -25,7 +25,8 @@ With ``gpu`` the torch group becomes ``gpu`` and the vLLM extra ``vllm-gpu``.
 
 Environment variables: ``TEMPERING_VENVS_DIR`` (venvs root, default ``<repo>/venvs``),
 ``TEMPERING_TORCH_GROUP``, ``NRL_FORCE_REBUILD_VENVS``, ``TEMPERING_FROZEN_ENVS_DIR`` (a folder
-of ``python-<WorkerClass>`` launchers to use instead of building venvs).
+of ``python-<fqn>`` launchers to use instead of building venvs; ``NRL_FORCE_REBUILD_VENVS``
+rebuilds the venvs behind them).
 """
 
 from __future__ import annotations
@@ -192,13 +193,31 @@ def force_rebuild_requested() -> bool:
     return os.environ.get(FORCE_REBUILD_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
+def launcher_name(fqn: str) -> str:
+    """The frozen launcher's file name for worker class ``fqn``: ``python-<fqn>``.
+
+    The whole fully qualified name, so two classes named alike in different modules
+    (``a.mod.Worker``, ``b.mod.Worker``) never share a launcher."""
+    return f"python-{fqn}"
+
+
 def frozen_launcher(fqn: str) -> Path | None:
-    """The ``python-<WorkerClass>`` launcher in ``$TEMPERING_FROZEN_ENVS_DIR``, if present."""
+    """The ``python-<fqn>`` launcher in ``$TEMPERING_FROZEN_ENVS_DIR``, if present and not
+    overridden by ``NRL_FORCE_REBUILD_VENVS`` (which rebuilds the venv behind it instead)."""
     folder = os.environ.get(FROZEN_ENVS_DIR_ENV)
     if not folder:
         return None
-    launcher = Path(folder) / f"python-{fqn.rsplit('.', 1)[-1]}"
-    return launcher if os.access(launcher, os.X_OK) else None
+    launcher = Path(folder) / launcher_name(fqn)
+    if not os.access(launcher, os.X_OK):
+        return None
+    if force_rebuild_requested():
+        logger.warning(
+            "%s=true: rebuilding the venv of %s from the code's lock instead of using the "
+            "frozen launcher %s",
+            FORCE_REBUILD_ENV, fqn, launcher,
+        )  # fmt: skip
+        return None
+    return launcher
 
 
 def _file_md5(path: Path) -> str:
@@ -260,13 +279,7 @@ def create_pip_venv(
     The checkout is put on the venv's path with a ``.pth`` file (no copy, no build step).
     Reuse, rebuild (``NRL_FORCE_REBUILD_VENVS``) and locking work as for uv venvs."""
     spec = PIP_VENV_SPECS[spec_name]
-    expected = {
-        "pip_venv": spec_name,
-        "requirements": list(spec.requirements),
-        "pip_args": list(spec.pip_args),
-        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
-        "checkout": str(REPO_ROOT),
-    }
+    expected = _pip_expected_marker(spec_name)
 
     def build(venv: Path) -> None:
         python = str(venv / "bin" / "python")
@@ -281,6 +294,17 @@ def create_pip_venv(
         (Path(site) / "tempering-checkout.pth").write_text(f"{REPO_ROOT}\n")
 
     return _build_venv(venv_name, expected, build, force_rebuild, timeout_s)
+
+
+def _pip_expected_marker(spec_name: str) -> dict[str, object]:
+    spec = PIP_VENV_SPECS[spec_name]
+    return {
+        "pip_venv": spec_name,
+        "requirements": list(spec.requirements),
+        "pip_args": list(spec.pip_args),
+        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+        "checkout": str(REPO_ROOT),
+    }
 
 
 def _run_build_step(venv: Path, cmd: list[str], timeout_s: float, **kwargs: Any) -> None:
@@ -380,22 +404,57 @@ def create_venv_on_nodes(
     return python
 
 
-def resolve_python(fqn: str, executable: str, node_ids: list[str] | None = None) -> str:
-    """The interpreter path a worker of class ``fqn`` should run under.
+def builds_venv(executable: str) -> bool:
+    """True when ``executable`` is one tempering builds a venv for (``uv run ...`` or
+    ``pip-venv <name>``), False for a ready interpreter or launcher."""
+    return is_uv_executable(executable) or pip_venv_name(executable) is not None
 
-    A frozen launcher wins; a ``uv run`` executable gets its venv built (on every node in
-    ``node_ids`` when given, else locally); anything else is a path or a name on PATH.
-    """
-    frozen = frozen_launcher(fqn)
-    if frozen is not None:
-        return str(frozen)
+
+def build_worker_venv(fqn: str, executable: str) -> str:
+    """Build (or reuse) on this machine the venv of worker class ``fqn``; return its python.
+
+    ``executable`` must be one :func:`builds_venv` accepts."""
     spec = pip_venv_name(executable)
     if spec is not None:
         return create_pip_venv(spec, fqn)
-    if is_uv_executable(executable):
-        if node_ids:
-            return create_venv_on_nodes(executable, fqn, node_ids)
-        return create_local_venv(executable, fqn)
+    return create_local_venv(executable, fqn)
+
+
+def venv_state(fqn: str, executable: str) -> str:
+    """How a worker of class ``fqn`` would start now, without building anything:
+    ``frozen`` (a launcher), ``ready`` (its venv matches the code), ``stale`` (its venv must be
+    rebuilt), ``missing`` (not built yet) or ``interpreter`` (a ready interpreter)."""
+    folder = os.environ.get(FROZEN_ENVS_DIR_ENV)
+    if folder and os.access(Path(folder) / launcher_name(fqn), os.X_OK):
+        if not force_rebuild_requested():
+            return "frozen"
+    if not builds_venv(executable):
+        return "interpreter"
+    spec = pip_venv_name(executable)
+    expected = _pip_expected_marker(spec) if spec else _expected_marker(uv_sync_args(executable))
+    venv = venvs_root() / fqn
+    if not venv.exists():
+        return "missing"
+    if force_rebuild_requested() or not _marker_matches(venv, expected):
+        return "stale"
+    return "ready"
+
+
+def resolve_python(fqn: str, executable: str, node_ids: list[str] | None = None) -> str:
+    """The interpreter path a worker of class ``fqn`` should run under.
+
+    A frozen launcher wins (unless ``NRL_FORCE_REBUILD_VENVS``); a ``uv run`` executable gets
+    its venv built (on every node in ``node_ids`` when given, else locally), a ``pip-venv``
+    one locally; anything else is a path or a name on PATH.
+    """
+    frozen = frozen_launcher(fqn)
+    if frozen is not None:
+        logger.info("worker class %s runs under the frozen launcher %s", fqn, frozen)
+        return str(frozen)
+    if is_uv_executable(executable) and node_ids:
+        return create_venv_on_nodes(executable, fqn, node_ids)
+    if builds_venv(executable):
+        return build_worker_venv(fqn, executable)
     found = shutil.which(executable)
     if found is None:
         raise FileNotFoundError(

@@ -4,7 +4,8 @@ At image build, ``tools/record_fingerprint.py`` records md5(pyproject.toml), md5
 the commit of every git submodule into a JSON file. At start-up, the example scripts call
 :func:`check_container_fingerprint`; inside a container (``NRL_CONTAINER=1``) it compares the
 recorded fingerprint with the code's, and on a mismatch prints a per-key diff with three
-remedies and exits with an error, unless ``NRL_IGNORE_VERSION_MISMATCH=1``.
+remedies and exits with an error, unless ``NRL_FORCE_REBUILD_VENVS=true`` (the worker venvs are
+then rebuilt from the code's lock as workers start) or ``NRL_IGNORE_VERSION_MISMATCH=1``.
 
 Environment variables: ``NRL_CONTAINER``, ``NRL_IGNORE_VERSION_MISMATCH``,
 ``TEMPERING_FINGERPRINT_PATH`` (default ``/opt/tempering/fingerprint.json``).
@@ -25,6 +26,7 @@ FINGERPRINT_PATH_ENV = "TEMPERING_FINGERPRINT_PATH"
 DEFAULT_FINGERPRINT_PATH = "/opt/tempering/fingerprint.json"
 CONTAINER_ENV = "NRL_CONTAINER"
 IGNORE_ENV = "NRL_IGNORE_VERSION_MISMATCH"
+FORCE_REBUILD_ENV = "NRL_FORCE_REBUILD_VENVS"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 REMEDIES = (
@@ -122,7 +124,8 @@ def check_container_fingerprint(
     """Start-up check; returns the differences found (empty when none or not in a container).
 
     Does nothing unless ``NRL_CONTAINER=1``. On a mismatch prints the banner to ``stream``
-    (stderr) and raises ``SystemExit(1)`` unless ``NRL_IGNORE_VERSION_MISMATCH=1``.
+    (stderr) and raises ``SystemExit(1)`` unless ``NRL_FORCE_REBUILD_VENVS=true`` or
+    ``NRL_IGNORE_VERSION_MISMATCH=1``.
     """
     environ = os.environ if environ is None else environ
     stream = sys.stderr if stream is None else stream
@@ -145,7 +148,13 @@ def check_container_fingerprint(
     diff = diff_fingerprints(recorded, compute_fingerprint(repo_root))
     if diff:
         print(format_mismatch(diff, path), file=stream)
-        if ignore:
+        if environ.get(FORCE_REBUILD_ENV, "").strip().lower() in ("1", "true", "yes"):
+            print(
+                f"{FORCE_REBUILD_ENV}=true: continuing; each worker venv is rebuilt from the "
+                "code's lock as its workers start (the image's frozen launchers are bypassed).",
+                file=stream,
+            )
+        elif ignore:
             print(f"{IGNORE_ENV}=1: continuing despite the mismatch.", file=stream)
         else:
             raise SystemExit(1)

@@ -141,18 +141,21 @@ def test_worker_imports_what_the_driver_cannot(ray_session, worker_venvs_dir):
         cluster.shutdown()
 
 
-def test_frozen_launchers(worker_venvs_dir, tmp_path, monkeypatch):
-    out = tmp_path / "bin"
-    env = {**os.environ, "TEMPERING_VENVS_DIR": str(worker_venvs_dir)}
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "freeze_worker_venvs.py"), "--out", str(out), COWSAY],
-        env=env,
+def _freeze(out: Path, venvs: Path, *fqns: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / "tools" / "freeze_worker_venvs.py"), "--out", str(out), *fqns],
+        env={**os.environ, "TEMPERING_VENVS_DIR": str(venvs)},
         capture_output=True,
         text=True,
         timeout=240,
     )
+
+
+def test_frozen_launchers(worker_venvs_dir, tmp_path, monkeypatch):
+    out = tmp_path / "bin"
+    proc = _freeze(out, worker_venvs_dir, COWSAY)
     assert proc.returncode == 0, proc.stderr
-    launcher = out / "python-CowsayWorker"
+    launcher = out / f"python-{COWSAY}"
     run = subprocess.run(
         [str(launcher), "-c", "import cowsay, sys; print(sys.prefix)"],
         capture_output=True,
@@ -163,3 +166,77 @@ def test_frozen_launchers(worker_venvs_dir, tmp_path, monkeypatch):
     assert Path(run.stdout.strip()) == (worker_venvs_dir / COWSAY).resolve()
     monkeypatch.setenv("TEMPERING_FROZEN_ENVS_DIR", str(out))
     assert resolve_python(COWSAY, PY_EXECUTABLES.ISOLATION_PROBE) == str(launcher)
+    assert ae.venv_state(COWSAY, PY_EXECUTABLES.ISOLATION_PROBE) == "frozen"
+
+    # `python-<fqn> -m pip ...` works (uv venvs have no pip: it goes through `uv pip`) and warns
+    # that the change is local-only.
+    pip = subprocess.run(
+        [str(launcher), "-m", "pip", "show", "cowsay"], capture_output=True, text=True, timeout=60
+    )
+    assert pip.returncode == 0, pip.stderr
+    assert "Name: cowsay" in pip.stdout
+    assert "WARNING: changing a frozen worker venv is local-only" in pip.stderr
+
+    # NRL_FORCE_REBUILD_VENVS bypasses the launcher and rebuilds the venv behind it.
+    marker = worker_venvs_dir / COWSAY / ae.MARKER_FILE
+    before = marker.stat().st_mtime_ns
+    monkeypatch.setenv("NRL_FORCE_REBUILD_VENVS", "true")
+    assert ae.venv_state(COWSAY, PY_EXECUTABLES.ISOLATION_PROBE) == "stale"
+    python = resolve_python(COWSAY, PY_EXECUTABLES.ISOLATION_PROBE)
+    assert python == str(worker_venvs_dir / COWSAY / "bin" / "python")
+    assert marker.stat().st_mtime_ns > before
+
+
+def test_launchers_of_same_named_classes_do_not_collide(worker_venvs_dir, tmp_path, monkeypatch):
+    # Two worker classes called `Worker` in different modules, in different environments.
+    a, b = "pkg_a.workers.Worker", "pkg_b.workers.Worker"
+    monkeypatch.setitem(ACTOR_ENVIRONMENT_REGISTRY, a, PY_EXECUTABLES.ISOLATION_PROBE)
+    monkeypatch.setitem(ACTOR_ENVIRONMENT_REGISTRY, b, sys.executable)
+    out = tmp_path / "bin"
+    spec = importlib.util.spec_from_file_location(
+        "freeze", REPO / "tools" / "freeze_worker_venvs.py"
+    )
+    freeze = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(freeze)
+    write_launcher = freeze.write_launcher
+    la = write_launcher(out, a, str(worker_venvs_dir / "venv-a" / "bin" / "python"))
+    lb = write_launcher(out, b, sys.executable)
+    assert la != lb and la.exists() and lb.exists()
+    monkeypatch.setenv("TEMPERING_FROZEN_ENVS_DIR", str(out))
+    assert resolve_python(a, PY_EXECUTABLES.ISOLATION_PROBE) == str(la)
+    assert resolve_python(b, sys.executable) == str(lb)
+    assert str(worker_venvs_dir / "venv-a") in la.read_text()
+    assert sys.executable in lb.read_text()
+
+
+def test_freeze_tool_refuses_a_class_without_a_venv(worker_venvs_dir, tmp_path):
+    proc = _freeze(
+        tmp_path / "bin", worker_venvs_dir, "tempering.distributed.testing_workers.EchoWorker"
+    )
+    assert proc.returncode == 2
+    assert "not a registered worker class with a venv to build" in proc.stderr
+
+
+def test_envs_command_lists_states(worker_venvs_dir):
+    proc = subprocess.run(
+        [sys.executable, "-m", "tempering.cli", "envs", COWSAY,
+         "tempering.distributed.testing_workers.EchoWorker"],
+        env={**os.environ, "TEMPERING_VENVS_DIR": str(worker_venvs_dir)},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert f"{COWSAY}\n    executable: uv run --locked --extra isolation-probe" in proc.stdout
+    assert "state: interpreter" in proc.stdout
+    assert f"venvs root: {worker_venvs_dir}" in proc.stdout
+
+
+def test_list_editable_packages_finds_the_checkout():
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "list_editable_packages.py"), "--json"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    driver = json.loads(proc.stdout)["driver"]
+    mine = [p for p in driver["packages"] if p["from_checkout"]]
+    assert [p["name"] for p in mine if p["kind"] == "editable"] == ["tempering"]
+    assert all(Path(p["path"]).resolve() == REPO for p in mine)

@@ -1,5 +1,5 @@
 """Container version check: match, mismatch (per-key diff, three remedies, non-zero exit),
-the bypass variable, the not-in-a-container no-op, and the build-time recording tool."""
+the force-rebuild and bypass variables, the not-in-a-container no-op, and the build-time recording tool."""
 
 from __future__ import annotations
 
@@ -69,6 +69,19 @@ def test_bypass_warns_and_continues(repo, tmp_path):
     )
     assert list(diff) == ["pyproject.toml"]
     assert "pyproject.toml:" in stream.getvalue() and "continuing" in stream.getvalue()
+
+
+def test_force_rebuild_continues_and_says_workers_rebuild(repo, tmp_path):
+    path = tmp_path / "fingerprint.json"
+    write_fingerprint(path, repo)
+    (repo / "uv.lock").write_text("version = 3\n")
+    stream = io.StringIO()
+    diff = check_container_fingerprint(
+        repo, environ=_env(path, NRL_FORCE_REBUILD_VENVS="true"), stream=stream
+    )
+    assert list(diff) == ["uv.lock"]
+    text = stream.getvalue()
+    assert "uv.lock:" in text and "NRL_FORCE_REBUILD_VENVS=true: continuing" in text
 
 
 def test_outside_a_container_nothing_is_checked(repo, tmp_path):

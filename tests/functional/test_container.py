@@ -1,0 +1,172 @@
+"""The release container, built and run on this machine (slow tier).
+
+Builds ``docker/Dockerfile``'s release target with ``docker/build.sh`` from this checkout (CI
+runs it in a fresh clone; ``.dockerignore`` keeps venvs, results and caches out), then inside
+the image:
+
+1. the main job runs with no network (a namespace with only loopback) and builds no venv at start-up (no "built worker
+   venv" log line; every venv-backed worker class is ``frozen``), and a frozen vLLM venv
+   imports vllm offline; time to first step is compared with the host's;
+2. the fingerprint check is clean;
+3. after a change to pyproject.toml: the check and the main job print the per-key banner and
+   exit non-zero; ``NRL_FORCE_REBUILD_VENVS=true`` rebuilds a worker venv from the code's lock
+   (offline, from the image's uv cache) and the main job runs; ``NRL_IGNORE_VERSION_MISMATCH=1``
+   runs with a warning.
+
+``podman run`` is refused on these machines (see ../shared/FACTS.md), so commands run with
+``buildah run --isolation chroot`` in a working container made from the image.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
+REPO = Path(__file__).resolve().parents[2]
+TAG = "localhost/tempering:release-cpu-test"
+STEP_LINE = re.compile(r"^step 1/\d+ \|")
+MAIN_JOB = (
+    "uv run examples/run_grpo_math.py grpo.max_num_steps={steps} "
+    "logger.log_dir={out}/logs checkpointing.checkpoint_dir={out}/ckpt"
+)
+VLLM = "tempering.models.generation.vllm_worker.VllmGenerationWorker"
+COWSAY = "tempering.distributed.testing_workers.CowsayWorker"
+
+
+def _timed(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 900):
+    """Run ``cmd``; return (exit code, output, seconds to the first 'step 1/N |' line or None)."""
+    start = time.monotonic()
+    first_step = None
+    lines = []
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if first_step is None and STEP_LINE.match(line):
+            first_step = time.monotonic() - start
+        if time.monotonic() - start > timeout:
+            proc.kill()
+            break
+    proc.wait()
+    return proc.returncode, "".join(lines), first_step
+
+
+@pytest.fixture(scope="module")
+def container():
+    if os.geteuid() != 0:
+        pytest.skip("building and running the image here needs root (buildah, unshare -n)")
+    start = time.monotonic()
+    build = subprocess.run(
+        ["bash", "docker/build.sh", "--tag", TAG],
+        cwd=REPO, capture_output=True, text=True, timeout=3000,
+    )  # fmt: skip
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    size = re.search(r"size (\d+) MB", build.stdout)
+    print(f"\nimage build: {time.monotonic() - start:.0f} s, size {size and size.group(1)} MB")
+    name = subprocess.run(
+        ["buildah", "from", "--pull-never", TAG], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    try:
+        yield name
+    finally:
+        # The working container, the image and its dangling layers go; the Debian base stays.
+        for cmd in (["buildah", "rm", name], ["podman", "rmi", "-f", TAG],
+                    ["podman", "image", "prune", "-f"]):  # fmt: skip
+            subprocess.run(cmd, capture_output=True, check=False)
+
+
+def _in(container: str, command: str, timeout: float = 900, offline: bool = False, **env: str):
+    """Run a shell command in the working container (cwd: the image's checkout).
+
+    ``offline``: in a network namespace of its own with only loopback up (``unshare -n``;
+    ``buildah run --isolation chroot`` cannot take ``--network none``), and ``UV_OFFLINE=1``."""
+    if offline:
+        env = {**env, "UV_OFFLINE": "1"}
+    flags = [x for k, v in env.items() for x in ("--env", f"{k}={v}")]
+    cmd = ["buildah", "run", "--isolation", "chroot", *flags, container, "--", "sh", "-c", command]
+    if offline:
+        cmd = ["unshare", "-n", "sh", "-c", f"ip link set lo up && exec {shlex.join(cmd)}"]
+    return _timed(cmd, timeout=timeout)
+
+
+def test_release_image(container, tmp_path):
+    # 1. Start-up syncs nothing, offline; the frozen venvs are used.
+    rc, out, in_image = _in(container, MAIN_JOB.format(steps=5, out="/tmp/run1"), offline=True)
+    assert rc == 0, out[-4000:]
+    assert in_image is not None, out[-2000:]
+    assert "built worker venv" not in out
+    rc, out, _ = _in(container, "uv run tempering envs", offline=True)
+    assert rc == 0, out
+    for fqn in (VLLM, COWSAY, "tempering.environments.nemo_gym_launcher.NemoGymLauncher"):
+        assert f"{fqn}\n    executable: " in out
+        block = out.split(f"{fqn}\n", 1)[1].split("\n", 2)[1]
+        assert block.strip() == "state: frozen", out
+    rc, out, _ = _in(
+        container, f"python-{VLLM} -c 'import vllm, sys; print(vllm.__version__, sys.prefix)'",
+        offline=True,
+    )  # fmt: skip
+    assert rc == 0, out[-3000:]
+    assert f"/opt/tempering/venvs/{VLLM}" in out
+
+    # Time to first step on the host, same command (its venvs exist or need none).
+    host_cmd = MAIN_JOB.format(steps=5, out=tmp_path)
+    rc, out, on_host = _timed(host_cmd.split(), env={**os.environ, "UV_OFFLINE": "1"})
+    assert rc == 0, out[-3000:]
+    print(f"time to first step: image {in_image:.1f} s, host {on_host:.1f} s")
+
+    # 2. The fingerprint check is clean.
+    rc, out, _ = _in(container, "uv run tempering check-container")
+    assert rc == 0 and "matches" in out, out
+
+    # 3. After a change to pyproject.toml: banner and exit, unless force-rebuild or ignore.
+    rc, _, _ = _in(container, "echo '# changed inside the container' >> pyproject.toml")
+    assert rc == 0
+    rc, out, _ = _in(container, "uv run tempering check-container")
+    assert rc == 1, out
+    assert "pyproject.toml:\n    Container: " in out and "uv.lock:" not in out
+    assert "(2) set NRL_FORCE_REBUILD_VENVS=true" in out
+    rc, out, first = _in(container, MAIN_JOB.format(steps=1, out="/tmp/run2"))
+    assert rc == 1 and first is None and "pyproject.toml:\n    Container: " in out, out[-3000:]
+
+    rc, out, _ = _in(
+        container, f"uv run tempering envs --build {COWSAY}",
+        offline=True, NRL_FORCE_REBUILD_VENVS="true",
+    )  # fmt: skip
+    assert rc == 0, out[-3000:]
+    assert re.search(r"state: stale -> built /opt/tempering/venvs/\S+ in [\d.]+ s", out), out
+    rc, out, _ = _in(
+        container, f"python-{COWSAY} -c 'import cowsay, json, pathlib, sys; "
+        "print(json.loads((pathlib.Path(sys.prefix) / \".tempering-venv.json\").read_text())"
+        "[\"pyproject_md5\"])'",
+    )  # fmt: skip
+    assert rc == 0, out
+    rc, current, _ = _in(container, "md5sum pyproject.toml")
+    assert out.strip() == current.split()[0], "the rebuilt venv does not record the new pyproject"
+    rc, out, first = _in(
+        container,
+        MAIN_JOB.format(steps=2, out="/tmp/run3"),
+        offline=True,
+        NRL_FORCE_REBUILD_VENVS="true",
+    )
+    assert rc == 0 and first is not None, out[-3000:]
+    assert "NRL_FORCE_REBUILD_VENVS=true: continuing" in out
+
+    rc, out, first = _in(
+        container,
+        MAIN_JOB.format(steps=2, out="/tmp/run4"),
+        offline=True,
+        NRL_IGNORE_VERSION_MISMATCH="1",
+    )
+    assert rc == 0 and first is not None, out[-3000:]
+    assert "NRL_IGNORE_VERSION_MISMATCH=1: continuing despite the mismatch" in out
+    print(f"python {sys.version.split()[0]}; container checks passed")
