@@ -551,7 +551,7 @@ class FSDP2PolicyWorker:
             set_model_state_dict(self.model, state["model"])
         sched_file = Path(path) / SCHEDULER_FILE
         if self.scheduler is not None and sched_file.exists():
-            self.scheduler.load_state_dict(torch.load(sched_file, weights_only=False))
+            self.scheduler.load_state_dict(torch.load(sched_file, weights_only=True))
         dist.barrier()
 
     def _full_state_dict(self) -> dict[str, torch.Tensor]:

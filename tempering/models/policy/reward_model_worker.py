@@ -308,7 +308,7 @@ class RewardModelWorker:
         )
         sched = Path(path) / SCHEDULER_FILE
         if sched.exists():
-            self.scheduler.load_state_dict(torch.load(sched, weights_only=False))
+            self.scheduler.load_state_dict(torch.load(sched, weights_only=True))
         dist.barrier()
 
     def export_hf(self, path: str) -> None:
