@@ -84,6 +84,7 @@ def build_policy_from_config(
         train_micro_batch_size=policy_cfg.train_micro_batch_size,
         logprob_micro_batch_size=policy_cfg.logprob_batch_size,
         max_tokens_per_microbatch=token_budget,
+        logprob_max_tokens_per_microbatch=dyn.logprob_mb_tokens if dyn.enabled else None,
         sequence_packing=packing.enabled,
         learning_rate=opt.kwargs.lr,
         weight_decay=opt.kwargs.weight_decay,

@@ -22,12 +22,36 @@ class TokenizerConfig(Section):
     chat_template: str | None = Field(None, description="Jinja template overriding the tokenizer's")
 
 
+def _refuse_unimplemented(section: BaseModel, prefix: str, rules: dict[str, tuple]) -> None:
+    """NeMo RL keys we accept only at the value we implement: anything else is an error that
+    says why (rule: a key is read or rejected, never silently ignored)."""
+    for key, (implemented, reason) in rules.items():
+        value = getattr(section, key)
+        if value != implemented:
+            raise ValueError(f"{prefix}.{key}={value!r} is not supported: {reason}")
+
+
 class DTensorConfig(Section):
-    enabled: bool = True
+    enabled: bool = Field(True, description="the DTensor/FSDP2 path (the only one)")
     activation_checkpointing: bool = False
-    tensor_parallel_size: int = Field(1, ge=1, description="seam for TP; only 1 is implemented")
-    cpu_offload: bool = False
-    sequence_parallel: bool = False
+    tensor_parallel_size: int = Field(1, ge=1, description="only 1 is implemented")
+    cpu_offload: bool = Field(False, description="not implemented; only false")
+    sequence_parallel: bool = Field(False, description="not implemented; only false")
+
+    @model_validator(mode="after")
+    def _implemented(self) -> DTensorConfig:
+        _refuse_unimplemented(self, "policy.dtensor_cfg", {
+            "enabled": (True, "tempering trains through DTensor/FSDP2 only (it has no Megatron "
+                        "path); remove the key or set it true"),
+            "tensor_parallel_size": (1, "tensor parallelism for the policy is not implemented "
+                                     "yet; scale with data parallelism (cluster.gpus_per_node, "
+                                     "cluster.num_nodes) and set it to 1"),
+            "cpu_offload": (False, "FSDP2 CPU offload is not wired in (on CPU machines the "
+                            "weights are already in host memory); set it false"),
+            "sequence_parallel": (False, "sequence parallelism needs tensor parallelism, "
+                                  "which is not implemented; set it false"),
+        })  # fmt: skip
+        return self
 
 
 class DynamicBatchingConfig(Section):
@@ -35,8 +59,19 @@ class DynamicBatchingConfig(Section):
     train_mb_tokens: int = Field(
         4096, ge=1, description="padded-token budget per train micro-batch"
     )
-    logprob_mb_tokens: int = Field(8192, ge=1)
-    sequence_length_round: int = 1
+    logprob_mb_tokens: int = Field(
+        8192, ge=1, description="padded-token budget per log-prob micro-batch (when enabled)"
+    )
+    sequence_length_round: int = Field(1, description="only 1 (no rounding) is implemented")
+
+    @model_validator(mode="after")
+    def _implemented(self) -> DynamicBatchingConfig:
+        _refuse_unimplemented(self, "policy.dynamic_batching", {
+            "sequence_length_round": (1, "micro-batches are padded to their longest row, not "
+                                      "to a multiple (that helps GPU kernels, not these CPU "
+                                      "ones); set it to 1"),
+        })  # fmt: skip
+        return self
 
 
 class SequencePackingConfig(Section):
@@ -125,7 +160,9 @@ class PolicyConfig(Section):
     tokenizer: TokenizerConfig = TokenizerConfig()
     train_global_batch_size: int = Field(32, ge=1, description="samples per optimizer step")
     train_micro_batch_size: int = Field(8, ge=1, description="samples per forward/backward")
-    generation_batch_size: int = Field(64, ge=1)
+    generation_batch_size: int | None = Field(
+        None, description="not read: each generation worker batches its whole shard; only null"
+    )
     logprob_batch_size: int = Field(32, ge=1)
     max_total_sequence_length: int = Field(512, ge=2)
     precision: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -140,6 +177,11 @@ class PolicyConfig(Section):
 
     @model_validator(mode="after")
     def _batch_sizes(self) -> PolicyConfig:
+        _refuse_unimplemented(self, "policy", {
+            "generation_batch_size": (None, "each generation worker generates its whole shard "
+                                      "in one call (vLLM schedules its own batches inside "
+                                      "it); remove the key"),
+        })  # fmt: skip
         if self.train_global_batch_size % self.train_micro_batch_size:
             raise ValueError(
                 f"policy.train_global_batch_size={self.train_global_batch_size} is not divisible "
@@ -180,11 +222,20 @@ class LoggerConfig(Section):
     wandb_enabled: bool = False
     tensorboard_enabled: bool = True
     mlflow_enabled: bool = False
-    monitor_gpus: bool = False
+    monitor_gpus: bool = Field(False, description="not implemented yet; only false")
     num_val_samples_to_print: int = Field(3, ge=0)
     wandb: WandbConfig = WandbConfig()
     tensorboard: TensorboardConfig = TensorboardConfig()
     mlflow: MlflowConfig = MlflowConfig()
+
+    @model_validator(mode="after")
+    def _implemented(self) -> LoggerConfig:
+        _refuse_unimplemented(self, "logger", {
+            "monitor_gpus": (False, "per-worker GPU/CPU utilisation metrics are not "
+                             "implemented yet (timing/* and throughput/* are logged every "
+                             "step); set it false"),
+        })  # fmt: skip
+        return self
 
 
 class CheckpointingConfig(Section):
@@ -205,7 +256,7 @@ class DataConfig(Section):
     val_data_path: str | None = None
     prompt_key: str = "prompt"
     response_key: str = "response"
-    max_input_seq_length: int | None = None
+    max_input_seq_length: int | None = Field(None, description="not read; only null")
     num_train_samples: int = Field(20000, ge=1, description="generated datasets: how many")
     num_val_samples: int = Field(256, ge=1)
     use_chat_template: bool = Field(
@@ -234,8 +285,19 @@ class DataConfig(Section):
         None, description="GRPO: a system prompt file (with data.use_chat_template)"
     )
 
+    # --------------------------------------------------------------------- algorithms
 
-# --------------------------------------------------------------------- algorithms
+    @model_validator(mode="after")
+    def _implemented(self) -> DataConfig:
+        _refuse_unimplemented(self, "data", {
+            "max_input_seq_length": (None, "sequences are bounded by "
+                                     "policy.max_total_sequence_length (longer SFT/DPO rows are "
+                                     "cut and counted; a GRPO episode stops at it and is "
+                                     "counted as truncated); remove the key"),
+        })  # fmt: skip
+        return self
+
+
 class SFTConfig(Section):
     max_num_steps: int = Field(300, ge=1)
     max_num_epochs: int = Field(100, ge=1)

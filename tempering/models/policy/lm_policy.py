@@ -38,6 +38,8 @@ class Policy(PolicyInterface):
             train micro-batch size).
         max_tokens_per_microbatch: dynamic micro-batches under this padded-token budget
             instead of a fixed micro-batch size (train and log-probs); None = fixed size.
+        logprob_max_tokens_per_microbatch: the budget for log-prob passes (no gradients, so
+            usually larger; default: ``max_tokens_per_microbatch``).
         sequence_packing: pack sequences (no padding) into bins of
             ``max_tokens_per_microbatch`` tokens instead (see `FSDP2PolicyWorker`).
     """
@@ -51,6 +53,7 @@ class Policy(PolicyInterface):
         logprob_micro_batch_size: int | None = None,
         max_tokens_per_microbatch: int | None = None,
         sequence_packing: bool = False,
+        logprob_max_tokens_per_microbatch: int | None = None,
     ) -> None:
         if sequence_packing and max_tokens_per_microbatch is None:
             raise ValueError(
@@ -68,6 +71,9 @@ class Policy(PolicyInterface):
         self.train_micro_batch_size = train_micro_batch_size
         self.logprob_micro_batch_size = logprob_micro_batch_size or train_micro_batch_size
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
+        self.logprob_max_tokens_per_microbatch = (
+            logprob_max_tokens_per_microbatch or max_tokens_per_microbatch
+        )
         self.sequence_packing = sequence_packing
 
     @property
@@ -130,7 +136,7 @@ class Policy(PolicyInterface):
             method,
             view,
             micro_batch_size=self.logprob_micro_batch_size,
-            max_tokens_per_microbatch=self.max_tokens_per_microbatch,
+            max_tokens_per_microbatch=self.logprob_max_tokens_per_microbatch,
             pack_sequences=self.sequence_packing,
             temperature=temperature,
         )
@@ -198,6 +204,7 @@ def build_policy(
     logprob_micro_batch_size: int | None = None,
     max_tokens_per_microbatch: int | None = None,
     sequence_packing: bool = False,
+    logprob_max_tokens_per_microbatch: int | None = None,
     learning_rate: float = 1e-5,
     weight_decay: float = 0.0,
     betas: tuple[float, float] = (0.9, 0.999),
@@ -257,6 +264,7 @@ def build_policy(
             logprob_micro_batch_size=logprob_micro_batch_size,
             max_tokens_per_microbatch=max_tokens_per_microbatch,
             sequence_packing=sequence_packing,
+            logprob_max_tokens_per_microbatch=logprob_max_tokens_per_microbatch,
         )
     except BaseException:
         group.shutdown()
