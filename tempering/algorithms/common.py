@@ -16,6 +16,7 @@ from typing import Any
 from tempering.config.schemas import (
     CheckpointingConfig,
     ClusterConfig,
+    DeadlinesConfig,
     LoggerConfig,
     PolicyConfig,
 )
@@ -30,10 +31,21 @@ _OPTIMIZERS = {
 }
 
 
-def start_run(cluster_cfg: ClusterConfig) -> None:
-    """Version check (containers), quiet logging, then Ray. Cheap to call twice."""
+def start_run(
+    cluster_cfg: ClusterConfig,
+    deadlines_cfg: DeadlinesConfig | None = None,
+    log_dir: str | None = None,
+) -> None:
+    """Version check (containers), quiet logging, per-phase deadlines (workers dump their
+    stacks into ``<log_dir>/stacks`` when one expires), then Ray. Cheap to call twice."""
+    from tempering.distributed import deadlines
     from tempering.distributed.fingerprint import check_container_fingerprint
     from tempering.distributed.virtual_cluster import init_ray
+
+    deadlines.configure(
+        (deadlines_cfg or DeadlinesConfig()).as_phases(),
+        stack_dump_dir=str(Path(log_dir) / "stacks") if log_dir else None,
+    )
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -188,7 +188,7 @@ def setup(cfg: DPOMasterConfig, resolved: dict[str, Any]) -> DPORun:
         dp,
         "dpo.val_global_batch_size / val_micro_batch_size",
     )
-    common.start_run(cfg.cluster)
+    common.start_run(cfg.cluster, cfg.deadlines, cfg.logger.log_dir)
     tokenizer = common.load_run_tokenizer(pol)
     data = load_preference_data(cfg.data)
     max_len = pol.max_total_sequence_length

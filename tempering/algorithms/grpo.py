@@ -187,7 +187,7 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any]) -> GRPORun:
     )
     from tempering.models.registry import resolve_model_path
 
-    common.start_run(cfg.cluster)
+    common.start_run(cfg.cluster, cfg.deadlines, cfg.logger.log_dir)
     model_path = resolve_model_path(cfg.policy.model_name)
     tokenizer = common.load_run_tokenizer(cfg.policy)
     train_problems, val_problems = load_problems(cfg.data, cfg.env.nemo_gym.default_route)

@@ -113,7 +113,7 @@ def setup(cfg: SFTMasterConfig, resolved: dict[str, Any]) -> SFTRun:
     from tempering.data.collate import collate_sft, pad_token_id_of
     from tempering.data.dataloader import StatefulDataLoader
 
-    common.start_run(cfg.cluster)
+    common.start_run(cfg.cluster, cfg.deadlines, cfg.logger.log_dir)
     tokenizer = common.load_run_tokenizer(cfg.policy)
     data = load_sft_data(
         cfg.data,

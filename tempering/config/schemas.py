@@ -238,6 +238,22 @@ class LoggerConfig(Section):
         return self
 
 
+class DeadlinesConfig(Section):
+    """Seconds each phase may wait on its workers before the run stops with the phase, the
+    ranks that did not answer and their Python stacks (tempering/distributed/deadlines.py)."""
+
+    generation_s: float = Field(1800.0, gt=0, description="a generation call")
+    refit_s: float = Field(1800.0, gt=0, description="moving weights to the generator")
+    train_s: float = Field(1800.0, gt=0, description="one training call (a whole step)")
+    logprobs_s: float = Field(1800.0, gt=0, description="a log-prob pass (policy or reference)")
+    environment_s: float = Field(1800.0, gt=0, description="an environment actor's step()")
+    checkpoint_s: float = Field(1800.0, gt=0, description="saving/loading/exporting weights")
+    call_s: float = Field(1800.0, gt=0, description="any other worker call")
+
+    def as_phases(self) -> dict[str, float]:
+        return {name.removesuffix("_s"): value for name, value in self.model_dump().items()}
+
+
 class CheckpointingConfig(Section):
     enabled: bool = True
     checkpoint_dir: str = "results/run"
@@ -461,6 +477,7 @@ class _Master(Section):
     logger: LoggerConfig = LoggerConfig()
     checkpointing: CheckpointingConfig = CheckpointingConfig()
     data: DataConfig = DataConfig()
+    deadlines: DeadlinesConfig = DeadlinesConfig()
 
 
 _GRPO_ONLY_DATA_KEYS = (

@@ -130,3 +130,15 @@ class DyingWorker:
             )
         dist.barrier()
         return int(os.environ["RANK"])
+
+    def train_hang(self, sleeping_rank: int = 1) -> int:
+        """Never returns: rank ``sleeping_rank`` sleeps in Python, the others wait for it in a
+        gloo barrier (a hang inside a collective). For the deadline tests."""
+        if int(os.environ["RANK"]) == sleeping_rank:
+            _sleep_forever()
+        return self.wait_for_peer()
+
+
+def _sleep_forever() -> None:
+    while True:
+        time.sleep(0.1)

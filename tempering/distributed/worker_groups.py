@@ -15,7 +15,9 @@ Each worker sees RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, MAST
 MASTER_PORT, ready for ``torch.distributed.init_process_group``. An exception in a worker
 reaches the controller as :class:`WorkerError` naming the rank, node and method with the
 worker's traceback; a worker that dies surfaces as :class:`WorkerDiedError`; every wait has
-a timeout that names what it waited for.
+a deadline (by phase, see ``deadlines.py``): on expiry the workers that did not answer dump
+their Python stacks to files and :class:`~tempering.distributed.deadlines.DeadlineExceeded`
+names the phase, ranks, methods and those files.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 # isort: off
@@ -36,6 +39,7 @@ import ray
 # isort: on
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from tempering.distributed import deadlines
 from tempering.distributed.actor_environments import get_actor_executable, resolve_python
 
 if TYPE_CHECKING:
@@ -71,6 +75,22 @@ class WorkerDiedError(WorkerError):
     """A worker process died (killed, out of memory, ``os._exit``) or failed to start."""
 
 
+def _has_text(path: Path) -> bool:
+    return path.exists() and path.stat().st_size > 0
+
+
+def _signal_on_node(node_id: str) -> Any:
+    """A Ray task pinned to ``node_id`` that sends the stack-dump signal to a pid there."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    def send(pid: int) -> None:
+        os.kill(pid, deadlines.STACK_DUMP_SIGNAL)
+
+    return ray.remote(num_cpus=0, max_retries=0)(send).options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+    )
+
+
 class RayWorkerBuilder:
     """What to build: worker class ``fqn`` with constructor arguments.
 
@@ -98,6 +118,7 @@ class IsolatedWorkerInitializer:
     """
 
     def __init__(self, fqn: str, args: tuple, kwargs: dict) -> None:
+        self._stack_file = deadlines.install_stack_dump_handler(int(os.environ.get("RANK", 0)))
         module_name, _, class_name = fqn.rpartition(".")
         module = importlib.import_module(module_name)
         try:
@@ -132,6 +153,7 @@ class IsolatedWorkerInitializer:
         shutdown = getattr(self._worker, "shutdown", None)
         if callable(shutdown):
             shutdown()
+        deadlines.remove_if_empty(self._stack_file)
 
 
 class RayWorkerGroup:
@@ -145,7 +167,8 @@ class RayWorkerGroup:
         num_cpus_per_worker / num_gpus_per_worker: resources each worker takes from its
             bundle (default: the whole bundle; use fractions to colocate two groups).
         start_timeout_s: how long the workers may take to start.
-        call_timeout_s: default limit for :meth:`get_all_worker_results`.
+        call_timeout_s: a limit for every :meth:`get_all_worker_results` of this group;
+            default None = each call's phase deadline (``deadlines.py``).
     """
 
     def __init__(
@@ -158,7 +181,7 @@ class RayWorkerGroup:
         num_cpus_per_worker: float | None = None,
         num_gpus_per_worker: float | None = None,
         start_timeout_s: float = 300.0,
-        call_timeout_s: float = 3600.0,
+        call_timeout_s: float | None = None,
     ) -> None:
         self.name = name_prefix
         self.fqn = builder.fqn
@@ -178,6 +201,8 @@ class RayWorkerGroup:
         for rank, loc in enumerate(locations):
             worker_env = {
                 **(env_vars or {}),
+                deadlines.GROUP_NAME_ENV: self.name,
+                **{k: os.environ[k] for k in (deadlines.STACK_DUMP_DIR_ENV,) if k in os.environ},
                 "RANK": str(rank),
                 "WORLD_SIZE": str(world_size),
                 "LOCAL_RANK": str(loc.bundle_index),
@@ -287,24 +312,32 @@ class RayWorkerGroup:
         """Results of ``futures`` in the order given (rank order for ``run_all_workers_*``).
 
         Raises the first :class:`WorkerError` / :class:`WorkerDiedError` as soon as any worker
-        fails (without waiting for the others), and ``TimeoutError`` naming the ranks and
-        methods still running after ``timeout_s`` (default ``call_timeout_s``).
+        fails (without waiting for the others), and
+        :class:`~tempering.distributed.deadlines.DeadlineExceeded` (a ``TimeoutError``) naming
+        the phase, ranks and methods still running after ``timeout_s`` (default: the group's
+        ``call_timeout_s``, else the deadline of the methods' phase), with their stack dumps.
         """
         futures = list(futures)
         info = [self._ref_info.pop(ref.hex(), (i, "?")) for i, ref in enumerate(futures)]
+        methods = [m for _, m in info]
+        phase, limit = deadlines.deadline_for_methods(methods)
+        if timeout_s is not None:
+            limit = timeout_s
+        elif self.call_timeout_s is not None:
+            limit = self.call_timeout_s
         try:
-            return self._gather(
-                futures,
-                [m for _, m in info],
-                [r for r, _ in info],
-                self.call_timeout_s if timeout_s is None else timeout_s,
-            )
+            return self._gather(futures, methods, [r for r, _ in info], limit, phase)
         finally:
             for ref in futures:
                 self._ref_info.pop(ref.hex(), None)
 
     def _gather(
-        self, futures: list, methods: list[str], ranks: list[int], timeout_s: float
+        self,
+        futures: list,
+        methods: list[str],
+        ranks: list[int],
+        timeout_s: float,
+        phase: str = "startup",
     ) -> list[Any]:
         position = {ref: i for i, ref in enumerate(futures)}
         results: list[Any] = [None] * len(futures)
@@ -315,10 +348,21 @@ class RayWorkerGroup:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(remaining, 0))
             if not ready:
                 waiting = sorted((ranks[position[r]], methods[position[r]]) for r in pending)
-                raise TimeoutError(
-                    f"worker group {self.name!r} ({self.fqn}): ranks "
-                    f"{[r for r, _ in waiting]} did not finish {sorted({m for _, m in waiting})} "
-                    f"within {timeout_s:g} s; pass a larger timeout_s, or look for a hung worker."
+                late = sorted({r for r, _ in waiting})
+                files = self.dump_stacks(late) if phase != "startup" else []
+                stacks = (
+                    "Python stacks of those workers: " + ", ".join(files)
+                    if files
+                    else "no stack dump (workers still starting, or no dump folder configured)"
+                )
+                raise deadlines.DeadlineExceeded(
+                    f"phase {phase!r}: worker group {self.name!r} ({self.fqn}) ranks {late} did "
+                    f"not finish {sorted({m for _, m in waiting})} within {timeout_s:g} s. "
+                    f"{stacks}. If the phase is only slow, raise deadlines.{phase}_s; otherwise "
+                    "look for a hung worker (the stacks show where each one waits).",
+                    phase=phase,
+                    ranks=late,
+                    stack_files=files,
                 )
             for ref in ready:
                 i = position[ref]
@@ -354,6 +398,33 @@ class RayWorkerGroup:
                 worker_traceback=detail,
                 **context,
             ) from None
+
+    def dump_stacks(self, ranks: Sequence[int], wait_s: float = 3.0) -> list[str]:
+        """Ask workers ``ranks`` to write their Python stacks (``SIGUSR1``); return the files
+        that received a dump within ``wait_s`` (workers write to
+        ``$TEMPERING_STACK_DUMP_DIR``, or to their stderr in Ray's logs when it is unset)."""
+        folder = os.environ.get(deadlines.STACK_DUMP_DIR_ENV)
+        here = ray.get_runtime_context().get_node_id()
+        expected = []
+        for rank in ranks:
+            info = self.worker_info[rank]
+            pid, node = int(info["pid"]), info["node_id"]
+            try:
+                if node == here:
+                    os.kill(pid, deadlines.STACK_DUMP_SIGNAL)
+                else:
+                    ray.get(_signal_on_node(node).remote(pid), timeout=wait_s)
+            except (OSError, ray.exceptions.RayError) as exc:
+                logger.warning(
+                    "could not signal %s rank %d (pid %d): %s", self.name, rank, pid, exc
+                )
+                continue
+            if folder:
+                expected.append(Path(folder) / f"{self.name}-rank{rank}-pid{pid}.txt")
+        end = time.monotonic() + wait_s
+        while time.monotonic() < end and not all(_has_text(p) for p in expected):
+            time.sleep(0.05)
+        return [str(p) for p in expected if _has_text(p)]
 
     def _kill(self, workers: list[ray.actor.ActorHandle]) -> None:
         for worker in workers:

@@ -112,7 +112,21 @@ def route_step(
     if refs:
         import ray
 
-        pending.update(zip(refs, ray.get(list(refs.values())), strict=True))
+        from tempering.distributed.deadlines import DeadlineExceeded, deadline_s
+
+        limit = deadline_s("environment")
+        try:
+            pending.update(zip(refs, ray.get(list(refs.values()), timeout=limit), strict=True))
+        except ray.exceptions.GetTimeoutError:
+            raise DeadlineExceeded(
+                f"phase 'environment': environment(s) {sorted(refs)} did not return step() "
+                f"within {limit:g} s. If they are only slow, raise deadlines.environment_s; "
+                "otherwise an environment actor is hung (its log is under the Ray session's "
+                "logs/ folder).",
+                phase="environment",
+                ranks=[],
+                stack_files=[],
+            ) from None
 
     n = len(task_names)
     observations: list[Any] = [None] * n

@@ -1,5 +1,6 @@
 """Failures reach the controller quickly and by name: a raising worker, a worker failing in
-``__init__``, and a worker that dies (``os._exit``), also while its peer blocks in a collective."""
+``__init__``, a worker that dies (``os._exit``), also while its peer blocks in a collective,
+and a hang that ends at its phase's deadline with every late worker's Python stacks."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import time
 
 import pytest
 
+from tempering.distributed import deadlines
 from tempering.distributed.virtual_cluster import RayVirtualCluster
 from tempering.distributed.worker_groups import (
     RayWorkerBuilder,
@@ -82,3 +84,38 @@ def test_dying_worker_is_reported_within_seconds(cluster):
         assert info.value.rank == 1 and time.monotonic() - start < 30
     finally:
         group.shutdown(graceful_timeout_s=0)
+
+
+def test_hang_ends_at_the_phase_deadline_with_stack_dumps(cluster, tmp_path, monkeypatch):
+    # Rank 1 sleeps forever in Python; rank 0 waits for it inside a gloo barrier.
+    monkeypatch.setenv(deadlines.STACK_DUMP_DIR_ENV, str(tmp_path))
+    monkeypatch.setitem(deadlines._deadlines, "train", 4.0)
+    group = RayWorkerGroup(cluster, RayWorkerBuilder(f"{PKG}.DyingWorker"), "hang")
+    try:
+        start = time.monotonic()
+        with pytest.raises(deadlines.DeadlineExceeded) as info:
+            group.get_all_worker_results(group.run_all_workers_single_data("train_hang"))
+        took = time.monotonic() - start
+        assert 4.0 <= took < 15, took
+        err = info.value
+        assert err.phase == "train" and err.ranks == [0, 1]
+        text = str(err)
+        assert "phase 'train'" in text and "ranks [0, 1]" in text and "deadlines.train_s" in text
+        assert len(err.stack_files) == 2
+        stacks = {int(p.split("-rank")[1].split("-")[0]): open(p).read() for p in err.stack_files}
+        assert "_sleep_forever" in stacks[1] and "train_hang" in stacks[1]
+        assert "wait_for_peer" in stacks[0]  # inside the collective
+    finally:
+        start = time.monotonic()
+        group.shutdown(graceful_timeout_s=2)
+        assert time.monotonic() - start < 20  # hung workers are killed, not waited on
+
+
+def test_phases_of_worker_methods():
+    expected = {
+        "train": "train", "get_logprobs": "logprobs", "get_reference_policy_logprobs": "logprobs",
+        "generate": "generation", "refit_colocated_generation": "refit",
+        "state_dict_ref_for_refit": "refit", "save_checkpoint": "checkpoint",
+        "load_checkpoint": "checkpoint", "export_hf": "checkpoint", "whoami": "call",
+    }  # fmt: skip
+    assert {m: deadlines.phase_of(m) for m in expected} == expected
