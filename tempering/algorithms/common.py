@@ -117,7 +117,10 @@ def build_policy_from_config(
     )
 
 
-def build_logger(logger_cfg: LoggerConfig, resolved_config: dict[str, Any]) -> Any:
+def build_logger(
+    logger_cfg: LoggerConfig, resolved_config: dict[str, Any], resume_step: int = 0
+) -> Any:
+    """The run's Logger; ``resume_step`` (the checkpoint's step) trims metrics.jsonl to it."""
     from tempering.utils.logger import Logger
 
     return Logger(
@@ -130,6 +133,7 @@ def build_logger(logger_cfg: LoggerConfig, resolved_config: dict[str, Any]) -> A
         mlflow_experiment=logger_cfg.mlflow.experiment_name,
         mlflow_tracking_uri=logger_cfg.mlflow.tracking_uri,
         config=resolved_config,
+        resume_step=resume_step,
     )
 
 
@@ -158,6 +162,10 @@ def maybe_resume(checkpointer: Any | None, policy: Any, dataloader: Any) -> tupl
     policy.load_checkpoint(str(checkpointer.policy_dir(step)))
     if dataloader is not None and "dataloader" in info:
         dataloader.load_state_dict(info["dataloader"])
+    if "rng_state" in info:  # the controller draws what the uninterrupted run would have
+        from tempering.utils.checkpoint import restore_rng_state
+
+        restore_rng_state(info["rng_state"])
     log.info("resumed from %s", checkpointer.step_dir(step))
     return step, info
 
@@ -176,8 +184,11 @@ def save_checkpoint(
     if checkpointer is None:
         return None
     info = {"metrics": metrics, "dataloader": dataloader.state_dict(), **(extra or {})}
+    from tempering.utils import faults
+
     with checkpointer.save(step, info, config) as tmp:
         policy.save_checkpoint(str(Path(tmp) / "policy"))
+        faults.maybe_fault("controller", "checkpoint")  # killed mid-save (reliability tests)
     return checkpointer.step_dir(step)
 
 
@@ -203,13 +214,47 @@ def run_grpo_example(argv: list[str], default_config: Path) -> None:
 
     cfg, resolved = parse_args_and_load(argv, default_config, GRPOMasterConfig)
     from tempering.algorithms import grpo  # heavy imports only after the config is valid
+    from tempering.distributed.deadlines import DeadlineExceeded
+    from tempering.distributed.worker_groups import WorkerDiedError
 
-    run = grpo.setup(cfg, resolved)
-    try:
-        summary = grpo.train(run)
-    finally:
-        run.close()
+    restarts: list[dict[str, Any]] = []
+    while True:
+        start = time.perf_counter()
+        run = grpo.setup(cfg, resolved)
+        if restarts:
+            restarts[-1].update(setup_s=time.perf_counter() - start, resumed_at=run.start_step)
+        try:
+            summary = grpo.train(run)
+            break
+        except (WorkerDiedError, DeadlineExceeded) as exc:
+            if len(restarts) >= cfg.fault_tolerance.max_restarts:
+                raise
+            restarts.append(
+                {"error": str(exc).splitlines()[0], "failed_after_step": last_logged_step(cfg)}
+            )
+            log.warning(
+                "restart %d of fault_tolerance.max_restarts=%d after: %s",
+                len(restarts), cfg.fault_tolerance.max_restarts, restarts[-1]["error"],
+            )  # fmt: skip
+        finally:
+            run.close()
+    summary["restarts"] = restarts
     print(grpo.summary_text(summary, cfg))
+
+
+def last_logged_step(cfg: Any) -> int:
+    """The newest step in ``<log_dir>/metrics.jsonl`` (0 when none)."""
+    import json
+
+    path = Path(cfg.logger.log_dir) / "metrics.jsonl"
+    last = 0
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                last = max(last, int(json.loads(line).get("step", 0)))
+            except (ValueError, AttributeError):
+                continue
+    return last
 
 
 def export_final_model(policy: Any, checkpointing: CheckpointingConfig) -> Path:

@@ -208,7 +208,7 @@ def setup(cfg: DPOMasterConfig, resolved: dict[str, Any]) -> DPORun:
     )
     checkpointer = common.build_checkpointer(cfg.checkpointing)
     start_step, _ = common.maybe_resume(checkpointer, policy, dataloader)
-    logger = common.build_logger(cfg.logger, resolved)
+    logger = common.build_logger(cfg.logger, resolved, start_step)
     logger.log_metrics(
         {
             "num_skipped": float(data.num_skipped),

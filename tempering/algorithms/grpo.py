@@ -223,7 +223,7 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any]) -> GRPORun:
     start_step, info = common.maybe_resume(checkpointer, policy, dataloader)
     if start_step:
         chat.refit(lambda: generation.refit(policy), version=start_step)
-    logger = common.build_logger(cfg.logger, resolved)
+    logger = common.build_logger(cfg.logger, resolved, start_step)
     return GRPORun(
         cfg,
         resolved,
@@ -328,7 +328,7 @@ def train(run: GRPORun) -> dict[str, Any]:
     steps = range(run.start_step, cfg.grpo.max_num_steps)
     with track(steps, total=len(steps), description="grpo") as progress:
         for _ in progress:
-            metrics = grpo_step(run, loss_fn)
+            metrics = grpo_step(run, loss_fn, step + 1)
             step += 1
             run.logger.log_metrics(metrics, step)
             is_last = step == cfg.grpo.max_num_steps or deadline.passed()
@@ -383,6 +383,13 @@ def summary_text(s: dict[str, Any], cfg: GRPOMasterConfig) -> str:
             f"  solved within {cfg.grpo.max_rollout_turns} turns (held-out, greedy): "
             f"{pct(s['start_success'])} -> {pct(s['end_success'])}"
         )
+    for i, r in enumerate(s.get("restarts", []), 1):
+        redone = r["failed_after_step"] - r["resumed_at"]
+        lines.append(
+            f"  restart {i}: after step {r['failed_after_step']} ({r['error'][:160]}); "
+            f"resumed at step {r['resumed_at']} after {r['setup_s']:.0f} s of set-up, "
+            f"{redone} step(s) redone"
+        )
     lines.append(f"  metrics: {cfg.logger.log_dir}/metrics.jsonl")
     lines.append(f"  final model (HF folder): {s['final_model']}")
     lines.append(f"  checkpoints: {cfg.checkpointing.checkpoint_dir}")
@@ -399,10 +406,20 @@ TRAIN_KEYS = (
 )
 
 
-def grpo_step(run: GRPORun, loss_fn: Any) -> dict[str, float]:
-    """Generate, score, compute advantages, train, refit. Returns namespaced metrics."""
+def step_seed(seed: int, step: int) -> int:
+    """The sampling seed of GRPO step ``step`` (1-based) of a run seeded ``seed``."""
+    return (seed * 1_000_003 + step) % 2**31
+
+
+def grpo_step(run: GRPORun, loss_fn: Any, step: int | None = None) -> dict[str, float]:
+    """Generate, score, compute advantages, train, refit. Returns namespaced metrics.
+
+    ``step`` (1-based, the step this call makes) reseeds every generation worker from the
+    run's seed and the step first, so a run resumed from a checkpoint samples exactly what the
+    uninterrupted run did; None keeps the workers' streams running on."""
     from tempering.algorithms.dynamic_sampling import DynamicSampler, mask_overlong_samples
     from tempering.distributed.batched_data_dict import BatchedDataDict
+    from tempering.utils import faults
     from tempering.utils.timers import Timer
 
     cfg = run.cfg.grpo
@@ -410,7 +427,10 @@ def grpo_step(run: GRPORun, loss_fn: Any) -> dict[str, float]:
     timer = Timer()
     extra: dict[str, float] = {}
     t0 = time.perf_counter()
+    if step is not None:
+        run.generation.reseed(step_seed(cfg.seed, step))
     with timer.time("generation"):
+        faults.maybe_fault("controller", "generation")
         batch = rollout_batch(run, run.dataloader.next_batch(), G)
     rewards_seen = batch["rewards"]
     if cfg.use_dynamic_sampling:  # DAPO: drop zero-variance groups, refill from new prompts
@@ -431,6 +451,7 @@ def grpo_step(run: GRPORun, loss_fn: Any) -> dict[str, float]:
     env_metrics = environment_metrics(run, rewards_seen)  # answered while the policy trains
 
     with timer.time("logprobs"):
+        faults.maybe_fault("controller", "logprobs")
         # One optimizer step per rollout batch (the usual case) trains on-policy: the behaviour
         # policy IS the current one, and ClippedPGLoss takes its log-probs from the train
         # forward itself (detached), which saves a whole forward pass per step. More steps per
@@ -442,8 +463,10 @@ def grpo_step(run: GRPORun, loss_fn: Any) -> dict[str, float]:
                 "reference_policy_logprobs"
             ]
     with timer.time("train"):
+        faults.maybe_fault("controller", "train")
         train_metrics = run.policy.train(data, loss_fn)
     with timer.time("refit"):  # waits for in-flight server calls, holds new ones meanwhile
+        faults.maybe_fault("controller", "refit")
         run.chat.refit(lambda: run.generation.refit(run.policy))
     step_s = time.perf_counter() - t0
 

@@ -115,7 +115,7 @@ def setup(cfg: RMMasterConfig, resolved: dict[str, Any]) -> RMRun:
     )
     checkpointer = common.build_checkpointer(cfg.checkpointing)
     start_step, _ = common.maybe_resume(checkpointer, reward_model, dataloader)
-    logger = common.build_logger(cfg.logger, resolved)
+    logger = common.build_logger(cfg.logger, resolved, start_step)
     logger.log_metrics({"num_skipped": float(data.num_skipped)}, start_step, prefix="data")
     return RMRun(
         cfg,

@@ -141,7 +141,7 @@ def setup(cfg: SFTMasterConfig, resolved: dict[str, Any]) -> SFTRun:
         )
     checkpointer = common.build_checkpointer(cfg.checkpointing)
     start_step, _ = common.maybe_resume(checkpointer, policy, dataloader)
-    logger = common.build_logger(cfg.logger, resolved)
+    logger = common.build_logger(cfg.logger, resolved, start_step)
     return SFTRun(
         cfg,
         resolved,

@@ -529,10 +529,30 @@ class RMMasterConfig(_Master):
         return self
 
 
+class FaultToleranceConfig(Section):
+    max_restarts: int = Field(
+        0,
+        ge=0,
+        description="restart the worker groups and resume from the last checkpoint in the same "
+        "process after a dead worker or an expired deadline, this many times (needs "
+        "checkpointing.enabled)",
+    )
+
+
 class GRPOMasterConfig(_Master):
     grpo: GRPOConfig = GRPOConfig()
+    fault_tolerance: FaultToleranceConfig = FaultToleranceConfig()
     loss_fn: LossFnConfig = LossFnConfig()
     env: EnvConfig = EnvConfig()
+
+    @model_validator(mode="after")
+    def _restarts_need_checkpoints(self) -> GRPOMasterConfig:
+        if self.fault_tolerance.max_restarts and not self.checkpointing.enabled:
+            raise ValueError(
+                f"fault_tolerance.max_restarts={self.fault_tolerance.max_restarts} resumes from "
+                "the last checkpoint: set checkpointing.enabled=true (or max_restarts=0)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _rollout_batch(self) -> GRPOMasterConfig:

@@ -74,7 +74,19 @@ def create_environment_actor(name: str, **kwargs: Any) -> Any:
     """The environment registered as `name`, started as a Ray actor with ``num_cpus=0``."""
     import ray
 
-    return ray.remote(num_cpus=0)(get_environment_class(name)).remote(**kwargs)
+    return ray.remote(num_cpus=0)(_with_fault_hook(get_environment_class(name))).remote(**kwargs)
+
+
+def _with_fault_hook(cls: type) -> type:
+    """``cls`` whose ``step`` first passes the reliability tests' fault hook (``faults.py``)."""
+
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        from tempering.utils import faults
+
+        faults.maybe_fault("environment", "environment")
+        return cls.step(self, *args, **kwargs)
+
+    return type(cls.__name__, (cls,), {"step": step, "__module__": cls.__module__})
 
 
 def route_step(
@@ -117,6 +129,11 @@ def route_step(
         limit = deadline_s("environment")
         try:
             pending.update(zip(refs, ray.get(list(refs.values()), timeout=limit), strict=True))
+        except ray.exceptions.RayActorError as exc:
+            raise RuntimeError(
+                f"phase 'environment': an environment actor of {sorted(refs)} died during "
+                f"step() (killed, out of memory, or a crash in native code); Ray says: {exc}"
+            ) from None
         except ray.exceptions.GetTimeoutError:
             raise DeadlineExceeded(
                 f"phase 'environment': environment(s) {sorted(refs)} did not return step() "

@@ -30,6 +30,7 @@ import base64
 import contextlib
 import json
 import logging
+import os
 import random
 import re
 import shutil
@@ -175,12 +176,37 @@ class CheckpointManager:
         The caller restores its policy from ``policy_dir(step)`` and, if it wants identical
         random draws, ``restore_rng_state(training_info["rng_state"])``.
         """
+        self.remove_partial_checkpoints()
         latest = self.latest_complete()
         if latest is None:
             return None
         info = self.load_training_info(latest)
         logger.info("resuming from %s (step %s)", latest, info["step"])
         return int(info["step"]), info
+
+    def remove_partial_checkpoints(self) -> list[Path]:
+        """Delete the temporary folders of saves that never finished (``step_<N>.tmp-<pid>``
+        of a process that is gone: a crash or kill mid-save); return what was removed."""
+        removed = []
+        if not self.checkpoint_dir.is_dir():
+            return removed
+        for child in self.checkpoint_dir.iterdir():
+            name, _, pid = child.name.rpartition(TMP_MARKER)
+            if not (name.startswith("step_") and pid.isdigit() and child.is_dir()):
+                continue
+            if int(pid) != os.getpid() and _process_alive(int(pid)):
+                continue  # another live process is writing it
+            final = self.checkpoint_dir / name.removesuffix(".old")
+            if name.endswith(".old") and not final.exists():
+                # Killed between moving the old step_<N> aside and renaming the new one in:
+                # the old folder is the only complete copy; put it back.
+                os.replace(child, final)
+                logger.warning("restored %s from %s (a save interrupted mid-rename)", final, child)
+                continue
+            shutil.rmtree(child, ignore_errors=True)
+            removed.append(child)
+            logger.warning("removed %s: a checkpoint save that never finished", child)
+        return removed
 
     # ---------------------------------------------------------------- pruning
     def _prune(self) -> None:
@@ -221,6 +247,16 @@ class CheckpointManager:
         )
         ranked = [s for _, s in scored] + sorted(unscored, reverse=True)
         return ranked[: self.keep_top_k]
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _plain(value: Any) -> Any:

@@ -108,6 +108,47 @@ def _as_finite_scalar(value: Any) -> float | int | None:
     return None
 
 
+def prepare_metrics_file(path: Path, resume_step: int | None) -> dict[str, int]:
+    """Make ``metrics.jsonl`` agree with the checkpoint a run starts from.
+
+    Resuming at step ``k``: keep the whole lines of steps <= ``k`` and drop a torn last line
+    (a killed writer) and the lines past ``k`` (steps the checkpoint does not hold, which the
+    resumed run will log again), rewriting the file atomically. A fresh run
+    (``resume_step`` None or 0) moves an earlier run's non-empty file aside to
+    ``metrics.jsonl.prev-<n>``. Returns what was dropped/moved, also logged."""
+    counts = {"torn": 0, "past_checkpoint": 0, "moved": 0}
+    if not path.is_file() or path.stat().st_size == 0:
+        return counts
+    if not resume_step:
+        n = 1
+        while path.with_name(f"{path.name}.prev-{n}").exists():
+            n += 1
+        path.rename(path.with_name(f"{path.name}.prev-{n}"))
+        counts["moved"] = 1
+        _log.warning("a fresh run in %s: moved the earlier metrics.jsonl to %s.prev-%d",
+                       path.parent, path.name, n)  # fmt: skip
+        return counts
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            counts["torn"] += 1
+            continue
+        if isinstance(row, dict) and int(row.get("step", 0)) > resume_step:
+            counts["past_checkpoint"] += 1
+            continue
+        kept.append(line)
+    if counts["torn"] or counts["past_checkpoint"]:
+        atomic_write_text(path, "".join(f"{line}\n" for line in kept))
+        _log.warning(
+            "resuming at step %d: dropped %d line(s) of metrics.jsonl past that step and %d "
+            "torn line(s); the resumed run logs those steps again",
+            resume_step, counts["past_checkpoint"], counts["torn"],
+        )  # fmt: skip
+    return counts
+
+
 class Logger:
     """Writes metrics to metrics.jsonl and to the enabled backends. See the module docstring."""
 
@@ -123,6 +164,7 @@ class Logger:
         mlflow_experiment: str = "tempering",
         mlflow_tracking_uri: str | None = None,
         config: Mapping[str, Any] | None = None,
+        resume_step: int | None = None,
     ) -> None:
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -133,6 +175,7 @@ class Logger:
         config_text = yaml.safe_dump(self.config, sort_keys=False)
         atomic_write_text(self.log_dir / "config.yaml", config_text)
         self.metrics_path = self.log_dir / "metrics.jsonl"
+        prepare_metrics_file(self.metrics_path, resume_step)
         self._jsonl = open(self.metrics_path, "a", encoding="utf-8")  # noqa: SIM115
 
         self._tb = None

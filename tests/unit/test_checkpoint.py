@@ -71,6 +71,24 @@ def test_stray_temp_and_unfinished_dirs_are_ignored(tmp_path) -> None:
     assert mgr.maybe_resume()[0] == 3
 
 
+def test_partial_saves_of_dead_processes_are_removed_and_an_interrupted_rename_undone(
+    tmp_path,
+) -> None:
+    mgr = CheckpointManager(tmp_path, save_period=1)
+    with mgr.save(2, {"metrics": {}}):
+        pass
+    dead = 2**22 + 12345  # above Linux's default pid_max: no such process
+    (tmp_path / f"step_4.tmp-{dead}").mkdir()  # killed while writing step 4
+    # Killed between moving an older step_3 aside (to overwrite it) and renaming the new in:
+    (tmp_path / f"step_3.old.tmp-{dead}").mkdir()
+    (tmp_path / f"step_3.old.tmp-{dead}" / "training_info.json").write_text('{"step": 3}')
+    (tmp_path / "step_5.tmp-1").mkdir()  # pid 1 is alive: another writer, left alone
+    step, _ = mgr.maybe_resume()
+    assert step == 3  # the restored folder is the newest complete one
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["step_2", "step_3", "step_5.tmp-1"]
+
+
 def test_keep_top_k_by_metric_keeps_latest(tmp_path) -> None:
     mgr = CheckpointManager(tmp_path, save_period=1, keep_top_k=2, metric_name="val/loss")
     for step, loss in [(1, 3.0), (2, 1.0), (3, 2.0), (4, 0.5), (5, 4.0)]:

@@ -93,11 +93,33 @@ def test_jsonl_appends_across_loggers(tmp_path: Path) -> None:
     """A resumed run appends to the same metrics.jsonl instead of truncating it."""
     with Logger(tmp_path, tensorboard_enabled=False) as a:
         a.log_metrics({"x": 1}, 1)
-    with Logger(tmp_path, tensorboard_enabled=False) as b:
+    with Logger(tmp_path, tensorboard_enabled=False, resume_step=1) as b:
         b.log_metrics({"x": 2}, 2)
     steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]
     assert not (tmp_path / "tensorboard").exists()
+
+
+def test_resume_drops_steps_past_the_checkpoint_and_a_torn_line(tmp_path: Path) -> None:
+    with Logger(tmp_path, tensorboard_enabled=False) as a:
+        for step in range(1, 6):
+            a.log_metrics({"x": step}, step)
+    path = tmp_path / "metrics.jsonl"
+    with path.open("a") as f:  # a writer killed mid-line
+        f.write('{"step": 6, "x": ')
+    with Logger(tmp_path, tensorboard_enabled=False, resume_step=3) as b:
+        b.log_metrics({"x": 40}, 4)
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [(r["step"], r["x"]) for r in rows] == [(1, 1), (2, 2), (3, 3), (4, 40)]
+
+
+def test_fresh_run_moves_an_earlier_runs_metrics_aside(tmp_path: Path) -> None:
+    with Logger(tmp_path, tensorboard_enabled=False) as a:
+        a.log_metrics({"x": 1}, 1)
+    with Logger(tmp_path, tensorboard_enabled=False) as b:
+        b.log_metrics({"x": 9}, 1)
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["x"] == 9
+    assert json.loads((tmp_path / "metrics.jsonl.prev-1").read_text())["x"] == 1
 
 
 def test_is_secret_key() -> None:

@@ -70,6 +70,10 @@ class ColocatedGeneration:
     def refit(self, policy: Any) -> None:
         policy.refit_colocated_generation()
 
+    def reseed(self, seed: int) -> None:
+        """Every worker's sampling stream restarts from ``seed`` (offset by rank)."""
+        self.policy.reseed_generation(seed)
+
     def shutdown(self) -> None:
         """The engine lives and dies with the policy workers."""
 
@@ -98,6 +102,11 @@ class SplitGeneration:
         sampling: SamplingConfig | None = None,
     ) -> BatchedDataDict:
         return replica_generate(self.worker_group, replica, data, greedy, sampling)
+
+    def reseed(self, seed: int) -> None:
+        """Every worker's sampling stream restarts from ``seed`` (offset by rank)."""
+        futures = self.worker_group.run_all_workers_single_data("reseed", seed)
+        self.worker_group.get_all_worker_results(futures)
 
     def refit(self, policy: Any) -> None:
         ref = policy.state_dict_ref_for_refit()

@@ -69,6 +69,11 @@ class TorchGenerationEngine:
             seed = int(torch.randint(0, 2**62, (1,)).item())
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
+    def reseed(self, seed: int) -> None:
+        """Restart the sampling stream from ``seed`` (GRPO reseeds every step from the run's
+        seed and the step, so a resumed run samples what an uninterrupted one would)."""
+        self.generator.manual_seed(seed)
+
     # ---- GenerationInterface ---------------------------------------------------------------
 
     def prepare_for_generation(self) -> None:

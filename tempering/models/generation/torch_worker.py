@@ -7,6 +7,7 @@ policy's full state dict, fetched by each worker straight from the object store)
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 
 from tempering.models.generation.interfaces import SamplingConfig
 from tempering.models.generation.torch_engine import TorchGenerationEngine
+from tempering.utils import faults
 
 
 class TorchGenerationWorker:
@@ -32,9 +34,15 @@ class TorchGenerationWorker:
     def generate(
         self, data: Mapping[str, Any], greedy: bool = False, sampling: SamplingConfig | None = None
     ) -> Any:
+        faults.maybe_fault("generation", "generation")
         return self.engine.generate(data, greedy, sampling)
 
+    def reseed(self, seed: int) -> None:
+        """A distinct, reproducible stream per rank from the controller's step seed."""
+        self.engine.reseed(seed + 1000 * int(os.environ.get("RANK", "0")))
+
     def update_weights(self, weights: Mapping[str, Any]) -> None:
+        faults.maybe_fault("generation", "refit")
         self.engine.update_weights(weights)
 
     def prepare_for_generation(self) -> None:

@@ -92,6 +92,7 @@ class VllmGenerationWorker:
         self._vllm = vllm
         self.model_path = str(model_path)
         self.enable_sleep_mode = enable_sleep_mode
+        self._next_seed: int | None = None  # set by reseed()
         self.llm = vllm.LLM(
             model=self.model_path,
             dtype=dtype,
@@ -130,6 +131,12 @@ class VllmGenerationWorker:
         if self.enable_sleep_mode and not self._asleep:
             self.llm.sleep(level=1)
             self._asleep = True
+
+    def reseed(self, seed: int) -> None:
+        """Per-request seeds from now on: ``seed`` offset by rank, one per request."""
+        self._next_seed = (
+            seed * 1_000_003 % 2**31 + 1_000 * int(os.environ.get("RANK", "0")) * 2**16
+        )
 
     def update_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Refit: load a (full or per-layer partial) HF-named state dict into the running engine."""
@@ -175,10 +182,19 @@ class VllmGenerationWorker:
             self._vllm.TokensPrompt(prompt_token_ids=input_ids[b, : lengths[b]].tolist())
             for b in range(B)
         ]
-        # Only a per-call seed seeds each request (the engine's own seed is set at start-up;
-        # giving it to every request would make all samples of one prompt identical).
+        # A per-call seed seeds each request of the call; after `reseed` (GRPO: every step)
+        # request i gets its own seed from the step's stream, so samples of one prompt differ
+        # and a resumed run draws what an uninterrupted one would. Otherwise the engine's own
+        # seed (set at start-up) governs.
         seed = sampling.seed if sampling is not None else None
-        params = [self._sampling_params(cfg, greedy, cap, seed) for cap in caps]
+        if seed is None and self._next_seed is not None and not greedy:
+            seeds: list[int | None] = [self._next_seed + i for i in range(B)]
+            self._next_seed += B
+        else:
+            seeds = [seed] * B
+        params = [
+            self._sampling_params(cfg, greedy, cap, s) for cap, s in zip(caps, seeds, strict=True)
+        ]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
 
         completions = [out.outputs[0] for out in outputs]

@@ -63,11 +63,13 @@ from tempering.algorithms.loss_functions import (
 from tempering.distributed.batched_data_dict import BatchedDataDict, PackedBin
 from tempering.models.policy.optim import build_lr_scheduler, build_optimizer
 from tempering.models.policy.packed_attention import use_packed_sdpa
+from tempering.utils import faults
 
 logger = logging.getLogger(__name__)
 
 PRECISIONS = ("float32", "bfloat16")
 SCHEDULER_FILE = "scheduler.pt"
+RNG_FILE = "rng_rank{rank}.pt"
 # Losses whose ``global_valid_seqs`` counts chosen/rejected PAIRS (see loss_functions).
 PAIRWISE_LOSSES = (DPOLoss, BradleyTerryLoss)
 # Loss metrics that are already divided by the global count: summed over micro-batches/ranks.
@@ -307,6 +309,7 @@ class FSDP2PolicyWorker:
         (identical on every rank): loss, grad_norm, lr, num_tokens, num_valid_tokens,
         tokens_per_s, num_steps, and the loss function's metrics.
         """
+        faults.maybe_fault("policy", "train")
         if self.optimizer is None and not eval_mode:
             raise RuntimeError("FSDP2PolicyWorker.train: built with init_optimizer=False")
         local_gbs = self._local_batch_size(data.size, global_batch_size)
@@ -453,6 +456,7 @@ class FSDP2PolicyWorker:
         pack_sequences: bool = False,
     ) -> BatchedDataDict:
         """``{"logprobs": [B, S]}`` (CPU float32) in the contract layout; 0 at t=0 and padding."""
+        faults.maybe_fault("policy", "logprobs")
         batching = (micro_batch_size, max_tokens_per_microbatch, pack_sequences)
         return BatchedDataDict(logprobs=self._logprobs(self.model, data, batching, temperature))
 
@@ -465,6 +469,7 @@ class FSDP2PolicyWorker:
         pack_sequences: bool = False,
     ) -> BatchedDataDict:
         """``{"reference_policy_logprobs": [B, S]}`` from the frozen initial weights."""
+        faults.maybe_fault("policy", "logprobs")
         if self.reference_model is None:
             raise RuntimeError(
                 "get_reference_policy_logprobs: the worker was built without a reference model; "
@@ -515,6 +520,7 @@ class FSDP2PolicyWorker:
     # ----------------------------------------------------------- checkpoints
     def save_checkpoint(self, path: str) -> None:
         """Sharded model + optimizer state (DCP) under `path`, scheduler state beside it."""
+        faults.maybe_fault("policy", "checkpoint")
         Path(path).mkdir(parents=True, exist_ok=True)
         dist.barrier()
         state: dict[str, Any] = {}
@@ -526,6 +532,8 @@ class FSDP2PolicyWorker:
         dcp.save(state, checkpoint_id=path)
         if self.rank == 0 and self.scheduler is not None:
             torch.save(self.scheduler.state_dict(), Path(path) / SCHEDULER_FILE)
+        # This rank's torch RNG (dropout and other training-side draws), for exact resume.
+        torch.save({"torch": torch.get_rng_state()}, Path(path) / RNG_FILE.format(rank=self.rank))
         dist.barrier()
 
     def load_checkpoint(self, path: str) -> None:
@@ -552,6 +560,11 @@ class FSDP2PolicyWorker:
         sched_file = Path(path) / SCHEDULER_FILE
         if self.scheduler is not None and sched_file.exists():
             self.scheduler.load_state_dict(torch.load(sched_file, weights_only=True))
+        rng_file = Path(path) / RNG_FILE.format(rank=self.rank)
+        if rng_file.exists():
+            torch.set_rng_state(torch.load(rng_file, weights_only=True)["torch"])
+        else:  # saved with another world size: this rank's stream starts afresh
+            logger.warning("%s missing: rank %d keeps its own RNG state", rng_file, self.rank)
         dist.barrier()
 
     def _full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -612,8 +625,15 @@ class FSDP2PolicyWorker:
         self._gen_engine = TorchGenerationEngine(model, tokenizer, SamplingConfig(**args))
         self.refit_colocated_generation()
 
+    def reseed_generation(self, seed: int) -> None:
+        """Restart the colocated engine's sampling stream from the controller's step seed."""
+        if not hasattr(self, "_gen_engine"):
+            raise RuntimeError("reseed_generation: call init_colocated_generation first")
+        self._gen_engine.reseed(seed + 1000 * self.rank)
+
     def refit_colocated_generation(self) -> None:
         """Copy the current (sharded) policy weights into the generation copy. Collective."""
+        faults.maybe_fault("generation", "refit")
         opts = StateDictOptions(full_state_dict=True, cpu_offload=False, broadcast_from_rank0=False)
         full = get_model_state_dict(self.model, options=opts)
         self._gen_engine.update_weights(full)
@@ -623,6 +643,7 @@ class FSDP2PolicyWorker:
     ) -> BatchedDataDict:
         """Generate for this rank's prompts with the colocated engine (contract layout);
         `sampling` (a SamplingConfig) overrides the engine's settings for this call."""
+        faults.maybe_fault("generation", "generation")
         if not hasattr(self, "_gen_engine"):
             raise RuntimeError(
                 "FSDP2PolicyWorker.generate: call init_colocated_generation first "

@@ -167,6 +167,9 @@ class Policy(PolicyInterface):
     def refit_colocated_generation(self) -> None:
         self._all("refit_colocated_generation")
 
+    def reseed_generation(self, seed: int) -> None:
+        self._all("reseed_generation", seed)
+
     def generate(
         self, data: BatchedDataDict, greedy: bool = False, sampling: Any = None
     ) -> BatchedDataDict:

@@ -1,0 +1,55 @@
+"""Fault injection for the reliability tests: kill this process at a chosen point.
+
+    TEMPERING_FAULT="<role>:<phase>:<n>[:<delay_s>]"
+
+kills (``SIGKILL``, like the OOM killer or ``kill -9``) the process playing ``role``
+(``controller``, ``policy``, ``generation`` or ``environment``) when it enters ``phase``
+(``generation``, ``logprobs``, ``train``, ``refit``, ``checkpoint``, ``environment``) for the
+``n``-th time -- after ``delay_s`` seconds when given, from a timer thread, so the kill lands
+while the phase is running. Unset (always, outside tests), :func:`maybe_fault` is one
+dictionary lookup. Several faults: separate them with commas. With
+``TEMPERING_FAULT_MARKER=<file>`` a fault fires once across all processes (it creates that
+file first), so restarted workers, which count afresh, are not killed again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections import Counter
+
+FAULT_ENV = "TEMPERING_FAULT"
+MARKER_ENV = "TEMPERING_FAULT_MARKER"
+_seen: Counter[tuple[str, str]] = Counter()
+
+
+def maybe_fault(role: str, phase: str) -> None:
+    """Count this entry into ``phase`` as ``role``; die here if ``TEMPERING_FAULT`` says so."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    _seen[(role, phase)] += 1
+    for item in spec.split(","):
+        parts = item.strip().split(":")
+        if len(parts) not in (3, 4) or parts[:2] != [role, phase]:
+            continue
+        if int(parts[2]) != _seen[(role, phase)]:
+            continue
+        marker = os.environ.get(MARKER_ENV)
+        if marker:
+            try:
+                os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return  # fired already
+        delay = float(parts[3]) if len(parts) == 4 else 0.0
+        if delay > 0:
+            timer = threading.Timer(delay, _die)
+            timer.daemon = True
+            timer.start()
+        else:
+            _die()
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,145 @@
+"""Chaos: kill -9 anywhere, rerun the same command, and get the uninterrupted run exactly.
+
+The tiny GRPO job (6 steps, a checkpoint every 2, split generation so that policy and
+generation workers are separate processes) runs once uninterrupted. Then, for each role --
+the controller, a policy worker, a generation worker, an environment actor -- a run is killed
+with SIGKILL when that process enters a phase chosen at random (seeded; printed on failure)
+for the n-th time, plus a random delay inside the phase (``tempering/utils/faults.py``), and
+the same command is run again. The rerun must resume from the last complete checkpoint,
+reach step 6, and leave a metrics.jsonl whose records equal the uninterrupted run's -- no
+step lost, none twice, the same numbers (the run reseeds generation per step and restores
+every RNG). A kill in the middle of a checkpoint save must leave the previous checkpoint
+intact and the partial one removed on the rerun; ``fault_tolerance.max_restarts=1`` must
+replace a killed worker within the same process and finish.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+REPO = Path(__file__).resolve().parents[2]
+SEED = int(os.environ.get("TEMPERING_CHAOS_SEED", "20261124"))
+STEPS = 6
+COMMON = [
+    f"grpo.max_num_steps={STEPS}",
+    "checkpointing.save_period=2",
+    "checkpointing.keep_top_k=2",
+    "policy.generation.colocated.enabled=false",
+]
+# Phases each role passes through in this job, per step (the controller's logprobs phase
+# and the policy's log-prob calls do not run: one optimizer step per batch, no KL).
+PHASES = {
+    "controller": ["generation", "train", "refit", "checkpoint"],
+    "policy": ["train", "checkpoint"],
+    "generation": ["generation", "refit"],
+    "environment": ["environment"],
+}
+
+
+def _run(out: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable, "examples/run_grpo_math.py", *COMMON,
+        f"logger.log_dir={out}/logs", f"checkpointing.checkpoint_dir={out}/ckpt", *extra,
+    ]  # fmt: skip
+    return subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "TEMPERING_FAULT": "", **(env or {})},
+    )  # fmt: skip
+
+
+def _records(out: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+    # Timings and throughput differ run to run; everything else must not.
+    return [
+        {k: v for k, v in r.items() if not k.startswith(("timing/", "throughput/"))} for r in rows
+    ]
+
+
+def _assert_same_run(got: list[dict], want: list[dict], what: str) -> None:
+    key = lambda r: (r["step"], tuple(sorted(r)))  # noqa: E731 - one record per step and kind
+    assert sorted(map(key, got)) == sorted(map(key, want)), f"{what}: steps lost or repeated"
+    by_key = {key(r): r for r in want}
+    for row in got:
+        ref = by_key[key(row)]
+        for k, v in row.items():
+            if isinstance(v, float):
+                assert math.isclose(v, ref[k], rel_tol=1e-5, abs_tol=1e-6), (what, row["step"], k)
+            else:
+                assert v == ref[k], (what, row["step"], k)
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("baseline")
+    proc = _run(out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = _records(out)
+    assert max(r["step"] for r in rows) == STEPS
+    return rows
+
+
+@pytest.mark.parametrize("role", list(PHASES))
+def test_kill_and_rerun_reproduces_the_uninterrupted_run(role, baseline, tmp_path):
+    rng = random.Random(f"{SEED}-{role}")
+    phase = rng.choice(PHASES[role])
+    # The n-th entry into the phase, chosen to land in steps 3-5: after the first checkpoint
+    # (step 2), before the end. Validation at step 0 also generates and scores (one entry).
+    first = (
+        4 if (role, phase) in {("generation", "generation"), ("environment", "environment")} else 3
+    )
+    n = 2 if phase == "checkpoint" else rng.randint(first, first + 2)  # 2nd save = step 4
+    delay = round(rng.uniform(0, 0.2), 3)
+    fault = f"{role}:{phase}:{n}:{delay}"
+    what = f"fault {fault} (TEMPERING_CHAOS_SEED={SEED})"
+
+    killed = _run(tmp_path, env={"TEMPERING_FAULT": fault})
+    assert killed.returncode != 0, f"{what}: the fault never fired"
+    rerun = _run(tmp_path)
+    assert rerun.returncode == 0, what + "\n" + rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert "resuming from" in rerun.stderr, what
+    _assert_same_run(_records(tmp_path), baseline, what)
+
+
+def test_kill_during_checkpoint_save_keeps_the_previous_one(baseline, tmp_path):
+    # Killed after the policy wrote step 4's shards, before the folder was renamed in.
+    killed = _run(tmp_path, env={"TEMPERING_FAULT": "controller:checkpoint:2"})
+    assert killed.returncode == -9 or killed.returncode == 137, killed.stderr[-2000:]
+    ckpt = tmp_path / "ckpt"
+    partial = [p.name for p in ckpt.iterdir() if ".tmp-" in p.name]
+    assert partial and partial[0].startswith("step_4"), sorted(p.name for p in ckpt.iterdir())
+    assert (ckpt / "step_2" / "training_info.json").is_file()
+    assert not (ckpt / "step_4").exists()
+
+    rerun = _run(tmp_path)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "resuming from" in rerun.stderr and "step_2" in rerun.stderr
+    assert "a checkpoint save that never finished" in rerun.stderr
+    assert not [p for p in ckpt.iterdir() if ".tmp-" in p.name]
+    _assert_same_run(_records(tmp_path), baseline, "killed mid-save")
+
+
+def test_max_restarts_replaces_a_killed_worker_in_process(baseline, tmp_path):
+    env = {
+        "TEMPERING_FAULT": "policy:train:3",
+        "TEMPERING_FAULT_MARKER": str(tmp_path / "fired"),
+    }
+    start = time.monotonic()
+    proc = _run(tmp_path, "fault_tolerance.max_restarts=1", env=env)
+    took = time.monotonic() - start
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / "fired").exists()
+    restart = [line for line in proc.stdout.splitlines() if "restart 1:" in line]
+    assert restart and "after step 2" in restart[0] and "resumed at step 2" in restart[0]
+    assert f"GRPO summary: {STEPS} steps" in proc.stdout
+    _assert_same_run(_records(tmp_path), baseline, "restarted in process")
+    print(f"\nrun with one in-process restart: {took:.0f} s; {restart[0].strip()}")
