@@ -60,9 +60,11 @@ def _run(out: Path, *extra: str, env: dict[str, str] | None = None) -> subproces
 def _records(out: Path) -> list[dict]:
     rows = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
     # Timings and throughput differ run to run; everything else must not.
-    return [
-        {k: v for k, v in r.items() if not k.startswith(("timing/", "throughput/"))} for r in rows
-    ]
+    return [{k: v for k, v in r.items() if not _is_timing(k)} for r in rows]
+
+
+def _is_timing(key: str) -> bool:
+    return key.startswith(("timing/", "throughput/")) or key.endswith(("_s", "per_s"))
 
 
 def _assert_same_run(got: list[dict], want: list[dict], what: str) -> None:
