@@ -426,6 +426,7 @@ def grpo_step(run: GRPORun, loss_fn: Any, step: int | None = None) -> dict[str, 
     G = cfg.num_generations_per_prompt
     timer = Timer()
     extra: dict[str, float] = {}
+    server_before = run.chat.stats_snapshot()
     t0 = time.perf_counter()
     if step is not None:
         run.generation.reseed(step_seed(cfg.seed, step))
@@ -495,7 +496,15 @@ def grpo_step(run: GRPORun, loss_fn: Any, step: int | None = None) -> dict[str, 
     metrics.update(timing)
     metrics.update(extra)
     metrics.update(env_metrics())
-    metrics.update({f"server/{k}": float(v) for k, v in run.chat.stats.items()})
+    # This step's server counts (the counters run from process start, which a resumed run
+    # would not reproduce): only what moved, so a step's keys do not depend on its history.
+    metrics.update(
+        {
+            f"server/{k}": float(v - server_before.get(k, 0))
+            for k, v in run.chat.stats_snapshot().items()
+            if v != server_before.get(k, 0)
+        }
+    )
     return metrics
 
 

@@ -207,6 +207,11 @@ class ChatCompletionService:
         with self._stats_lock:
             self.stats[key] += n
 
+    def stats_snapshot(self) -> dict[str, int]:
+        """A copy of the counters (they are bumped from the server's threads)."""
+        with self._stats_lock:
+            return dict(self.stats)
+
     def prepare(self, request: ChatRequest) -> _Prepared:
         """Prompt ids and token budget; RequestError for what cannot be served."""
         if request.prompt_ids is not None:
