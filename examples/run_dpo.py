@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from tempering.config import DPOMasterConfig, parse_args_and_load
+from tempering.errors import exit_on_user_error
 
 DEFAULT = Path(__file__).parent / "configs" / "dpo.yaml"
 
@@ -22,7 +23,8 @@ def main() -> None:
     cfg, resolved = parse_args_and_load(sys.argv[1:], DEFAULT, DPOMasterConfig)  # fails fast
     from tempering.algorithms import dpo  # heavy imports only after the config is valid
 
-    run = dpo.setup(cfg, resolved)
+    with exit_on_user_error():  # a missing model or a bad data row: one message, exit 2
+        run = dpo.setup(cfg, resolved)
     try:
         summary = dpo.train(run)
     finally:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from tempering.config import RMMasterConfig, parse_args_and_load
+from tempering.errors import exit_on_user_error
 
 DEFAULT = Path(__file__).parent / "configs" / "rm.yaml"
 
@@ -19,7 +20,8 @@ def main() -> None:
     cfg, resolved = parse_args_and_load(sys.argv[1:], DEFAULT, RMMasterConfig)  # fails fast
     from tempering.algorithms import rm  # heavy imports only after the config is valid
 
-    run = rm.setup(cfg, resolved)
+    with exit_on_user_error():  # a missing model or a bad data row: one message, exit 2
+        run = rm.setup(cfg, resolved)
     try:
         summary = rm.train(run)
         export = rm.export(run)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from tempering.config import SFTMasterConfig, parse_args_and_load
+from tempering.errors import exit_on_user_error
 
 DEFAULT = Path(__file__).parent / "configs" / "sft.yaml"
 
@@ -17,7 +18,8 @@ def main() -> None:
     cfg, resolved = parse_args_and_load(sys.argv[1:], DEFAULT, SFTMasterConfig)  # fails fast
     from tempering.algorithms import sft  # heavy imports only after the config is valid
 
-    run = sft.setup(cfg, resolved)
+    with exit_on_user_error():  # a missing model or a bad data row: one message, exit 2
+        run = sft.setup(cfg, resolved)
     try:
         val = sft.train(run)
         export = Path(cfg.checkpointing.checkpoint_dir) / "final_hf"  # written by train()

@@ -31,26 +31,28 @@ _OPTIMIZERS = {
 }
 
 
-def start_run(
-    cluster_cfg: ClusterConfig,
-    deadlines_cfg: DeadlinesConfig | None = None,
-    log_dir: str | None = None,
-) -> None:
-    """Version check (containers), quiet logging, per-phase deadlines (workers dump their
-    stacks into ``<log_dir>/stacks`` when one expires), then Ray. Cheap to call twice."""
+def prepare_run(deadlines_cfg: DeadlinesConfig | None = None, log_dir: str | None = None) -> None:
+    """Everything before Ray: version check (containers), quiet logging, per-phase deadlines
+    (workers dump their stacks into ``<log_dir>/stacks`` when one expires). A setup() then
+    resolves the model and reads its data -- so a user's mistake there fails in seconds,
+    before any worker starts -- and calls :func:`start_ray`. Cheap to call twice."""
     from tempering.distributed import deadlines
     from tempering.distributed.fingerprint import check_container_fingerprint
-    from tempering.distributed.virtual_cluster import init_ray
 
     deadlines.configure(
         (deadlines_cfg or DeadlinesConfig()).as_phases(),
         stack_dump_dir=str(Path(log_dir) / "stacks") if log_dir else None,
     )
-
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     check_container_fingerprint()
+
+
+def start_ray(cluster_cfg: ClusterConfig) -> None:
+    """Start (or join) Ray with the cluster's GPUs declared. Cheap to call twice."""
+    from tempering.distributed.virtual_cluster import init_ray
+
     gpus = cluster_cfg.gpus_per_node * cluster_cfg.num_nodes
     init_ray(num_gpus=gpus or None)
 
@@ -104,6 +106,7 @@ def build_policy_from_config(
         eps=opt.kwargs.eps,
         optimizer=_OPTIMIZERS[opt.name],
         max_grad_norm=policy_cfg.max_grad_norm,
+        max_consecutive_nonfinite=policy_cfg.max_consecutive_nonfinite_steps,
         lr_schedule=policy_cfg.scheduler.name,
         warmup_steps=policy_cfg.scheduler.warmup_steps,
         total_steps=total_steps,
@@ -211,6 +214,7 @@ def run_grpo_example(argv: list[str], default_config: Path) -> None:
     """What every GRPO example script does: load and validate the config (failing fast,
     before any heavy import), set up, train, free everything, print the summary."""
     from tempering.config import GRPOMasterConfig, parse_args_and_load
+    from tempering.errors import exit_on_user_error
 
     cfg, resolved = parse_args_and_load(argv, default_config, GRPOMasterConfig)
     from tempering.algorithms import grpo  # heavy imports only after the config is valid
@@ -220,7 +224,8 @@ def run_grpo_example(argv: list[str], default_config: Path) -> None:
     restarts: list[dict[str, Any]] = []
     while True:
         start = time.perf_counter()
-        run = grpo.setup(cfg, resolved)
+        with exit_on_user_error():  # a missing model or a bad data row: one message, exit 2
+            run = grpo.setup(cfg, resolved)
         if restarts:
             restarts[-1].update(setup_s=time.perf_counter() - start, resumed_at=run.start_step)
         try:
@@ -293,8 +298,9 @@ def load_run_tokenizer(policy_cfg: PolicyConfig) -> Any:
     from tempering.models.hf import load_tokenizer
     from tempering.models.registry import resolve_model_path
 
+    model_path = resolve_model_path(policy_cfg.model_name)  # a bad name fails here, early
     tokenizer = load_tokenizer(
-        resolve_model_path(policy_cfg.tokenizer.name or policy_cfg.model_name)
+        resolve_model_path(policy_cfg.tokenizer.name) if policy_cfg.tokenizer.name else model_path
     )
     if policy_cfg.tokenizer.chat_template:
         tokenizer.chat_template = policy_cfg.tokenizer.chat_template

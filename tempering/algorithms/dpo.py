@@ -188,7 +188,7 @@ def setup(cfg: DPOMasterConfig, resolved: dict[str, Any]) -> DPORun:
         dp,
         "dpo.val_global_batch_size / val_micro_batch_size",
     )
-    common.start_run(cfg.cluster, cfg.deadlines, cfg.logger.log_dir)
+    common.prepare_run(cfg.deadlines, cfg.logger.log_dir)
     tokenizer = common.load_run_tokenizer(pol)
     data = load_preference_data(cfg.data)
     max_len = pol.max_total_sequence_length
@@ -198,6 +198,7 @@ def setup(cfg: DPOMasterConfig, resolved: dict[str, Any]) -> DPORun:
         seed=cfg.dpo.seed,
         collate_fn=lambda pairs: preference_batch(pairs, tokenizer, max_len),
     )
+    common.start_ray(cfg.cluster)  # the inputs are good: now the workers
     cluster = common.build_cluster(cfg.cluster, "dpo")
     policy = common.build_policy_from_config(
         pol,

@@ -187,7 +187,7 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any]) -> GRPORun:
     )
     from tempering.models.registry import resolve_model_path
 
-    common.start_run(cfg.cluster, cfg.deadlines, cfg.logger.log_dir)
+    common.prepare_run(cfg.deadlines, cfg.logger.log_dir)
     model_path = resolve_model_path(cfg.policy.model_name)
     tokenizer = common.load_run_tokenizer(cfg.policy)
     train_problems, val_problems = load_problems(cfg.data, cfg.env.nemo_gym.default_route)
@@ -197,6 +197,7 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any]) -> GRPORun:
     dataloader = StatefulDataLoader(
         train_problems, cfg.grpo.num_prompts_per_step, seed=cfg.grpo.seed
     )
+    common.start_ray(cfg.cluster)  # the inputs are good: now the workers
     environments = build_environments(cfg, {p.task_name for p in train_problems + val_problems})
 
     cluster = common.build_cluster(cfg.cluster, "grpo")

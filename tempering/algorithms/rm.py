@@ -81,7 +81,7 @@ def setup(cfg: RMMasterConfig, resolved: dict[str, Any]) -> RMRun:
     )
     if pol.precision != "float32":
         log.warning("policy.precision=%s: the reward-model worker trains in float32", pol.precision)
-    common.start_run(cfg.cluster, cfg.deadlines, cfg.logger.log_dir)
+    common.prepare_run(cfg.deadlines, cfg.logger.log_dir)
     model_path = resolve_model_path(pol.model_name)
     tokenizer = common.load_run_tokenizer(pol)
     data = load_preference_data(cfg.data)
@@ -93,6 +93,7 @@ def setup(cfg: RMMasterConfig, resolved: dict[str, Any]) -> RMRun:
         collate_fn=lambda pairs: preference_batch(pairs, tokenizer, max_len),
     )
     opt = pol.optimizer
+    common.start_ray(cfg.cluster)  # the inputs are good: now the workers
     cluster = common.build_cluster(cfg.cluster, "rm")
     reward_model = build_reward_model(
         cluster,

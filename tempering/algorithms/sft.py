@@ -113,7 +113,7 @@ def setup(cfg: SFTMasterConfig, resolved: dict[str, Any]) -> SFTRun:
     from tempering.data.collate import collate_sft, pad_token_id_of
     from tempering.data.dataloader import StatefulDataLoader
 
-    common.start_run(cfg.cluster, cfg.deadlines, cfg.logger.log_dir)
+    common.prepare_run(cfg.deadlines, cfg.logger.log_dir)
     tokenizer = common.load_run_tokenizer(cfg.policy)
     data = load_sft_data(
         cfg.data,
@@ -128,6 +128,7 @@ def setup(cfg: SFTMasterConfig, resolved: dict[str, Any]) -> SFTRun:
         seed=cfg.sft.seed,
         collate_fn=lambda ex: collate_sft(ex, pad),
     )
+    common.start_ray(cfg.cluster)  # the inputs are good: now the workers
     cluster = common.build_cluster(cfg.cluster, "sft")
     policy = common.build_policy_from_config(
         cfg.policy, cluster, total_steps=cfg.sft.max_num_steps, seed=cfg.sft.seed

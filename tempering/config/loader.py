@@ -27,10 +27,12 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ValidationError
 
+from tempering.errors import UserInputError
+
 M = TypeVar("M", bound=BaseModel)
 
 
-class ConfigError(Exception):
+class ConfigError(UserInputError):
     """One or more configuration problems, each `"<dotted.path>: <what is wrong>"`."""
 
     def __init__(self, problems: list[str]) -> None:

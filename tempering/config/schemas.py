@@ -171,6 +171,10 @@ class PolicyConfig(Section):
     dynamic_batching: DynamicBatchingConfig = DynamicBatchingConfig()
     sequence_packing: SequencePackingConfig = SequencePackingConfig()
     max_grad_norm: float | None = 1.0
+    max_consecutive_nonfinite_steps: int = Field(
+        3, ge=1, description="a NaN/Inf loss or gradient skips the update (counted in "
+        "train/num_nonfinite_skipped); this many in a row stop the run, naming what was non-finite"
+    )  # fmt: skip
     optimizer: OptimizerConfig = OptimizerConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     generation: GenerationConfig = GenerationConfig()
@@ -502,12 +506,36 @@ def _reject_grpo_data_keys(data: DataConfig, algorithm: str) -> None:
         )
 
 
+# data.dataset_name values each algorithm reads (a test keeps them equal to the loaders').
+GRPO_DATASETS = ("arithmetic", "gsm8k", "problems", "nemo_gym")
+SFT_DATASETS = ("arithmetic", "gsm8k", "squad", "messages", "prompt_response", "hf")
+PREFERENCE_DATASETS = (
+    "arithmetic", "arithmetic_parity", "gsm8k", "preference", "helpsteer3", "messages_preference",
+)  # fmt: skip
+_BUILT_IN_DATASETS = ("arithmetic", "arithmetic_parity", "gsm8k")  # need no file
+
+
+def _check_dataset(data: DataConfig, algorithm: str, names: tuple[str, ...]) -> None:
+    """An unknown dataset name, or a file-based one without its file, fails at load."""
+    if data.dataset_name not in names:
+        raise ValueError(
+            f"data.dataset_name={data.dataset_name!r} is not a {algorithm} dataset; use one of "
+            f"{list(names)}"
+        )
+    if data.dataset_name not in _BUILT_IN_DATASETS and not data.train_data_path:
+        raise ValueError(
+            f"data.dataset_name={data.dataset_name!r} reads your file: it needs "
+            "data.train_data_path=<file, folder or dataset id>"
+        )
+
+
 class SFTMasterConfig(_Master):
     sft: SFTConfig = SFTConfig()
 
     @model_validator(mode="after")
     def _unread(self) -> SFTMasterConfig:
         _reject_grpo_data_keys(self.data, "SFT")
+        _check_dataset(self.data, "SFT", SFT_DATASETS)
         return self
 
 
@@ -517,6 +545,7 @@ class DPOMasterConfig(_Master):
     @model_validator(mode="after")
     def _unread(self) -> DPOMasterConfig:
         _reject_grpo_data_keys(self.data, "DPO")
+        _check_dataset(self.data, "DPO", PREFERENCE_DATASETS)
         return self
 
 
@@ -526,6 +555,7 @@ class RMMasterConfig(_Master):
     @model_validator(mode="after")
     def _unread(self) -> RMMasterConfig:
         _reject_grpo_data_keys(self.data, "RM")
+        _check_dataset(self.data, "RM", PREFERENCE_DATASETS)
         return self
 
 
@@ -556,6 +586,7 @@ class GRPOMasterConfig(_Master):
 
     @model_validator(mode="after")
     def _rollout_batch(self) -> GRPOMasterConfig:
+        _check_dataset(self.data, "GRPO", GRPO_DATASETS)
         n = self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
         gbs = self.policy.train_global_batch_size
         if n % gbs:
@@ -584,8 +615,6 @@ class GRPOMasterConfig(_Master):
                     "NeMo Gym's agents call the trainer's generation server: set "
                     "policy.generation.http_server.enabled=true"
                 )
-            if self.data.dataset_name == "nemo_gym" and not self.data.train_data_path:
-                raise ValueError("data.dataset_name=nemo_gym needs data.train_data_path (JSONL)")
             if self.grpo.max_rollout_turns != 1 or self.grpo.rollout_transport != "in_process":
                 raise ValueError(
                     "grpo.max_rollout_turns and grpo.rollout_transport apply to tempering's own "

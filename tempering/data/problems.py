@@ -20,7 +20,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tempering.data.records import OnBadRow, RowError, RowIssues, iter_jsonl
+from tempering.data.records import DataFormatError, OnBadRow, RowError, RowIssues, iter_jsonl
+from tempering.errors import DataFileNotFoundError
 
 __all__ = ["apply_prompt_template", "load_problem_rows", "read_prompt_file"]
 
@@ -67,7 +68,7 @@ def load_problem_rows(
             if (row := issues.convert(f"row {i}", present, convert)) is not None:
                 rows.append(row)
     if not rows:
-        raise ValueError(f"{source}: no problems (keys {problem_key!r} / {answer_key!r})")
+        raise DataFormatError(f"{source}: no problems (keys {problem_key!r} / {answer_key!r})")
     return issues.finish(path.name, rows).examples
 
 
@@ -79,16 +80,18 @@ def _hf_rows(source: str | Path, split: str) -> Any:
         ds = datasets.load_from_disk(str(path))
         if isinstance(ds, datasets.DatasetDict):
             if split not in ds:
-                raise KeyError(f"{source}: no split {split!r}; it has {sorted(ds)}")
+                raise DataFormatError(f"{source}: no split {split!r}; it has {sorted(ds)}")
             ds = ds[split]
         return ds
     if path.is_file():
         kind = {".parquet": "parquet", ".json": "json", ".csv": "csv"}.get(path.suffix)
         if kind is None:
-            raise ValueError(f"{source}: use a .jsonl, .json, .parquet or .csv file, or a folder")
+            raise DataFormatError(
+                f"{source}: use a .jsonl, .json, .parquet or .csv file, or a folder"
+            )
         return datasets.load_dataset(kind, data_files=str(path), split="train")
     if str(source).startswith(("/", ".", "~")):
-        raise FileNotFoundError(f"data file {str(source)!r} does not exist; check the path")
+        raise DataFileNotFoundError(f"data file {str(source)!r} does not exist; check the path")
     from tempering.models.registry import hub_offline
 
     if hub_offline():  # a hub id: only what the local HF cache holds (HF_HUB_OFFLINE=0 opts out)
@@ -96,7 +99,7 @@ def _hf_rows(source: str | Path, split: str) -> Any:
     try:
         return datasets.load_dataset(str(source), split=split)
     except Exception as err:
-        raise FileNotFoundError(
+        raise DataFileNotFoundError(
             f"{source!r} is neither a local file/folder nor a dataset in the local Hugging Face "
             f"cache ({type(err).__name__}: {str(err)[:200]}); download it on a connected machine "
             "and copy the cache, or save it with Dataset.save_to_disk"
@@ -109,7 +112,7 @@ def read_prompt_file(path: str | None, what: str) -> str | None:
         return None
     file = Path(path)
     if not file.is_file():
-        raise FileNotFoundError(f"data.{what}={path!r} does not exist; check the path")
+        raise DataFileNotFoundError(f"data.{what}={path!r} does not exist; check the path")
     return file.read_text(encoding="utf-8")
 
 

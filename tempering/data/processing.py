@@ -30,11 +30,12 @@ from collections.abc import Sequence
 from typing import Any, TypedDict
 
 from tempering.data.records import MessageLog
+from tempering.errors import UserInputError
 
 logger = logging.getLogger(__name__)
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(ValueError, UserInputError):
     """A chat template cannot be split into per-message pieces."""
 
 

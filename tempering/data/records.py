@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from tempering.errors import DataFileNotFoundError, UserInputError
+
 logger = logging.getLogger(__name__)
 
 Message = dict[str, str]
@@ -31,7 +33,7 @@ ROLES = ("system", "user", "assistant")
 T = TypeVar("T")
 
 
-class DataFormatError(ValueError):
+class DataFormatError(ValueError, UserInputError):
     """A row of a data file does not have the expected shape; the message says where and why."""
 
 
@@ -66,7 +68,7 @@ class RowIssues:
         """Record a bad row at ``where`` (e.g. ``"17"`` or ``"row 3"``); raise unless skipping."""
         message = f"{self.source}:{where}: {reason}"
         if self.on_bad_row == "error":
-            raise DataFormatError(message + " (pass on_bad_row='skip' to skip and count such rows)")
+            raise DataFormatError(message + " (data.on_bad_row=skip skips and counts such rows instead)")
         self.reasons.append(message)
 
     def convert(self, where: str, row: Any, converter: Callable[[Any], T]) -> T | None:
@@ -92,7 +94,7 @@ def iter_jsonl(path: str | Path, issues: RowIssues) -> Iterator[tuple[int, dict[
     """Yield ``(line_number, object)`` for each non-blank line; bad JSON goes to ``issues``."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"data file {str(path)!r} does not exist; check the path")
+        raise DataFileNotFoundError(f"data file {str(path)!r} does not exist; check the path")
     with path.open(encoding="utf-8") as f:
         for line_number, line in enumerate(f, start=1):
             if not line.strip():

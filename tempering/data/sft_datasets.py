@@ -47,6 +47,7 @@ from tempering.data.records import (
     require,
     split_off_val,
 )
+from tempering.errors import DataFileNotFoundError
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +131,7 @@ def load_squad_json(path: str | Path, on_bad_row: OnBadRow = "error") -> LoadedD
     """SQuAD-format JSON: one SFT example per question (first answer)."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"SQuAD file {str(path)!r} does not exist; check the path")
+        raise DataFileNotFoundError(f"SQuAD file {str(path)!r} does not exist; check the path")
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
@@ -188,7 +189,7 @@ def load_hf_sft(
         files = files or [source]
         for f in files:
             if not Path(f).is_file():
-                raise FileNotFoundError(f"data file {f!r} does not exist; check the path")
+                raise DataFileNotFoundError(f"data file {f!r} does not exist; check the path")
         ds = datasets.load_dataset("json", data_files=files, split="train", cache_dir=cache_dir)
     convert = (
         _messages_converter(messages_key)

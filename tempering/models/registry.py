@@ -19,6 +19,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from tempering.errors import UserInputError
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY_ARITH_DIR = REPO_ROOT / "models" / "tiny-arith"
 TINY_ARITH_CHAT_DIR = REPO_ROOT / "models" / "tiny-arith-chat"
@@ -26,7 +28,7 @@ TINY_ARITH_CHAT_DIR = REPO_ROOT / "models" / "tiny-arith-chat"
 _FALSE_VALUES = {"0", "false", "no", "off"}
 
 
-class ModelNotFoundError(FileNotFoundError):
+class ModelNotFoundError(FileNotFoundError, UserInputError):
     """A model name that is no registered name, no local folder and no cached hub id."""
 
 

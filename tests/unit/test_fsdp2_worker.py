@@ -164,7 +164,7 @@ def test_train_metrics_and_multiple_global_batches(make_worker) -> None:
     ev1 = worker.train(data, NLLLoss(), global_batch_size=6, eval_mode=True)
     ev2 = worker.train(data, NLLLoss(), global_batch_size=6, eval_mode=True)
     assert ev1["loss"] == pytest.approx(ev2["loss"], abs=1e-7)
-    after = worker.state_dict_for_refit()
+    after = weights()
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
@@ -222,3 +222,53 @@ def test_scheduler_drives_optimizer_lr_and_validates() -> None:
         build_lr_scheduler(opt, schedule="cosine", warmup_steps=5, total_steps=None)
     with pytest.raises(ValueError, match="unknown"):
         build_lr_scheduler(opt, schedule="exp")
+
+
+class _PoisonedNLL(NLLLoss):
+    """NLL made non-finite on purpose: ``"loss"`` turns the loss into NaN, ``"grad"`` keeps
+    the loss finite but makes the gradient infinite (d sqrt(u)/du at u = 0)."""
+
+    def __init__(self, where: str | None) -> None:
+        self.where = where
+
+    def __call__(self, logits, data, global_valid_toks, global_valid_seqs):
+        loss, metrics = super().__call__(logits, data, global_valid_toks, global_valid_seqs)
+        if self.where == "loss":
+            loss = loss * float("nan")
+        elif self.where == "grad":
+            loss = loss + torch.sqrt(logits.sum() - logits.sum().detach())
+        return loss, metrics
+
+
+def test_non_finite_steps_are_skipped_counted_and_stop_the_run(make_worker) -> None:
+    from tempering.models.policy.fsdp2_worker import NonFiniteTrainingError
+
+    worker = make_worker(learning_rate=1e-2, max_consecutive_nonfinite=3)
+    data = make_batch(LENGTHS)
+
+    def weights() -> dict[str, torch.Tensor]:  # copies: on CPU the state dict may alias
+        return {k: v.clone() for k, v in worker.state_dict_for_refit().items()}
+
+    before = weights()
+    lr_before = worker.scheduler.last_epoch
+    for where in ("loss", "grad"):
+        m = worker.train(data, _PoisonedNLL(where), global_batch_size=data.size)
+        assert m["num_nonfinite_skipped"] == 1.0, where
+        assert not math.isfinite(m["loss"] if where == "loss" else m["grad_norm"])
+    after = weights()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # no update at all
+    assert worker.scheduler.last_epoch == lr_before  # nor a schedule step
+    assert not worker.optimizer.state  # AdamW moments untouched (no step ever taken)
+
+    good = worker.train(data, _PoisonedNLL(None), global_batch_size=data.size)
+    assert good["num_nonfinite_skipped"] == 0.0 and math.isfinite(good["loss"])
+    moved = weights()
+    assert any(not torch.equal(before[k], moved[k]) for k in before)  # the streak was reset
+
+    worker.train(data, _PoisonedNLL("grad"), global_batch_size=data.size)
+    worker.train(data, _PoisonedNLL("grad"), global_batch_size=data.size)
+    with pytest.raises(NonFiniteTrainingError) as info:
+        worker.train(data, _PoisonedNLL("grad"), global_batch_size=data.size)
+    text = str(info.value)
+    assert "3 consecutive" in text and "max_consecutive_nonfinite_steps=3" in text
+    assert "grad_norm=" in text and "model.layers." in text  # names the non-finite gradients

@@ -49,7 +49,7 @@ def test_other_keys_and_hugging_face_sources(tmp_path):
     assert load_problem_rows(tmp_path / "hf", split="test") == [("What is 2+3?", "5")]
     table.to_parquet(str(tmp_path / "p.parquet"))
     assert len(load_problem_rows(tmp_path / "p.parquet")) == 3
-    with pytest.raises(KeyError, match="no split 'dev'"):
+    with pytest.raises(ValueError, match="no split 'dev'"):
         load_problem_rows(tmp_path / "hf", split="dev")
 
 

@@ -33,6 +33,7 @@ logits are unpacked to the padded layout before the loss, so every loss works un
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import time
@@ -86,6 +87,14 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """Too many optimizer steps in a row had a NaN/Inf loss or gradient."""
+
+
 class FSDP2PolicyWorker:
     """One rank of an FSDP2-sharded causal LM with optimizer, schedule and reference copy.
 
@@ -100,6 +109,9 @@ class FSDP2PolicyWorker:
         init_reference_model: keep a frozen, sharded copy of the initial weights.
         seed: torch seed on every rank.
         num_threads: ``torch.set_num_threads`` (CPU tests use 1).
+        max_consecutive_nonfinite: a step whose loss or gradient norm is NaN/Inf is skipped
+            (no update, counted as ``num_nonfinite_skipped``); this many in a row raise
+            `NonFiniteTrainingError` naming what was non-finite.
     """
 
     def __init__(
@@ -122,6 +134,7 @@ class FSDP2PolicyWorker:
         init_reference_model: bool = False,
         seed: int = 42,
         num_threads: int | None = None,
+        max_consecutive_nonfinite: int = 3,
     ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r} is unknown; use one of {PRECISIONS}")
@@ -131,6 +144,8 @@ class FSDP2PolicyWorker:
         self.model_path = str(model_path)
         self.export_dtype = getattr(torch, precision)  # final_hf keeps the configured precision
         self.max_grad_norm = max_grad_norm
+        self.max_consecutive_nonfinite = max_consecutive_nonfinite
+        self._nonfinite_streak = 0
         self._init_distributed()
 
         if self.device.type == "cuda" and precision == "bfloat16":
@@ -399,6 +414,7 @@ class FSDP2PolicyWorker:
                 # FSDP2 averages gradients over DP ranks; the loss is already a global sum.
                 (loss * self.world_size).backward()
 
+        (global_loss,) = self._all_reduce([loss_sum])
         result: dict[str, float] = {}
         if do_step:
             assert self.optimizer is not None and self.scheduler is not None
@@ -406,11 +422,17 @@ class FSDP2PolicyWorker:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
             result["grad_norm"] = float(_full(grad_norm))
             result["lr"] = float(self.optimizer.param_groups[0]["lr"])
-            self.optimizer.step()
-            self.scheduler.step()
+            # Numerics guard: the same decision on every rank (global loss, global norm).
+            finite = math.isfinite(global_loss) and math.isfinite(result["grad_norm"])
+            result["num_nonfinite_skipped"] = 0.0 if finite else 1.0
+            if finite:
+                self.optimizer.step()
+                self.scheduler.step()
+                self._nonfinite_streak = 0
+            else:
+                self._skip_nonfinite_step(global_loss, result["grad_norm"])
             self.optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - t0
-        (global_loss,) = self._all_reduce([loss_sum])
         (elapsed,) = self._all_reduce([elapsed], op=dist.ReduceOp.MAX)
         result.update(self._aggregate_loss_metrics(mb_metrics))
         result.update(
@@ -421,6 +443,35 @@ class FSDP2PolicyWorker:
             step_time_s=elapsed,
         )
         return result
+
+    def _skip_nonfinite_step(self, loss: float, grad_norm: float) -> None:
+        """Leave weights, optimizer state and schedule as they were; count the step; raise
+        NonFiniteTrainingError after ``max_consecutive_nonfinite`` in a row. Collective."""
+        self._nonfinite_streak += 1
+        bad = [
+            name
+            for name, p in self.model.named_parameters()
+            if p.grad is not None and not bool(torch.isfinite(_local(p.grad)).all())
+        ]
+        gathered: list[list[str]] = [[] for _ in range(self.world_size)]
+        dist.all_gather_object(gathered, bad[:5])
+        names = sorted({n for rank_names in gathered for n in rank_names})
+        what = (
+            f"loss={loss}, grad_norm={grad_norm}; non-finite gradients in {names or 'none'}"
+            f"{' (first 5 per rank)' if len(names) >= 5 else ''}"
+        )
+        logger.warning(
+            "non-finite training step skipped (%d in a row, limit %d): %s",
+            self._nonfinite_streak, self.max_consecutive_nonfinite, what,
+        )  # fmt: skip
+        if self._nonfinite_streak >= self.max_consecutive_nonfinite:
+            raise NonFiniteTrainingError(
+                f"{self._nonfinite_streak} consecutive optimizer steps were non-finite and "
+                f"skipped (policy.max_consecutive_nonfinite_steps="
+                f"{self.max_consecutive_nonfinite}); the last had {what}. Lower the learning "
+                "rate, clip gradients (policy.max_grad_norm), or check the data and rewards "
+                "for inf/NaN; the last checkpoint holds the weights before this."
+            )
 
     def _aggregate_loss_metrics(self, mb_metrics: list[dict[str, float]]) -> dict[str, float]:
         """Loss metrics over micro-batches and ranks, following loss_functions' conventions:
