@@ -68,7 +68,9 @@ class RowIssues:
         """Record a bad row at ``where`` (e.g. ``"17"`` or ``"row 3"``); raise unless skipping."""
         message = f"{self.source}:{where}: {reason}"
         if self.on_bad_row == "error":
-            raise DataFormatError(message + " (data.on_bad_row=skip skips and counts such rows instead)")
+            raise DataFormatError(
+                message + " (data.on_bad_row=skip skips and counts such rows instead)"
+            )
         self.reasons.append(message)
 
     def convert(self, where: str, row: Any, converter: Callable[[Any], T]) -> T | None:

@@ -115,6 +115,12 @@ def test_get_logprobs_matches_unsharded_forward(make_worker, tiny_llama_dir, mb_
         assert torch.all(got[:, 0] == 0)
 
 
+def _weights(worker: FSDP2PolicyWorker) -> dict[str, torch.Tensor]:
+    """Copies of the full weights: on CPU the gathered state dict can alias the parameters,
+    so a dict taken before a step would change with it."""
+    return {k: v.clone() for k, v in worker.state_dict_for_refit().items()}
+
+
 def _params_after_one_step(worker: FSDP2PolicyWorker, data: BatchedDataDict, **kw) -> dict:
     metrics = worker.train(data, NLLLoss(), global_batch_size=data.size, **kw)
     return {"metrics": metrics, "params": worker.state_dict_for_refit()}
@@ -160,11 +166,11 @@ def test_train_metrics_and_multiple_global_batches(make_worker) -> None:
         last = worker.train(data, NLLLoss(), global_batch_size=6, micro_batch_size=3)
     assert last["loss"] < first["loss"] - 0.3
     # eval_mode computes the loss without changing the weights
-    before = worker.state_dict_for_refit()
+    before = _weights(worker)
     ev1 = worker.train(data, NLLLoss(), global_batch_size=6, eval_mode=True)
     ev2 = worker.train(data, NLLLoss(), global_batch_size=6, eval_mode=True)
     assert ev1["loss"] == pytest.approx(ev2["loss"], abs=1e-7)
-    after = weights()
+    after = _weights(worker)
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
@@ -245,24 +251,20 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(make_worker) -> N
 
     worker = make_worker(learning_rate=1e-2, max_consecutive_nonfinite=3)
     data = make_batch(LENGTHS)
-
-    def weights() -> dict[str, torch.Tensor]:  # copies: on CPU the state dict may alias
-        return {k: v.clone() for k, v in worker.state_dict_for_refit().items()}
-
-    before = weights()
+    before = _weights(worker)
     lr_before = worker.scheduler.last_epoch
     for where in ("loss", "grad"):
         m = worker.train(data, _PoisonedNLL(where), global_batch_size=data.size)
         assert m["num_nonfinite_skipped"] == 1.0, where
         assert not math.isfinite(m["loss"] if where == "loss" else m["grad_norm"])
-    after = weights()
+    after = _weights(worker)
     assert all(torch.equal(before[k], after[k]) for k in before)  # no update at all
     assert worker.scheduler.last_epoch == lr_before  # nor a schedule step
     assert not worker.optimizer.state  # AdamW moments untouched (no step ever taken)
 
     good = worker.train(data, _PoisonedNLL(None), global_batch_size=data.size)
     assert good["num_nonfinite_skipped"] == 0.0 and math.isfinite(good["loss"])
-    moved = weights()
+    moved = _weights(worker)
     assert any(not torch.equal(before[k], moved[k]) for k in before)  # the streak was reset
 
     worker.train(data, _PoisonedNLL("grad"), global_batch_size=data.size)
