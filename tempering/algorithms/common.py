@@ -77,8 +77,11 @@ def build_policy_from_config(
     init_reference_model: bool = False,
     seed: int = 42,
     name_prefix: str = "policy",
+    head: str = "causal_lm",
+    pad_token_id: int | None = None,
 ) -> Any:
-    """An FSDP2 `Policy` over `cluster` with the optimizer and schedule of `policy_cfg`."""
+    """An FSDP2 `Policy` over `cluster` with the optimizer and schedule of `policy_cfg`
+    (``head="score"``: a reward model's workers, see `tempering.models.policy.reward_model`)."""
     from tempering.models.policy.lm_policy import build_policy
     from tempering.models.registry import resolve_model_path
 
@@ -117,6 +120,8 @@ def build_policy_from_config(
         seed=seed,
         num_threads=policy_cfg.num_threads,
         name_prefix=name_prefix,
+        head=head,
+        pad_token_id=pad_token_id,
     )
 
 
@@ -138,6 +143,45 @@ def build_logger(
         config=resolved_config,
         resume_step=resume_step,
     )
+
+
+def build_resource_monitor(
+    logger_cfg: LoggerConfig,
+    *,
+    policy: Any = None,
+    generation: Any = None,
+    environments: Any = (),
+) -> Any | None:
+    """Per-role CPU/memory/GPU metrics (``logger.monitor_gpus``): the controller, the policy
+    workers, split generation workers and environment actors (``utils/resources.py``)."""
+    if not logger_cfg.monitor_gpus:
+        return None
+    from tempering.utils.resources import ResourceMonitor, process_usage
+
+    sources: dict[str, Any] = {"controller": lambda: [process_usage()]}
+    if policy is not None:
+        sources["policy"] = policy.worker_group.resource_usage
+    group = getattr(generation, "worker_group", None)
+    if group is not None and group is not getattr(policy, "worker_group", None):
+        sources["generation"] = group.resource_usage
+    actors = [e for e in {id(e): e for e in environments}.values() if hasattr(e, "resource_usage")]
+    if actors:
+        import ray
+
+        from tempering.distributed.deadlines import deadline_s
+
+        def environment_usage() -> list[dict[str, float]]:
+            refs = [a.resource_usage.remote() for a in actors]
+            return ray.get(refs, timeout=deadline_s("environment"))
+
+        sources["environment"] = environment_usage
+    return ResourceMonitor(sources)
+
+
+def log_resources(monitor: Any | None, logger: Any, step: int) -> None:
+    """One ``resources/*`` record for ``step`` when monitoring is on."""
+    if monitor is not None:
+        logger.log_metrics(monitor.sample(), step)
 
 
 def build_checkpointer(ckpt_cfg: CheckpointingConfig) -> Any | None:

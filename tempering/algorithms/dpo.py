@@ -58,6 +58,7 @@ TRAIN_METRICS = (
     "grad_norm",
     "lr",
     "tokens_per_s",
+    "num_nonfinite_skipped",
 )
 VAL_METRICS = (
     "loss",
@@ -163,6 +164,7 @@ class DPORun:
     start_step: int
     final_step: int = 0
     generation: Any = None  # colocated greedy generation for validation, built on first use
+    monitor: Any = None  # per-role resource metrics (logger.monitor_gpus)
 
     def close(self) -> None:
         """Free what the run started: logger, policy workers, placement groups."""
@@ -230,6 +232,7 @@ def setup(cfg: DPOMasterConfig, resolved: dict[str, Any]) -> DPORun:
         logger,
         checkpointer,
         start_step,
+        monitor=common.build_resource_monitor(cfg.logger, policy=policy),
     )
 
 
@@ -280,6 +283,7 @@ def train(run: DPORun) -> dict[str, Any]:
                 {k: metrics[k] for k in TRAIN_METRICS if k in metrics}, step, prefix="train"
             )
             run.logger.log_metrics({"step_s": step_s}, step, prefix="timing")
+            common.log_resources(run.monitor, run.logger, step)
             is_last = step == cfg.max_num_steps
             if cfg.val_period and (step % cfg.val_period == 0 or is_last):
                 val = validate(run, step)

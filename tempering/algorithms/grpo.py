@@ -162,6 +162,7 @@ class GRPORun:
     server: Any = None  # OpenAIServer when policy.generation.http_server.enabled
     prior_wall_time_s: float = 0.0  # training time of the runs this one resumed
     history: list[dict[str, float]] = field(default_factory=list)
+    monitor: Any = None  # per-role resource metrics (logger.monitor_gpus)
 
     def close(self) -> None:
         """Free what the run started: server, logger, generation, environments, policy
@@ -243,6 +244,9 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any]) -> GRPORun:
         turns,
         server,
         prior_wall_time_s=float(info.get("wall_time_s", 0.0)),
+        monitor=common.build_resource_monitor(
+            cfg.logger, policy=policy, generation=generation, environments=environments.values()
+        ),
     )
 
 
@@ -332,6 +336,7 @@ def train(run: GRPORun) -> dict[str, Any]:
             metrics = grpo_step(run, loss_fn, step + 1)
             step += 1
             run.logger.log_metrics(metrics, step)
+            common.log_resources(run.monitor, run.logger, step)
             is_last = step == cfg.grpo.max_num_steps or deadline.passed()
             if cfg.grpo.val_period and (step % cfg.grpo.val_period == 0 or is_last):
                 val = validate(run, step)

@@ -35,7 +35,15 @@ from tempering.config.schemas import RMMasterConfig
 
 log = logging.getLogger(__name__)
 
-TRAIN_METRICS = ("loss", "accuracy", "margin", "grad_norm", "lr", "tokens_per_s")
+TRAIN_METRICS = (
+    "loss",
+    "accuracy",
+    "margin",
+    "grad_norm",
+    "lr",
+    "tokens_per_s",
+    "num_nonfinite_skipped",
+)
 
 
 @dataclass
@@ -51,6 +59,7 @@ class RMRun:
     checkpointer: Any
     start_step: int
     final_step: int = 0
+    monitor: Any = None  # per-role resource metrics (logger.monitor_gpus)
 
     def close(self) -> None:
         """Free what the run started: logger, reward-model workers, placement groups."""
@@ -62,8 +71,7 @@ class RMRun:
 def setup(cfg: RMMasterConfig, resolved: dict[str, Any]) -> RMRun:
     from tempering.data.collate import pad_token_id_of
     from tempering.data.dataloader import StatefulDataLoader
-    from tempering.models.policy.reward_model_worker import build_reward_model
-    from tempering.models.registry import resolve_model_path
+    from tempering.models.policy.reward_model import RewardModel
 
     pol = cfg.policy
     dp = cfg.cluster.num_nodes * (cfg.cluster.gpus_per_node or cfg.cluster.workers_per_node)
@@ -79,10 +87,7 @@ def setup(cfg: RMMasterConfig, resolved: dict[str, Any]) -> RMRun:
         dp,
         "rm.val_global_batch_size / val_micro_batch_size",
     )
-    if pol.precision != "float32":
-        log.warning("policy.precision=%s: the reward-model worker trains in float32", pol.precision)
     common.prepare_run(cfg.deadlines, cfg.logger.log_dir)
-    model_path = resolve_model_path(pol.model_name)
     tokenizer = common.load_run_tokenizer(pol)
     data = load_preference_data(cfg.data)
     max_len = pol.max_total_sequence_length
@@ -92,27 +97,18 @@ def setup(cfg: RMMasterConfig, resolved: dict[str, Any]) -> RMRun:
         seed=cfg.rm.seed,
         collate_fn=lambda pairs: preference_batch(pairs, tokenizer, max_len),
     )
-    opt = pol.optimizer
     common.start_ray(cfg.cluster)  # the inputs are good: now the workers
     cluster = common.build_cluster(cfg.cluster, "rm")
-    reward_model = build_reward_model(
-        cluster,
-        model_path,
-        pad_token_id=pad_token_id_of(tokenizer),
-        train_global_batch_size=pol.train_global_batch_size,
-        train_micro_batch_size=pol.train_micro_batch_size,
-        learning_rate=opt.kwargs.lr,
-        weight_decay=opt.kwargs.weight_decay,
-        betas=opt.kwargs.betas,
-        eps=opt.kwargs.eps,
-        optimizer=common._OPTIMIZERS.get(opt.name, opt.name),
-        max_grad_norm=pol.max_grad_norm,
-        lr_schedule=pol.scheduler.name,
-        warmup_steps=pol.scheduler.warmup_steps,
-        total_steps=cfg.rm.max_num_steps,
-        min_lr_ratio=pol.scheduler.min_lr_ratio,
-        seed=cfg.rm.seed,
-        num_threads=pol.num_threads,
+    reward_model = RewardModel(
+        common.build_policy_from_config(
+            pol,
+            cluster,
+            total_steps=cfg.rm.max_num_steps,
+            seed=cfg.rm.seed,
+            name_prefix="reward_model",
+            head="score",
+            pad_token_id=pad_token_id_of(tokenizer),
+        )
     )
     checkpointer = common.build_checkpointer(cfg.checkpointing)
     start_step, _ = common.maybe_resume(checkpointer, reward_model, dataloader)
@@ -129,6 +125,7 @@ def setup(cfg: RMMasterConfig, resolved: dict[str, Any]) -> RMRun:
         logger,
         checkpointer,
         start_step,
+        monitor=common.build_resource_monitor(cfg.logger, policy=reward_model.policy),
     )
 
 
@@ -154,6 +151,7 @@ def train(run: RMRun) -> dict[str, Any]:
                 {k: metrics[k] for k in TRAIN_METRICS if k in metrics}, step, prefix="train"
             )
             run.logger.log_metrics({"step_s": time.perf_counter() - t0}, step, prefix="timing")
+            common.log_resources(run.monitor, run.logger, step)
             is_last = step == cfg.max_num_steps
             if cfg.val_period and (step % cfg.val_period == 0 or is_last):
                 val = validate(run, step)

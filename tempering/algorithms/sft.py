@@ -101,6 +101,7 @@ class SFTRun:
     logger: Any
     checkpointer: Any
     start_step: int
+    monitor: Any = None  # per-role resource metrics (logger.monitor_gpus)
 
     def close(self) -> None:
         """Free what the run started: logger, policy workers, placement groups."""
@@ -155,6 +156,7 @@ def setup(cfg: SFTMasterConfig, resolved: dict[str, Any]) -> SFTRun:
         logger,
         checkpointer,
         start_step,
+        common.build_resource_monitor(cfg.logger, policy=policy),
     )
 
 
@@ -182,6 +184,7 @@ def train(run: SFTRun) -> dict[str, float]:
             metrics["step_s"] = time.perf_counter() - t0
             run.logger.log_metrics(_train_metrics(metrics), step, prefix="train")
             run.logger.log_metrics({"step_s": metrics["step_s"]}, step, prefix="timing")
+            common.log_resources(run.monitor, run.logger, step)
             is_last = step == cfg.max_num_steps
             if cfg.val_period and (step % cfg.val_period == 0 or is_last):
                 val_metrics = validate(run, step)
@@ -220,7 +223,7 @@ def train(run: SFTRun) -> dict[str, float]:
 
 
 def _train_metrics(m: dict[str, float]) -> dict[str, float]:
-    keep = ("loss", "grad_norm", "lr", "num_valid_tokens", "tokens_per_s")
+    keep = ("loss", "grad_norm", "lr", "num_valid_tokens", "tokens_per_s", "num_nonfinite_skipped")
     return {k: m[k] for k in keep if k in m}
 
 

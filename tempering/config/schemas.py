@@ -226,20 +226,13 @@ class LoggerConfig(Section):
     wandb_enabled: bool = False
     tensorboard_enabled: bool = True
     mlflow_enabled: bool = False
-    monitor_gpus: bool = Field(False, description="not implemented yet; only false")
+    monitor_gpus: bool = Field(
+        True, description="per-role CPU, memory and GPU use in metrics.jsonl (resources/*)"
+    )
     num_val_samples_to_print: int = Field(3, ge=0)
     wandb: WandbConfig = WandbConfig()
     tensorboard: TensorboardConfig = TensorboardConfig()
     mlflow: MlflowConfig = MlflowConfig()
-
-    @model_validator(mode="after")
-    def _implemented(self) -> LoggerConfig:
-        _refuse_unimplemented(self, "logger", {
-            "monitor_gpus": (False, "per-worker GPU/CPU utilisation metrics are not "
-                             "implemented yet (timing/* and throughput/* are logged every "
-                             "step); set it false"),
-        })  # fmt: skip
-        return self
 
 
 class DeadlinesConfig(Section):

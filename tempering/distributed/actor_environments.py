@@ -112,7 +112,6 @@ PY_EXECUTABLES = make_py_executables(torch_group())
 # The one registry: worker class FQN -> executable. Plugins call register_actor_environment().
 ACTOR_ENVIRONMENT_REGISTRY: dict[str, str] = {
     "tempering.models.policy.fsdp2_worker.FSDP2PolicyWorker": PY_EXECUTABLES.SYSTEM,
-    "tempering.models.policy.reward_model_worker.RewardModelWorker": PY_EXECUTABLES.SYSTEM,
     "tempering.models.generation.torch_worker.TorchGenerationWorker": PY_EXECUTABLES.SYSTEM,
     "tempering.models.generation.vllm_worker.VllmGenerationWorker": PY_EXECUTABLES.VLLM,
     "tempering.distributed.testing_workers.EchoWorker": PY_EXECUTABLES.SYSTEM,

@@ -148,6 +148,12 @@ class IsolatedWorkerInitializer:
             raise AttributeError(f"worker class {self._fqn} has no method {_method_name!r}")
         return method(*args, **kwargs)
 
+    def resource_usage(self) -> dict[str, float]:
+        """This process's CPU time, peak memory and GPU use (``tempering.utils.resources``)."""
+        from tempering.utils.resources import process_usage
+
+        return process_usage()
+
     def shutdown_worker(self) -> None:
         """Call the worker's own ``shutdown()`` when it has one."""
         shutdown = getattr(self._worker, "shutdown", None)
@@ -398,6 +404,13 @@ class RayWorkerGroup:
                 worker_traceback=detail,
                 **context,
             ) from None
+
+    def resource_usage(self) -> list[dict[str, float]]:
+        """Every worker's `process_usage`, in rank order (for `ResourceMonitor`)."""
+        refs = [w.resource_usage.remote() for w in self.workers]
+        n = len(refs)
+        return self._gather(refs, ["resource_usage"] * n, list(range(n)),
+                            deadlines.deadline_s("call"), "call")  # fmt: skip
 
     def dump_stacks(self, ranks: Sequence[int], wait_s: float = 3.0) -> list[str]:
         """Ask workers ``ranks`` to write their Python stacks (``SIGUSR1``); return the files

@@ -78,7 +78,8 @@ def create_environment_actor(name: str, **kwargs: Any) -> Any:
 
 
 def _with_fault_hook(cls: type) -> type:
-    """``cls`` whose ``step`` first passes the reliability tests' fault hook (``faults.py``)."""
+    """``cls`` as an actor class: its ``step`` first passes the reliability tests' fault hook
+    (``faults.py``), and ``resource_usage`` reports the actor's process (``resources.py``)."""
 
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
         from tempering.utils import faults
@@ -86,7 +87,13 @@ def _with_fault_hook(cls: type) -> type:
         faults.maybe_fault("environment", "environment")
         return cls.step(self, *args, **kwargs)
 
-    return type(cls.__name__, (cls,), {"step": step, "__module__": cls.__module__})
+    def resource_usage(self: Any) -> dict[str, float]:
+        from tempering.utils.resources import process_usage
+
+        return process_usage()
+
+    methods = {"step": step, "resource_usage": resource_usage, "__module__": cls.__module__}
+    return type(cls.__name__, (cls,), methods)
 
 
 def route_step(

@@ -44,14 +44,21 @@ def save_hf_folder(
     hf_config: Any,
     tokenizer_source: str | None,
     dtype: torch.dtype | None = None,
+    head: str = "causal_lm",
 ) -> Path:
-    """Write an HF folder atomically (replacing an existing one); returns its path."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    """Write an HF folder atomically (replacing an existing one); returns its path.
+    ``head="score"``: a reward model that ``AutoModelForSequenceClassification`` loads."""
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        GenerationConfig,
+    )
 
     from tempering.models.hf import load_tokenizer
 
+    auto = AutoModelForSequenceClassification if head == "score" else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
+        model = auto.from_config(hf_config)
     sd = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
           for k, v in state_dict.items()}  # fmt: skip
     missing, unexpected = model.load_state_dict(sd, assign=True, strict=False)
@@ -67,10 +74,11 @@ def save_hf_folder(
         model.config.dtype = dtype
     with atomic_directory(path, overwrite=True) as tmp:
         model.save_pretrained(tmp)
-        try:  # sampling defaults from the source model when it has them
-            GenerationConfig.from_pretrained(tokenizer_source).save_pretrained(tmp)
-        except (OSError, TypeError, ValueError):
-            GenerationConfig.from_model_config(model.config).save_pretrained(tmp)
+        if head != "score":  # a reward model generates nothing
+            try:  # sampling defaults from the source model when it has them
+                GenerationConfig.from_pretrained(tokenizer_source).save_pretrained(tmp)
+            except (OSError, TypeError, ValueError):
+                GenerationConfig.from_model_config(model.config).save_pretrained(tmp)
         if tokenizer_source is not None:
             try:
                 load_tokenizer(tokenizer_source).save_pretrained(tmp)

@@ -36,3 +36,22 @@ def load_causal_lm(
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=hub_offline())
     model.eval()
     return model
+
+
+def load_sequence_classifier(
+    name_or_path: str | os.PathLike[str], pad_token_id: int, dtype: torch.dtype = torch.float32
+) -> PreTrainedModel:
+    """``AutoModelForSequenceClassification`` with one label (a reward model), on CPU.
+
+    From a causal-LM folder the body is the LM's and the ``score`` head is new (transformers
+    says so); ``config.pad_token_id`` makes HF pool the score at the last non-pad token.
+    """
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    path = resolve_model_path(name_or_path)
+    config = AutoConfig.from_pretrained(path, local_files_only=hub_offline())
+    config.num_labels = 1
+    config.pad_token_id = pad_token_id
+    return AutoModelForSequenceClassification.from_pretrained(
+        path, config=config, dtype=dtype, local_files_only=hub_offline()
+    )

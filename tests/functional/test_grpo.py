@@ -191,3 +191,23 @@ def test_the_generation_server_serves_this_backend(grpo_run):
     trainer = run.policy.get_logprobs(data)["logprobs"][0, len(prompt) :]
     diff = (trainer - torch.tensor(message["generation_log_probs"])).abs().max()
     assert diff < atol, f"{backend}: server log-probs vs trainer differ by {float(diff):.2e}"
+
+
+def test_resource_metrics_cover_every_role(grpo_run):
+    """logger.monitor_gpus (on by default): a step's resources/* name each process role, with
+    the CPU the step kept busy and each role's peak memory."""
+    from tempering.algorithms.grpo import grpo_step
+    from tempering.algorithms.loss_functions import ClippedPGLoss
+
+    backend, run, _ = grpo_run
+    run.monitor.sample()  # start the interval here
+    grpo_step(run, ClippedPGLoss())
+    m = run.monitor.sample()
+    roles = {"controller", "policy", "environment"} | (
+        {"generation"} if backend != "torch" else set()
+    )
+    assert {k.split("/")[1] for k in m} == roles, sorted(m)
+    for role in roles:
+        assert m[f"resources/{role}/peak_rss_gb"] > 0.05, role  # a Python process with imports
+    # the policy trained (and, colocated, generated) in the interval: its workers were busy
+    assert m["resources/policy/cpu_cores"] > 0.05

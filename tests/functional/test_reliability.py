@@ -63,8 +63,8 @@ def _records(out: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if not _is_timing(k)} for r in rows]
 
 
-def _is_timing(key: str) -> bool:
-    return key.startswith(("timing/", "throughput/")) or key.endswith(("_s", "per_s"))
+def _is_timing(key: str) -> bool:  # and resource use (CPU time, peak memory)
+    return key.startswith(("timing/", "throughput/", "resources/")) or key.endswith(("_s", "per_s"))
 
 
 def _assert_same_run(got: list[dict], want: list[dict], what: str) -> None:

@@ -28,7 +28,6 @@ REFUSED_UNLESS_DEFAULT = {
     "policy.dtensor_cfg.sequence_parallel": True,
     "policy.dynamic_batching.sequence_length_round": 64,
     "policy.generation_batch_size": 32,
-    "logger.monitor_gpus": True,
     "data.max_input_seq_length": 1024,
 }
 # Fields whose only allowed value is their default (a Literal of one), so nothing to read.

@@ -246,3 +246,25 @@ def test_atomic_directory_commit_failure_and_overwrite(tmp_path: Path) -> None:
         (tmp3 / "model.pt").write_text("new")
     assert (final / "model.pt").read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]
+
+
+def test_resource_monitor_turns_samples_into_rates_per_role():
+    from tempering.utils.resources import ResourceMonitor, process_usage
+
+    samples = iter(
+        [
+            [{"cpu_s": 1.0, "wall_s": 10.0, "peak_rss_gb": 0.5}, {"cpu_s": 0.0, "wall_s": 10.0, "peak_rss_gb": 0.7}],
+            [{"cpu_s": 3.0, "wall_s": 12.0, "peak_rss_gb": 0.6}, {"cpu_s": 1.0, "wall_s": 12.0, "peak_rss_gb": 0.7,
+              "peak_gpu_mem_gb": 3.0, "gpu_util": 0.5}],
+            [{"cpu_s": 4.0, "wall_s": 13.0, "peak_rss_gb": 0.6}],  # a worker fewer: no rate
+        ]
+    )  # fmt: skip
+    monitor = ResourceMonitor({"policy": lambda: next(samples)})  # takes the first as baseline
+    m = monitor.sample()
+    assert m["resources/policy/cpu_cores"] == 1.5  # (2 + 1) CPU-s over 2 s of wall time
+    assert m["resources/policy/peak_rss_gb"] == 0.7
+    assert m["resources/policy/peak_gpu_mem_gb"] == 3.0 and m["resources/policy/gpu_util"] == 0.5
+    m = monitor.sample()
+    assert "resources/policy/cpu_cores" not in m and m["resources/policy/peak_rss_gb"] == 0.6
+    here = process_usage()
+    assert here["cpu_s"] > 0 and here["peak_rss_gb"] > 0.01 and "peak_gpu_mem_gb" not in here

@@ -1,4 +1,5 @@
-"""Reward model without Ray: `RewardModelWorker` built in this process (one rank, gloo, CPU),
+"""Reward model without Ray: the policy worker with a score head (``FSDP2PolicyWorker(head=
+"score")``, what `RewardModel` runs) built in this process (one rank, gloo, CPU),
 its HF export, and `RewardModelEnvironment` loading that export.
 
 - pooling at the last non-pad token: a row's score does not depend on the padding after it;
@@ -16,9 +17,13 @@ import pytest
 import torch
 
 from tempering.algorithms.dpo import load_preference_data, preference_batch
+from tempering.algorithms.loss_functions import BradleyTerryLoss
 from tempering.config.schemas import DataConfig
 from tempering.environments.interfaces import EnvironmentInterface
 from tempering.environments.registry import get_environment_class
+from tempering.models.policy.fsdp2_worker import FSDP2PolicyWorker
+
+BT = BradleyTerryLoss()
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +47,6 @@ def pairs():
 
 @pytest.fixture
 def make_worker(tiny_arith_dir: str, tokenizer, monkeypatch: pytest.MonkeyPatch):
-    from tempering.models.policy.reward_model_worker import RewardModelWorker
-
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
     built: list = []
@@ -53,8 +56,13 @@ def make_worker(tiny_arith_dir: str, tokenizer, monkeypatch: pytest.MonkeyPatch)
             built[-1].shutdown()
         kwargs.setdefault("learning_rate", 3e-3)
         built.append(
-            RewardModelWorker(
-                tiny_arith_dir, pad_token_id=tokenizer.pad_token_id, num_threads=1, seed=0, **kwargs
+            FSDP2PolicyWorker(
+                tiny_arith_dir,
+                head="score",
+                pad_token_id=tokenizer.pad_token_id,
+                num_threads=1,
+                seed=0,
+                **kwargs,
             )
         )
         return built[-1]
@@ -85,7 +93,7 @@ def test_microbatches_sum_to_the_full_batch_gradient(make_worker, tokenizer, pai
     params = []
     for mbs in (16, 2):
         worker = make_worker(optimizer="sgd", learning_rate=0.5, max_grad_norm=None)
-        m = worker.train(batch, global_batch_size=16, micro_batch_size=mbs)
+        m = worker.train(batch, BT, global_batch_size=16, micro_batch_size=mbs)
         sd = {k: v.full_tensor().clone() for k, v in worker.model.state_dict().items()}
         params.append((m, sd))
     (m_full, sd_full), (m_mb, sd_mb) = params
@@ -99,13 +107,12 @@ def test_microbatches_sum_to_the_full_batch_gradient(make_worker, tokenizer, pai
 @pytest.fixture(scope="module")
 def trained_export(tiny_arith_dir, tokenizer, pairs, tmp_path_factory):
     """Train on a fixed batch until it separates the pairs; export; return (path, scores)."""
-    from tempering.models.policy.reward_model_worker import RewardModelWorker
-
     mp = pytest.MonkeyPatch()
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         mp.delenv(var, raising=False)
-    worker = RewardModelWorker(
+    worker = FSDP2PolicyWorker(
         tiny_arith_dir,
+        head="score",
         pad_token_id=tokenizer.pad_token_id,
         learning_rate=3e-3,
         num_threads=1,
@@ -113,11 +120,11 @@ def trained_export(tiny_arith_dir, tokenizer, pairs, tmp_path_factory):
     )
     try:
         batch = preference_batch(pairs, tokenizer, 32)
-        first = worker.train(batch, global_batch_size=32, micro_batch_size=16, eval_mode=True)
+        first = worker.train(batch, BT, global_batch_size=32, micro_batch_size=16, eval_mode=True)
         history = [
-            worker.train(batch, global_batch_size=32, micro_batch_size=16) for _ in range(25)
+            worker.train(batch, BT, global_batch_size=32, micro_batch_size=16) for _ in range(25)
         ]
-        last = worker.train(batch, global_batch_size=32, micro_batch_size=16, eval_mode=True)
+        last = worker.train(batch, BT, global_batch_size=32, micro_batch_size=16, eval_mode=True)
         path = tmp_path_factory.mktemp("rm_export") / "final_hf"
         worker.export_hf(str(path))
         scores = worker.score(batch, 16)["scores"]

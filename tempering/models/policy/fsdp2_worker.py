@@ -69,6 +69,9 @@ from tempering.utils import faults
 logger = logging.getLogger(__name__)
 
 PRECISIONS = ("float32", "bfloat16")
+# What the model ends in: next-token logits (a policy), or one score per sequence (a reward
+# model: AutoModelForSequenceClassification with one label, trained with BradleyTerryLoss).
+HEADS = ("causal_lm", "score")
 SCHEDULER_FILE = "scheduler.pt"
 RNG_FILE = "rng_rank{rank}.pt"
 # Losses whose ``global_valid_seqs`` counts chosen/rejected PAIRS (see loss_functions).
@@ -109,6 +112,9 @@ class FSDP2PolicyWorker:
         init_reference_model: keep a frozen, sharded copy of the initial weights.
         seed: torch seed on every rank.
         num_threads: ``torch.set_num_threads`` (CPU tests use 1).
+        head: "causal_lm" (a policy) or "score" (a reward model: `forward` gives ``[B]``
+            scores, pooled at the last non-pad token, so ``pad_token_id`` is required).
+        pad_token_id: the tokenizer's pad id (for ``head="score"``).
         max_consecutive_nonfinite: a step whose loss or gradient norm is NaN/Inf is skipped
             (no update, counted as ``num_nonfinite_skipped``); this many in a row raise
             `NonFiniteTrainingError` naming what was non-finite.
@@ -135,9 +141,18 @@ class FSDP2PolicyWorker:
         seed: int = 42,
         num_threads: int | None = None,
         max_consecutive_nonfinite: int = 3,
+        head: str = "causal_lm",
+        pad_token_id: int | None = None,
     ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r} is unknown; use one of {PRECISIONS}")
+        if head not in HEADS or (head == "score" and pad_token_id is None):
+            raise ValueError(
+                f"head={head!r} (pad_token_id={pad_token_id}): use one of {HEADS}; 'score' "
+                "needs the tokenizer's pad_token_id (the score is read at the last real token)"
+            )
+        self.head = head
+        self.pad_token_id = pad_token_id
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         torch.manual_seed(seed)
@@ -219,9 +234,13 @@ class FSDP2PolicyWorker:
         self.mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
 
     def _load_sharded(self, activation_checkpointing: bool) -> torch.nn.Module:
-        from tempering.models.hf import load_causal_lm
+        from tempering.models.hf import load_causal_lm, load_sequence_classifier
 
-        model = load_causal_lm(self.model_path, dtype=torch.float32)
+        if self.head == "score":
+            assert self.pad_token_id is not None
+            model = load_sequence_classifier(self.model_path, self.pad_token_id)
+        else:
+            model = load_causal_lm(self.model_path, dtype=torch.float32)
         use_packed_sdpa(model)  # packed micro-batches cost their sequences, not their bins
         self.hf_config = model.config
         if activation_checkpointing:
@@ -252,7 +271,15 @@ class FSDP2PolicyWorker:
     def _forward_logits(
         self, model: torch.nn.Module, mb: BatchedDataDict, packed: PackedBin | None = None
     ) -> torch.Tensor:
-        """``[B, S, V]`` float logits of micro-batch ``mb`` (computed packed when ``packed``)."""
+        """``[B, S, V]`` float logits of micro-batch ``mb`` (computed packed when ``packed``);
+        ``[B]`` scores for ``head="score"``."""
+        if self.head == "score":
+            if packed is not None:
+                raise ValueError("a reward model (head='score') does not take packed batches")
+            ids = mb["input_ids"]
+            seq = torch.arange(ids.shape[1], device=ids.device)
+            attention_mask = (seq[None, :] < mb["input_lengths"][:, None]).long()
+            return model(input_ids=ids, attention_mask=attention_mask).logits.float()[:, 0]
         if packed is not None:
             # One row holding every sequence; transformers builds a block-diagonal causal mask
             # from position_ids that restart at 0 when attention_mask is None.
@@ -508,6 +535,7 @@ class FSDP2PolicyWorker:
     ) -> BatchedDataDict:
         """``{"logprobs": [B, S]}`` (CPU float32) in the contract layout; 0 at t=0 and padding."""
         faults.maybe_fault("policy", "logprobs")
+        self._require_head("causal_lm", "get_logprobs")
         batching = (micro_batch_size, max_tokens_per_microbatch, pack_sequences)
         return BatchedDataDict(logprobs=self._logprobs(self.model, data, batching, temperature))
 
@@ -532,6 +560,29 @@ class FSDP2PolicyWorker:
                 self.reference_model, data, batching, temperature
             )
         )
+
+    @torch.no_grad()
+    def score(self, data: BatchedDataDict, micro_batch_size: int) -> BatchedDataDict:
+        """``{"scores": [B]}`` (CPU float32) of a reward model (``head="score"``), in order."""
+        self._require_head("score", "score")
+        self.model.eval()
+        view = BatchedDataDict(input_ids=data["input_ids"], input_lengths=data["input_lengths"])
+        mbs, _, _ = (
+            self._microbatches(view, micro_batch_size, None) if view.size else ([], [], None)
+        )
+        out = [torch.zeros(0)]
+        for i in range(self._equalise(len(mbs))):
+            if i < len(mbs):
+                out.append(self._forward_logits(self.model, mbs[i].to(self.device)).cpu())
+            else:  # padding pass, result dropped
+                self._forward_logits(self.model, _dummy_batch(self.device))
+        return BatchedDataDict(scores=torch.cat(out))
+
+    def _require_head(self, head: str, method: str) -> None:
+        if self.head != head:
+            raise RuntimeError(
+                f"{method} needs a worker built with head={head!r}, not {self.head!r}"
+            )
 
     @torch.no_grad()
     def _logprobs(
@@ -640,7 +691,9 @@ class FSDP2PolicyWorker:
         if self.rank == 0:
             from tempering.models.export import save_hf_folder
 
-            save_hf_folder(path, sd, self.hf_config, self.model_path, self.export_dtype)
+            save_hf_folder(
+                path, sd, self.hf_config, self.model_path, self.export_dtype, head=self.head
+            )
         dist.barrier()
 
     # ------------------------------------------------- colocation with generation
@@ -668,6 +721,7 @@ class FSDP2PolicyWorker:
         from tempering.models.generation.torch_engine import TorchGenerationEngine
         from tempering.models.hf import load_causal_lm, load_tokenizer
 
+        self._require_head("causal_lm", "init_colocated_generation")
         args = dict(sampling)
         if args.get("seed") is None:  # distinct, reproducible streams per rank
             args["seed"] = int(torch.initial_seed()) + 1000 * self.rank

@@ -227,6 +227,8 @@ def build_policy(
     num_threads: int | None = None,
     name_prefix: str = "policy",
     env_vars: dict[str, str] | None = None,
+    head: str = "causal_lm",
+    pad_token_id: int | None = None,
 ) -> Policy:
     """Start one `FSDP2PolicyWorker` per bundle of `cluster` and wrap them in a `Policy`.
 
@@ -259,6 +261,8 @@ def build_policy(
         init_reference_model=init_reference_model,
         seed=seed,
         num_threads=num_threads,
+        head=head,
+        pad_token_id=pad_token_id,
     )
     group = RayWorkerGroup(cluster, builder, name_prefix=name_prefix, env_vars=env_vars)
     try:
