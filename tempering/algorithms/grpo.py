@@ -286,7 +286,13 @@ def build_environments(cfg: GRPOMasterConfig, task_names: set[str]) -> dict[str,
     """One environment actor per task name in the data (plus a custom reward fn if set)."""
     from tempering.environments.registry import create_environment_actor
 
-    math = {"num_workers": cfg.env.math.num_workers, "timeout_s": cfg.env.math.timeout_s}
+    m = cfg.env.math
+    math = {
+        "num_workers": m.num_workers,
+        "timeout_s": m.timeout_s,
+        "memory_limit_mb": m.memory_limit_mb,  # each sandboxed verifier process
+        "cpu_limit_s": m.cpu_limit_s,
+    }
     kwargs: dict[str, dict[str, Any]] = {
         "math": math,
         "arithmetic_retry": cfg.env.arithmetic_retry.model_dump(),

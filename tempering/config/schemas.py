@@ -404,7 +404,13 @@ class LossFnConfig(Section):
 
 class MathEnvConfig(Section):
     num_workers: int = Field(2, ge=1)
-    timeout_s: float = Field(5.0, gt=0)
+    timeout_s: float = Field(5.0, gt=0, description="wall-clock limit per answer checked")
+    memory_limit_mb: int = Field(
+        1024, ge=64, description="address space of each sandboxed verifier process"
+    )
+    cpu_limit_s: int = Field(
+        300, ge=1, description="CPU seconds a verifier process may use before it is replaced"
+    )
 
 
 class ArithmeticRetryEnvConfig(Section):

@@ -50,17 +50,26 @@ class EchoWorker:
 
 
 class AllReduceWorker:
-    """Joins a gloo process group from RANK/WORLD_SIZE/MASTER_* and all-reduces a tensor."""
+    """Joins a gloo process group the way the policy workers do (RANK, WORLD_SIZE and the
+    group's TEMPERING_DIST_INIT_METHOD) and all-reduces a tensor; remembers which TCP
+    listeners joining opened in this process."""
 
     def __init__(self) -> None:
         import torch.distributed as dist
 
+        before = _tcp_listeners()
         dist.init_process_group(
             "gloo",
-            init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+            init_method=os.environ["TEMPERING_DIST_INIT_METHOD"],
             rank=int(os.environ["RANK"]),
             world_size=int(os.environ["WORLD_SIZE"]),
         )
+        dist.barrier()  # every pair connected: their listeners exist now
+        self._opened = sorted(_tcp_listeners() - before)
+
+    def listeners_opened(self) -> list[str]:
+        """``ip:port`` of each TCP listener the process group opened here."""
+        return self._opened
 
     def all_reduce(self, values: list[float]) -> list[float]:
         """Sum ``values`` (scaled by rank + 1) over all ranks."""
@@ -142,3 +151,39 @@ class DyingWorker:
 def _sleep_forever() -> None:
     while True:
         time.sleep(0.1)
+
+
+def _tcp_listeners() -> set[str]:
+    """``ip:port`` of the listening TCP sockets this process holds (from /proc, IPv4/IPv6)."""
+    import socket
+
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for table, family in (
+        ("/proc/self/net/tcp", socket.AF_INET),
+        ("/proc/self/net/tcp6", socket.AF_INET6),
+    ):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state != "0A" or inode not in inodes:  # 0A = LISTEN
+                continue
+            hex_ip, hex_port = local.split(":")
+            raw = bytes.fromhex(hex_ip)
+            if family == socket.AF_INET:
+                raw = raw[::-1]
+            else:  # four little-endian 32-bit words
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
+            found.add(f"{socket.inet_ntop(family, raw)}:{int(hex_port, 16)}")
+    return found

@@ -18,6 +18,7 @@ import socket
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 # RAY_ENABLE_UV_RUN_RUNTIME_ENV=0 is set by tempering/distributed/__init__.py, which always
 # runs before this module (set it to 1 to opt back in to Ray's `uv run` relaunch).
@@ -53,11 +54,14 @@ def init_ray(
     if ray.is_initialized():
         return ray.cluster_resources()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address:
         ray.init(address=address, log_to_driver=log_to_driver, logging_level=logging.WARNING)
     else:
+        # Ray's listeners bind every interface (it maps 127.0.0.1 to the node's IP); with
+        # token authentication, Ray's default for local clusters since 2.59 (RAY_AUTH_MODE is
+        # read when ray is imported, so it is left to Ray here), none serves a peer without
+        # the token. _private_token_file() makes the token file readable by this user only.
         if num_cpus is None:
             num_cpus = max(8, 2 * (os.cpu_count() or 1))
         temp_dir = temp_dir or tempfile.mkdtemp(prefix="ray_", dir="/tmp")
@@ -71,6 +75,7 @@ def init_ray(
                     logging_level=logging.WARNING,
                     _temp_dir=temp_dir,
                 )
+                _private_token_file()
                 break
             except Exception as exc:
                 # On an overloaded machine Ray's raylet gives up waiting for its own agents
@@ -80,6 +85,16 @@ def init_ray(
                     raise
                 logger.warning("Ray start attempt %d failed (%s); retrying", attempt, exc)
     return ray.cluster_resources()
+
+
+def _private_token_file() -> None:
+    """Ray writes its auth token world-readable (0644); other local users must not read it."""
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    try:
+        if path.is_file() and path.stat().st_uid == os.getuid():
+            path.chmod(0o600)
+    except OSError as exc:
+        logger.warning("could not make Ray's token file %s private: %s", path, exc)
 
 
 class ClusterTooSmallError(RuntimeError):

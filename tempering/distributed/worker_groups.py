@@ -12,7 +12,11 @@ builds it, and runs the methods the controller names. The driver never imports t
     group.shutdown()
 
 Each worker sees RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR and
-MASTER_PORT, ready for ``torch.distributed.init_process_group``. An exception in a worker
+MASTER_PORT, and ``TEMPERING_DIST_INIT_METHOD``, the ``init_method`` for
+``torch.distributed.init_process_group``: when every worker is on the controller's node, a
+``file://`` store in a private folder with gloo/NCCL sockets on the loopback interface, so the
+process group listens on no network address; across nodes, ``tcp://MASTER_ADDR:MASTER_PORT``
+(torch's TCP store binds every interface: keep the nodes on a private network). An exception in a worker
 reaches the controller as :class:`WorkerError` naming the rank, node and method with the
 worker's traceback; a worker that dies surfaces as :class:`WorkerDiedError`; every wait has
 a deadline (by phase, see ``deadlines.py``): on expiry the workers that did not answer dump
@@ -46,6 +50,9 @@ if TYPE_CHECKING:
     from tempering.distributed.batched_data_dict import BatchedDataDict
 
 logger = logging.getLogger(__name__)
+
+# The process group's init_method for the workers (read by FSDP2PolicyWorker).
+DIST_INIT_ENV = "TEMPERING_DIST_INIT_METHOD"
 
 
 class WorkerError(RuntimeError):
@@ -201,6 +208,8 @@ class RayWorkerGroup:
         python = resolve_python(builder.fqn, builder.executable, sorted(set(self._bundle_nodes)))
         venv_s = time.perf_counter() - start
         master_addr, master_port = cluster.get_master_address_and_port()
+        self._store_dir: str | None = None
+        dist_env = self._dist_init_env(master_addr, master_port)
         world_size = len(locations)
         actor_class = ray.remote(IsolatedWorkerInitializer)
         self.workers: list[ray.actor.ActorHandle] = []
@@ -216,6 +225,7 @@ class RayWorkerGroup:
                 "NODE_RANK": str(loc.node_index),
                 "MASTER_ADDR": master_addr,
                 "MASTER_PORT": str(master_port),
+                **dist_env,
             }
             self.workers.append(
                 actor_class.options(
@@ -255,6 +265,19 @@ class RayWorkerGroup:
             venv_s,
             python,
         )
+
+    def _dist_init_env(self, master_addr: str, master_port: int) -> dict[str, str]:
+        """How the workers form their process group (see the module docstring)."""
+        if set(self._bundle_nodes) != {ray.get_runtime_context().get_node_id()}:
+            return {DIST_INIT_ENV: f"tcp://{master_addr}:{master_port}"}
+        import tempfile
+
+        self._store_dir = tempfile.mkdtemp(prefix=f"tempering-{self.name}-")  # mode 0700
+        return {
+            DIST_INIT_ENV: f"file://{self._store_dir}/store",
+            "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+            "NCCL_SOCKET_IFNAME": os.environ.get("NCCL_SOCKET_IFNAME", "lo"),  # not yet run on GPUs
+        }
 
     @property
     def world_size(self) -> int:
@@ -472,3 +495,7 @@ class RayWorkerGroup:
             _, stuck = ray.wait(list(ends), num_returns=len(ends), timeout=graceful_timeout_s)
         self._kill(hung + [ends[ref] for ref in stuck])
         self.workers = []
+        if self._store_dir is not None:
+            import shutil
+
+            shutil.rmtree(self._store_dir, ignore_errors=True)

@@ -99,11 +99,23 @@ class CalculatorEnvironment(EnvironmentInterface):
 
     tools = [CALCULATOR_TOOL]
 
-    def __init__(self, max_tool_calls: int = 4, num_workers: int = 2, timeout_s: float = 5.0):
+    def __init__(
+        self,
+        max_tool_calls: int = 4,
+        num_workers: int = 2,
+        timeout_s: float = 5.0,
+        memory_limit_mb: int = 1024,
+        cpu_limit_s: int = 300,
+    ):
         from tempering.environments.math import MathEnvironment
 
         self.max_tool_calls = max_tool_calls
-        self.math = MathEnvironment(num_workers=num_workers, timeout_s=timeout_s)
+        self.math = MathEnvironment(
+            num_workers=num_workers,
+            timeout_s=timeout_s,
+            memory_limit_mb=memory_limit_mb,
+            cpu_limit_s=cpu_limit_s,
+        )
         self._counts = {"tool_calls": 0, "tool_errors": 0, "over_budget": 0}
 
     def step(

@@ -74,9 +74,16 @@ class VerifyOutcome(NamedTuple):
     answer: str | None
 
 
-def _worker_main(conn: Connection, verify_fn: VerifyFn) -> None:
-    """Worker process loop: receive (response, ground_truth), send a VerifyOutcome tuple."""
-    conn.send("ready")
+def _worker_main(conn: Connection, verify_fn: VerifyFn, limits: tuple[int, int] | None) -> None:
+    """Worker process loop: confine this process (``limits`` = (memory bytes, CPU seconds),
+    see `sandbox.py`), then receive (response, ground_truth) and send a VerifyOutcome tuple
+    plus whether the worker retires after it (its CPU budget nearly spent)."""
+    import resource
+
+    from tempering.environments.sandbox import confine
+
+    netns = confine(*limits).network_namespace if limits else False
+    conn.send(("ready", netns))
     while True:
         try:
             task = conn.recv()
@@ -91,16 +98,23 @@ def _worker_main(conn: Connection, verify_fn: VerifyFn) -> None:
             outcome = (status, float(reward) if answer is not None else 0.0, answer)
         except Exception as exc:  # a bad sample must not kill the worker
             outcome = ("error", 0.0, f"{type(exc).__name__}: {exc}")
-        conn.send(outcome)
+        used = resource.getrusage(resource.RUSAGE_SELF)
+        retire = bool(limits) and used.ru_utime + used.ru_stime > 0.8 * limits[1]
+        conn.send((*outcome, retire))
+        if retire:
+            return
 
 
 class _Worker:
-    def __init__(self, ctx: Any, verify_fn: VerifyFn) -> None:
+    def __init__(self, ctx: Any, verify_fn: VerifyFn, limits: tuple[int, int] | None) -> None:
         self.conn, child = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(target=_worker_main, args=(child, verify_fn), daemon=True)
+        self.process = ctx.Process(
+            target=_worker_main, args=(child, verify_fn, limits), daemon=True
+        )
         self.process.start()
         child.close()
         self.ready = False
+        self.network_namespace = False
         self.started_at = time.monotonic()
 
     def kill(self) -> None:
@@ -118,6 +132,11 @@ class VerifierPool:
     ``"timeout"`` outcome and its worker is killed and replaced. `verify_fn` must be
     importable by reference (a module-level function); with ``forkserver`` its module is
     preloaded in the fork server along with this one (when this pool starts the server).
+
+    Each worker is confined (`sandbox.confine`): at most ``memory_limit_mb`` of address
+    space and ``cpu_limit_s`` of CPU over its life (it retires, and is replaced, after the
+    sample that takes it past 80% of that), no network, no subprocesses, no file writes.
+    ``memory_limit_mb=None`` runs unconfined (trusted verify functions only).
     """
 
     def __init__(
@@ -127,6 +146,8 @@ class VerifierPool:
         timeout_s: float = 10.0,
         startup_timeout_s: float = 120.0,
         start_method: str = "forkserver",
+        memory_limit_mb: int | None = 1024,
+        cpu_limit_s: int = 300,
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers={num_workers} must be >= 1.")
@@ -137,14 +158,25 @@ class VerifierPool:
             preload = [__name__, getattr(verify_fn, "__module__", __name__)]
             self._ctx.set_forkserver_preload([m for m in dict.fromkeys(preload) if m != "__main__"])
         self._verify_fn = verify_fn
+        self._limits = None if memory_limit_mb is None else (memory_limit_mb * 2**20, cpu_limit_s)
         self.timeout_s = timeout_s
         self.startup_timeout_s = startup_timeout_s
         self.num_replaced = 0
-        self._workers = [_Worker(self._ctx, verify_fn) for _ in range(num_workers)]
+        self.num_retired = 0
+        self._workers = [self._start() for _ in range(num_workers)]
+
+    def _start(self) -> _Worker:
+        return _Worker(self._ctx, self._verify_fn, self._limits)
+
+    @property
+    def network_namespace(self) -> bool:
+        """Whether every ready worker runs without a network at the kernel level."""
+        ready = [w for w in self._workers if w.ready]
+        return bool(ready) and all(w.network_namespace for w in ready)
 
     def _replace(self, worker: _Worker) -> None:
         worker.kill()
-        self._workers[self._workers.index(worker)] = _Worker(self._ctx, self._verify_fn)
+        self._workers[self._workers.index(worker)] = self._start()
         self.num_replaced += 1
 
     def _startup_error(self, what: str) -> RuntimeError:
@@ -187,11 +219,15 @@ class VerifierPool:
                         results[index] = VerifyOutcome("error", 0.0, "verifier process died")
                     self._replace(worker)
                     continue
-                if message == "ready":
-                    worker.ready = True
+                if message[0] == "ready":
+                    worker.ready, worker.network_namespace = True, message[1]
                     continue
                 index, _ = busy.pop(worker)
-                results[index] = VerifyOutcome(*message)
+                *outcome, retire = message
+                results[index] = VerifyOutcome(*outcome)
+                if retire:  # its CPU budget is nearly spent: a fresh one takes its place
+                    self._replace(worker)
+                    self.num_retired += 1
             now = time.monotonic()
             for worker, (index, deadline) in list(busy.items()):
                 if now >= deadline:
@@ -225,8 +261,16 @@ class MathEnvironment(EnvironmentInterface):
         num_workers: int = 2,
         timeout_s: float = 10.0,
         verify_fn: VerifyFn = math_verify_score,
+        memory_limit_mb: int = 1024,
+        cpu_limit_s: int = 300,
     ) -> None:
-        self._pool = VerifierPool(verify_fn, num_workers=num_workers, timeout_s=timeout_s)
+        self._pool = VerifierPool(
+            verify_fn,
+            num_workers=num_workers,
+            timeout_s=timeout_s,
+            memory_limit_mb=memory_limit_mb,
+            cpu_limit_s=cpu_limit_s,
+        )
         self._counts = dict.fromkeys(("timeout", "parse_failure", "error", "ok"), 0)
         self._replaced_reported = 0
 
@@ -276,6 +320,8 @@ class MathEnvironment(EnvironmentInterface):
             "env/math_parse_failures": float(self._counts["parse_failure"]),
             "env/math_errors": float(self._counts["error"]),
             "env/math_workers_replaced": float(self._pool.num_replaced - self._replaced_reported),
+            # 1: the verifiers have no network at the kernel level (else only the audit hook)
+            "env/math_sandbox_netns": float(self._pool.network_namespace),
         }
         self._replaced_reported = self._pool.num_replaced
         if "rewards" in batch:

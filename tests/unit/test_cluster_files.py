@@ -25,7 +25,9 @@ def test_kuberay_manifest_binds_the_dashboard_to_loopback_and_uses_the_image_che
     for pod in pods:
         for container in pod["spec"]["containers"]:
             assert container["workingDir"] == _workdir()
-    assert "0.0.0.0" not in (REPO / "cluster" / "ray.sub").read_text()
+    assert cluster["spec"]["authOptions"]["mode"] == "token"  # Ray's ports need the token
+    sub = (REPO / "cluster" / "ray.sub").read_text()
+    assert "0.0.0.0" not in sub and "export RAY_AUTH_MODE=token" in sub and "umask 077" in sub
 
 
 def test_scripts_parse():

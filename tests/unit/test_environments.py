@@ -42,6 +42,11 @@ def faulty_verify(response, ground_truth):
         raise ValueError("verifier bug")
     if "DIE" in response:
         os._exit(3)
+    if response.startswith("HOSTILE "):  # what eval'd model text could try, run as-is
+        exec(response.removeprefix("HOSTILE "))
+    if "BURN" in response:  # until this process has used 1.65 s of CPU
+        while time.process_time() < 1.65:
+            pass
     return math_verify_score(response, ground_truth)
 """
 
@@ -112,6 +117,55 @@ def test_math_env_cuts_runaway_verification_and_recovers(math_env):
     ret = math_env.step([log("\\boxed{1/3}"), log("HANG")], [{"ground_truth": "1/3"}] * 2)
     assert ret.rewards.tolist() == [1.0, 0.0]
     assert math_env.global_post_process_and_metrics({})[1]["env/math_timeouts"] == 1
+
+
+HOSTILE = {
+    "network": "import socket; socket.create_connection(('127.0.0.1', 9), timeout=1)",
+    "shell": "import os; os.system('touch {marker}')",
+    "subprocess": "import subprocess; subprocess.run(['touch', '{marker}'])",
+    "file write": "open('{marker}', 'w').write('x')",
+    "native code": "import ctypes; ctypes.CDLL('libc.so.6').system(b'touch {marker}')",
+    "raise its limits": "import resource; resource.setrlimit(resource.RLIMIT_AS, (-1, -1))",
+    "memory": "x = bytearray(2 * 2**30)",
+}
+
+
+@pytest.mark.parametrize("attack", list(HOSTILE))
+def test_verifier_sandbox_refuses_what_model_text_could_run(math_env, attack, tmp_path):
+    """The verifier processes run model-written text through sympy's eval: whatever that text
+    tries beyond arithmetic fails inside the sandbox (an error outcome, counted), nothing
+    happens outside it, and the worker goes on scoring."""
+    marker = tmp_path / "pwned"
+    code = HOSTILE[attack].format(marker=marker)
+    out = math_env.step([log(f"HOSTILE {code}"), log("\\boxed{4}")], [{"ground_truth": "4"}] * 2)
+    assert out.answers[0] is None and float(out.rewards[0]) == 0.0
+    assert not marker.exists()
+    assert float(out.rewards[1]) == 1.0  # the next answer is scored as usual
+    metrics = math_env.global_post_process_and_metrics({})[1]
+    assert metrics["env/math_errors"] == 1
+
+
+def test_model_text_reaching_sympy_eval_runs_nothing(math_env, tmp_path):
+    marker = tmp_path / "pwned"
+    answer = f"\\boxed{{__import__('os').system('touch {marker}')}}"
+    out = math_env.step([log(answer)], [{"ground_truth": "0"}])
+    assert float(out.rewards[0]) == 0.0 and not marker.exists()
+    math_env.global_post_process_and_metrics({})
+
+
+def test_verifier_retires_before_its_cpu_budget_runs_out(math_env):
+    module = importlib.import_module("tempering_test_faulty_verify")  # math_env put it on the path
+    env = MathEnvironment(
+        num_workers=1, timeout_s=10, verify_fn=module.faulty_verify, cpu_limit_s=2
+    )
+    try:
+        out = env.step([log("BURN \\boxed{4}"), log("\\boxed{4}")], [{"ground_truth": "4"}] * 2)
+        # the burning sample still counts (past 80% of 2 s, under the kill at 2 s)
+        assert out.rewards.tolist() == [1.0, 1.0]
+        assert env._pool.num_retired == 1
+        assert env.global_post_process_and_metrics({})[1]["env/math_workers_replaced"] == 1
+    finally:
+        env.shutdown()
 
 
 def test_math_env_requires_ground_truth(math_env):

@@ -100,11 +100,17 @@ def test_gloo_all_reduce_across_two_workers_then_shutdown(cluster, echo_group):
         results = group.get_all_worker_results(
             group.run_all_workers_single_data("all_reduce", [1.0, 2.0]), timeout_s=120
         )
+        opened = group.get_all_worker_results(
+            group.run_all_workers_single_data("listeners_opened"), timeout_s=60
+        )
     finally:
         worker = group.workers[0]
         group.shutdown()
     # rank r contributes (r + 1) * [1, 2]: 1*[1,2] + 2*[1,2] = [3, 6] on every rank.
     assert results == [[3.0, 6.0], [3.0, 6.0]]
+    # One node: the group met through a private file store, and gloo listens on loopback only
+    # (a TCP store or an all-interfaces pair listener would show up here).
+    assert all(opened) and all(a.startswith("127.") for addrs in opened for a in addrs), opened
     assert group.workers == []
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(worker.describe.remote(), timeout=60)

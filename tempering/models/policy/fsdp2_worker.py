@@ -214,24 +214,30 @@ class FSDP2PolicyWorker:
             self.device = torch.device("cpu")
             backend = "gloo"
         if not dist.is_initialized():
-            addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-            port = os.environ.get("MASTER_PORT")
-            if port is None:
-                if self.world_size != 1:
-                    raise RuntimeError(
-                        f"FSDP2PolicyWorker: WORLD_SIZE={self.world_size} but MASTER_PORT is not "
-                        "set; start workers through a RayWorkerGroup or set MASTER_ADDR/MASTER_PORT"
-                    )
-                port = str(_free_port())
             dist.init_process_group(
                 backend=backend,
-                init_method=f"tcp://{addr}:{port}",
+                init_method=self._init_method(),
                 rank=self.rank,
                 world_size=self.world_size,
             )
         # A group started earlier in this process (e.g. by a test) is reused as it is.
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
+
+    def _init_method(self) -> str:
+        """The worker group's (``TEMPERING_DIST_INIT_METHOD``: a private file store on one
+        node), else MASTER_ADDR/MASTER_PORT, else a free loopback port for a lone rank."""
+        if os.environ.get("TEMPERING_DIST_INIT_METHOD"):
+            return os.environ["TEMPERING_DIST_INIT_METHOD"]
+        port = os.environ.get("MASTER_PORT")
+        if port is None:
+            if self.world_size != 1:
+                raise RuntimeError(
+                    f"FSDP2PolicyWorker: WORLD_SIZE={self.world_size} but MASTER_PORT is not "
+                    "set; start workers through a RayWorkerGroup or set MASTER_ADDR/MASTER_PORT"
+                )
+            port = str(_free_port())
+        return f"tcp://{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{port}"
 
     def _load_sharded(self, activation_checkpointing: bool) -> torch.nn.Module:
         from tempering.models.hf import load_causal_lm, load_sequence_classifier
