@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tempering.data.records import OnBadRow, RowError, RowIssues, iter_jsonl
+from tempering.data.records import DataFormatError, OnBadRow, RowError, RowIssues, iter_jsonl
 
 ROUTING_FIELDS = ("_ng_environment_server", "agent_ref", "task_source")
 
@@ -70,7 +70,7 @@ def load_gym_rows(
         if row is not None:
             rows.append(row)
     if not rows:
-        raise ValueError(f"{path}: no usable NeMo Gym rows")
+        raise DataFormatError(f"{path}: no usable NeMo Gym rows")
     return issues.finish(Path(path).name, rows).examples
 
 
