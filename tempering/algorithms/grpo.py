@@ -167,9 +167,21 @@ class GRPORun:
     def close(self) -> None:
         """Free what the run started: server, logger, generation, environments, policy
         workers, placement groups."""
+        import ray
+
+        actors = []
         for env in {id(e): e for e in self.environments.values()}.values():
             shutdown = env.shutdown  # NeMo Gym first: its agents call the server
-            _ = shutdown.remote() if hasattr(shutdown, "remote") else shutdown()
+            if hasattr(shutdown, "remote"):
+                actors.append((env, shutdown.remote()))
+            else:
+                shutdown()
+        for actor, done in actors:  # each frees its own processes, then the actor goes
+            try:
+                ray.get(done, timeout=30)
+            except Exception as exc:  # already dead, or hung: it is killed either way
+                log.warning("environment actor shutdown: %s", str(exc).splitlines()[0])
+            ray.kill(actor, no_restart=True)
         if self.server is not None:
             self.server.stop()
         self.logger.close()

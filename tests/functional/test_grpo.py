@@ -79,6 +79,11 @@ def grpo_run(request, ray_session, tmp_path_factory):
     run = grpo.setup(cfg, resolved)
     yield backend, run, atol
     run.close()
+    import ray
+
+    for env in run.environments.values():  # close() leaves no environment actor behind
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(env.resource_usage.remote(), timeout=60)
 
 
 def generation_vs_trainer(run, batch) -> float:
