@@ -141,7 +141,10 @@ class CheckpointManager:
         info["rng_state"] = capture_rng_state()
         with atomic_directory(self.step_dir(step), overwrite=True) as tmp:
             yield tmp
-            (tmp / CONFIG_FILE).write_text(yaml.safe_dump(_plain(config or {}), sort_keys=False))
+            from tempering.utils.logger import redact_secrets  # no credentials in checkpoints
+
+            plain = redact_secrets(_plain(config or {}))
+            (tmp / CONFIG_FILE).write_text(yaml.safe_dump(plain, sort_keys=False))
             # Written last: its presence marks a finished folder even before the rename.
             (tmp / TRAINING_INFO).write_text(json.dumps(_plain(info)))
         self._prune()

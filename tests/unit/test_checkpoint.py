@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -225,3 +226,14 @@ def test_export_hf_loads_with_from_pretrained(worker_factory, tmp_path) -> None:
     # the trained weights were exported, not the initial ones
     initial = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32)
     assert not torch.allclose(initial.lm_head.weight, model.lm_head.weight)
+
+
+def test_checkpoint_config_carries_no_credentials(tmp_path) -> None:
+    mgr = CheckpointManager(tmp_path, save_period=1)
+    config = {"env": {"nemo_gym": {"extra_config": {"judge_api_key": "sk-live-123"}}},
+              "policy": {"generation": {"http_server": {"api_key_env": "MY_KEY"}}}}  # fmt: skip
+    with mgr.save(1, {}, config) as folder:
+        (Path(folder) / "policy").mkdir()
+    text = (tmp_path / "step_1" / "config.yaml").read_text()
+    assert "sk-live-123" not in text and "REDACTED" in text
+    assert "MY_KEY" in text  # the NAME of the variable holding a key is kept (not a secret)
