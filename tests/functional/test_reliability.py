@@ -2,10 +2,10 @@
 
 The tiny GRPO job (6 steps, a checkpoint every 2, split generation so that policy and
 generation workers are separate processes) runs once uninterrupted. Then, for each role --
-the controller, a policy worker, a generation worker, an environment actor -- a run is killed
-with SIGKILL when that process enters a phase chosen at random (seeded; printed on failure)
-for the n-th time, plus a random delay inside the phase (``tempering/utils/faults.py``), and
-the same command is run again. The rerun must resume from the last complete checkpoint,
+the controller, a policy worker, a generation worker, an environment actor -- and each phase
+that role passes through, a run is killed with SIGKILL when that process enters the phase for
+the n-th time (n seeded at random; printed on failure), after a random delay inside the phase
+(``tempering/utils/faults.py``), and the same command is run again. The rerun must resume from the last complete checkpoint,
 reach step 6, and leave a metrics.jsonl whose records equal the uninterrupted run's -- no
 step lost, none twice, the same numbers (the run reseeds generation per step and restores
 every RNG). A kill in the middle of a checkpoint save must leave the previous checkpoint
@@ -90,10 +90,11 @@ def baseline(tmp_path_factory) -> list[dict]:
     return rows
 
 
-@pytest.mark.parametrize("role", list(PHASES))
-def test_kill_and_rerun_reproduces_the_uninterrupted_run(role, baseline, tmp_path):
-    rng = random.Random(f"{SEED}-{role}")
-    phase = rng.choice(PHASES[role])
+@pytest.mark.parametrize(
+    "role,phase", [(role, phase) for role, phases in PHASES.items() for phase in phases]
+)
+def test_kill_and_rerun_reproduces_the_uninterrupted_run(role, phase, baseline, tmp_path):
+    rng = random.Random(f"{SEED}-{role}-{phase}")
     # The n-th entry into the phase, chosen to land in steps 3-5: after the first checkpoint
     # (step 2), before the end. Validation at step 0 also generates and scores (one entry).
     first = (
