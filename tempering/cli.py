@@ -1,5 +1,6 @@
 """The ``tempering`` command line.
 
+    tempering plan CONFIG [dotted.key=value ...]
     tempering plot LOG_DIR [--out FILE.png] [--keys train/loss,val/accuracy]
     tempering gym-examples OUT.jsonl [--environments math_with_judge,example_single_tool_call]
     tempering export CKPT_DIR OUT_DIR [--dtype float32|bfloat16|float16]
@@ -18,6 +19,28 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+
+from tempering.errors import UserInputError
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from tempering.distributed.placement import main_plan
+
+    return main_plan(args.config, args.overrides)
+
+
+def _add_plan(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="the placement plan of a config: groups, GPUs, DP/TP, memory per GPU",
+        description="Resolve CONFIG (with overrides) into the plan a run would start: nodes, "
+        "bundles, which group holds which GPUs (colocated or split), data/tensor-parallel "
+        "sizes and a per-GPU memory estimate. Exits 2, saying what is short, when the config "
+        "does not fit the cluster it declares. Starts nothing.",
+    )
+    p.add_argument("config", metavar="CONFIG", help="a YAML under examples/configs/ or yours")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="Hydra-style overrides")
+    p.set_defaults(func=_run_plan)
 
 
 def _run_plot(args: argparse.Namespace) -> int:
@@ -213,6 +236,7 @@ def _add_check_container(subparsers: argparse._SubParsersAction) -> None:
 
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _add_plan,
     _add_plot,
     _add_gym_examples,
     _add_export,
@@ -236,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
-    except (FileNotFoundError, ValueError, KeyError) as e:
+    except (FileNotFoundError, ValueError, KeyError, UserInputError) as e:
         print(f"tempering {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -116,6 +116,7 @@ def build_policy_from_config(
         min_lr_ratio=policy_cfg.scheduler.min_lr_ratio,
         precision=policy_cfg.precision,
         activation_checkpointing=policy_cfg.dtensor_cfg.activation_checkpointing,
+        tensor_parallel_size=policy_cfg.dtensor_cfg.tensor_parallel_size,
         init_reference_model=init_reference_model,
         seed=seed,
         num_threads=policy_cfg.num_threads,

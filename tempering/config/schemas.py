@@ -34,7 +34,9 @@ def _refuse_unimplemented(section: BaseModel, prefix: str, rules: dict[str, tupl
 class DTensorConfig(Section):
     enabled: bool = Field(True, description="the DTensor/FSDP2 path (the only one)")
     activation_checkpointing: bool = False
-    tensor_parallel_size: int = Field(1, ge=1, description="only 1 is implemented")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="ranks splitting each decoder layer (inside a node); DP = ranks / TP"
+    )
     cpu_offload: bool = Field(False, description="not implemented; only false")
     sequence_parallel: bool = Field(False, description="not implemented; only false")
 
@@ -43,13 +45,11 @@ class DTensorConfig(Section):
         _refuse_unimplemented(self, "policy.dtensor_cfg", {
             "enabled": (True, "tempering trains through DTensor/FSDP2 only (it has no Megatron "
                         "path); remove the key or set it true"),
-            "tensor_parallel_size": (1, "tensor parallelism for the policy is not implemented "
-                                     "yet; scale with data parallelism (cluster.gpus_per_node, "
-                                     "cluster.num_nodes) and set it to 1"),
             "cpu_offload": (False, "FSDP2 CPU offload is not wired in (on CPU machines the "
                             "weights are already in host memory); set it false"),
-            "sequence_parallel": (False, "sequence parallelism needs tensor parallelism, "
-                                  "which is not implemented; set it false"),
+            "sequence_parallel": (False, "sequence parallelism (splitting norms and dropout "
+                                  "along the sequence between TP layers) is not implemented; "
+                                  "tensor parallelism works without it: set it false"),
         })  # fmt: skip
         return self
 
@@ -104,8 +104,24 @@ class SchedulerConfig(Section):
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
 
 
+class GenerationResourcesConfig(Section):
+    """What split generation takes from the cluster (NeMo RL's colocated.resources)."""
+
+    gpus_per_node: int | None = Field(
+        None, ge=1, description="GPUs per node for generation (the policy gets the rest)"
+    )
+    num_nodes: int | None = Field(
+        None, ge=1, description="nodes for generation (several nodes: whole nodes of its own)"
+    )
+
+
 class ColocatedConfig(Section):
-    enabled: bool = Field(True, description="generation shares the policy workers (refit in place)")
+    enabled: bool = Field(
+        True,
+        description="generation shares the policy's workers (torch) or GPUs (vLLM sleeps "
+        "while the policy trains); false: generation on resources of its own",
+    )
+    resources: GenerationResourcesConfig = GenerationResourcesConfig()
 
 
 class VllmConfig(Section):
@@ -205,6 +221,9 @@ class ClusterConfig(Section):
     gpus_per_node: int = Field(0, ge=0, description="0 = CPU workers")
     workers_per_node: int = Field(1, ge=1, description="workers per node when gpus_per_node=0")
     cpus_per_worker: int = Field(1, ge=1)
+    gpu_memory_gb: float = Field(
+        80.0, gt=0, description="memory of one GPU, for the placement plan's fit check"
+    )
 
 
 class WandbConfig(Section):

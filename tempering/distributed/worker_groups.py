@@ -182,6 +182,8 @@ class RayWorkerGroup:
         start_timeout_s: how long the workers may take to start.
         call_timeout_s: a limit for every :meth:`get_all_worker_results` of this group;
             default None = each call's phase deadline (``deadlines.py``).
+        tensor_parallel_size: workers per tensor-parallel group (consecutive ranks); they
+            receive the same data shard (`dp_rank`) and return the same results.
     """
 
     def __init__(
@@ -195,8 +197,10 @@ class RayWorkerGroup:
         num_gpus_per_worker: float | None = None,
         start_timeout_s: float = 300.0,
         call_timeout_s: float | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         self.name = name_prefix
+        self.tp_size = tensor_parallel_size
         self.fqn = builder.fqn
         self.call_timeout_s = call_timeout_s
         self._ref_info: dict[str, tuple[int, str]] = {}  # ObjectRef hex -> (rank, method)
@@ -286,13 +290,17 @@ class RayWorkerGroup:
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel size (every worker is its own DP rank until tensor parallelism lands)."""
-        return self.world_size
+        """Data-parallel size: workers / tensor_parallel_size."""
+        return self.world_size // self.tp_size
 
     def dp_rank(self, rank: int) -> int:
-        """The data-parallel rank of worker ``rank`` (the seam for TP: ranks sharing a DP
-        rank receive the same shard)."""
-        return rank
+        """The data-parallel rank of worker ``rank`` (ranks sharing it receive the same shard)."""
+        return rank // self.tp_size
+
+    def get_dp_results(self, futures: Sequence[ray.ObjectRef]) -> list[Any]:
+        """Results of a ``run_all_workers_sharded_data`` call, one per data-parallel rank (the
+        first worker of each tensor-parallel group: its peers return the same)."""
+        return self.get_all_worker_results(futures)[:: self.tp_size]
 
     def _submit(self, rank: int, method: str, args: tuple, kwargs: dict) -> ray.ObjectRef:
         ref = self.workers[rank].execute.remote(method, *args, **kwargs)

@@ -23,7 +23,6 @@ REPO = Path(__file__).resolve().parents[2]
 # key path -> a value that is not implemented (each must be refused).
 REFUSED_UNLESS_DEFAULT = {
     "policy.dtensor_cfg.enabled": False,
-    "policy.dtensor_cfg.tensor_parallel_size": 2,
     "policy.dtensor_cfg.cpu_offload": True,
     "policy.dtensor_cfg.sequence_parallel": True,
     "policy.dynamic_batching.sequence_length_round": 64,

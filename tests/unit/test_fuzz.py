@@ -53,7 +53,9 @@ scalars = (
 )
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=12),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=8,
 )
 
@@ -75,8 +77,11 @@ def _render(value) -> str:
 overrides = st.one_of(
     st.builds(lambda k, v: f"{k}={_render(v)}", st.sampled_from(KEYS), scalars),
     st.builds(lambda k, v: f"{k}={json.dumps(v)}", st.sampled_from(KEYS), json_values),
-    st.builds(lambda k, t: f"{k[: len(k) // 2]}{t}={t}", st.sampled_from(KEYS),
-              st.text(string.ascii_letters + "._~+", max_size=6)),  # fmt: skip
+    st.builds(
+        lambda k, t: f"{k[: len(k) // 2]}{t}={t}",
+        st.sampled_from(KEYS),
+        st.text(string.ascii_letters + "._~+", max_size=6),
+    ),  # fmt: skip
     st.text(max_size=30),  # anything at all
 )
 
@@ -135,9 +140,11 @@ def rows_for(keys: list[str]):
     fields = {k: st.text(max_size=10) | messages | json_values for k in keys}
     fields["input"] = messages | json_values  # Gym's responses_create_params.input
     obj = st.fixed_dictionaries({}, optional=fields).map(
-        lambda d: {**d, "responses_create_params": {"input": d.pop("input")}}
-        if "input" in d and "responses_create_params" in d
-        else d
+        lambda d: (
+            {**d, "responses_create_params": {"input": d.pop("input")}}
+            if "input" in d and "responses_create_params" in d
+            else d
+        )
     )
     line = st.one_of(
         obj.map(json.dumps),

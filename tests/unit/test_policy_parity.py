@@ -1,8 +1,10 @@
-"""Numeric parity of data-parallel training: 2 FSDP2 workers (Ray actors, gloo, CPU, fp32) x
-2 micro-batches each must take the same step as 1 worker x 1 micro-batch and as a plain
-unsharded autograd computation, for sequences of different lengths with masked tokens and a
-masked sample. One SGD step with lr=1 makes "updated params" = "initial params - gradient", so
-equal parameters mean equal gradients. Also: 2-worker `get_logprobs` == plain forward.
+"""Numeric parity of distributed training: FSDP2 workers (Ray actors, gloo, CPU, fp32) in each
+layout -- 2 data-parallel ranks; 2 tensor-parallel ranks (each decoder layer split in two);
+2 x 2 (slow tier) -- with several micro-batches each must take the same step as 1 worker x 1
+micro-batch and as a plain unsharded autograd computation, for sequences of different lengths
+with masked tokens and a masked sample. One SGD step with lr=1 makes "updated params" =
+"initial params - gradient", so equal parameters mean equal gradients. Also: `get_logprobs`
+== plain forward, and with TP an AdamW step with gradient clipping equals one worker's.
 """
 
 from __future__ import annotations
@@ -54,20 +56,32 @@ def batch() -> BatchedDataDict:
     )
 
 
-@pytest.fixture(scope="module")
-def two_worker_result(ray_session, model_dir, batch):
-    """Run once on 2 Ray workers: train one SGD step with 2 micro-batches per rank."""
-    cluster = RayVirtualCluster([2], num_cpus_per_bundle=1, name="parity")
+LAYOUTS = {  # name -> (workers, tensor_parallel_size)
+    "dp2": (2, 1),
+    "tp2": (2, 2),
+    "tp2xdp2": (4, 2),
+}
+
+
+@pytest.fixture(
+    scope="module",
+    params=["dp2", "tp2", pytest.param("tp2xdp2", marks=pytest.mark.slow)],
+)
+def two_worker_result(request, ray_session, model_dir, batch):
+    """Run once per layout: train one SGD step with 2+ micro-batches per rank."""
+    workers, tp = LAYOUTS[request.param]
+    cluster = RayVirtualCluster([workers], num_cpus_per_bundle=0.5, name="parity")
     policy = build_policy(
         cluster,
         model_dir,
         train_global_batch_size=len(LENGTHS),
-        train_micro_batch_size=len(LENGTHS) // 4,  # 4 rows per rank -> 2 micro-batches
+        train_micro_batch_size=len(LENGTHS) // 4,  # 2 rows per micro-batch
         logprob_micro_batch_size=3,
         optimizer="sgd",
         learning_rate=1.0,
         max_grad_norm=None,
         num_threads=1,
+        tensor_parallel_size=tp,
     )
     try:
         odd = batch.slice(0, 7)  # not divisible by 2 ranks: exercises padding of the shards
@@ -136,3 +150,32 @@ def test_two_worker_logprobs_match_plain_forward(two_worker_result, model_dir, b
     got = two_worker_result["logprobs"]
     assert got.shape == (7, WIDTH)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_tensor_parallel_adamw_step_with_clipping_equals_one_worker(
+    ray_session, model_dir, batch, monkeypatch
+) -> None:
+    """TP's own gradient-norm path (two meshes) and AdamW on split layers, against one rank."""
+    kwargs = {"learning_rate": 1e-3, "max_grad_norm": 0.5, "num_threads": 1}
+    cluster = RayVirtualCluster([2], num_cpus_per_bundle=0.5, name="tp_adamw")
+    policy = build_policy(cluster, model_dir, train_global_batch_size=len(LENGTHS),
+                          train_micro_batch_size=4, tensor_parallel_size=2, **kwargs)  # fmt: skip
+    try:
+        tp_metrics = policy.train(batch, NLLLoss())
+        tp_params = policy.state_dict_for_refit()
+    finally:
+        policy.shutdown()
+        cluster.shutdown()
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv("TEMPERING_DIST_INIT_METHOD", raising=False)
+    single = FSDP2PolicyWorker(model_dir, **kwargs)
+    try:
+        metrics = single.train(batch, NLLLoss(), global_batch_size=len(LENGTHS))
+        params = single.state_dict_for_refit()
+    finally:
+        single.shutdown()
+    assert metrics["grad_norm"] > 0.5  # clipping was active
+    assert tp_metrics["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-5)
+    for name, want in params.items():
+        torch.testing.assert_close(tp_params[name], want, atol=1e-5, rtol=0, msg=name)

@@ -147,7 +147,7 @@ def data_parallel_generate(worker_group: Any, data: BatchedDataDict, **kw: Any) 
     if pad:
         view = BatchedDataDict.from_batches([view, view.select_indices([0] * pad)])
     futures = worker_group.run_all_workers_sharded_data("generate", view, **kw)
-    out = BatchedDataDict.from_batches(worker_group.get_all_worker_results(futures))
+    out = BatchedDataDict.from_batches(worker_group.get_dp_results(futures))
     return out.slice(0, n) if pad else out
 
 

@@ -94,6 +94,34 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+# Megatron-style split of a Llama/Qwen2/Mistral decoder layer: q/k/v and gate/up by output
+# columns, o/down by input rows, so each layer needs one all-reduce in attention and one in
+# the MLP. Embeddings, norms and lm_head stay whole on every TP rank (FSDP2 shards them).
+TP_PLAN = {
+    "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise",
+    "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise",
+}  # fmt: skip
+
+
+def _tensor_parallel(layer: torch.nn.Module, tp_mesh: Any) -> None:
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    names = {n for n, _ in layer.named_modules()}
+    missing = sorted(set(TP_PLAN) - names)
+    if missing:
+        raise ValueError(
+            f"tensor parallelism: {type(layer).__name__} has no {missing}; the TP plan covers "
+            "Llama/Qwen2/Mistral-style layers (set policy.dtensor_cfg.tensor_parallel_size=1)"
+        )
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    parallelize_module(layer, tp_mesh, {n: styles[kind]() for n, kind in TP_PLAN.items()})
+
+
 class NonFiniteTrainingError(RuntimeError):
     """Too many optimizer steps in a row had a NaN/Inf loss or gradient."""
 
@@ -115,6 +143,9 @@ class FSDP2PolicyWorker:
         head: "causal_lm" (a policy) or "score" (a reward model: `forward` gives ``[B]``
             scores, pooled at the last non-pad token, so ``pad_token_id`` is required).
         pad_token_id: the tokenizer's pad id (for ``head="score"``).
+        tensor_parallel_size: ranks that split each decoder layer (attention heads and MLP
+            columns, torch's DTensor colwise/rowwise styles); consecutive ranks form a TP
+            group, FSDP2 shards over the data-parallel groups (a 2-D ``dp x tp`` mesh).
         max_consecutive_nonfinite: a step whose loss or gradient norm is NaN/Inf is skipped
             (no update, counted as ``num_nonfinite_skipped``); this many in a row raise
             `NonFiniteTrainingError` naming what was non-finite.
@@ -143,6 +174,7 @@ class FSDP2PolicyWorker:
         max_consecutive_nonfinite: int = 3,
         head: str = "causal_lm",
         pad_token_id: int | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r} is unknown; use one of {PRECISIONS}")
@@ -161,6 +193,7 @@ class FSDP2PolicyWorker:
         self.max_grad_norm = max_grad_norm
         self.max_consecutive_nonfinite = max_consecutive_nonfinite
         self._nonfinite_streak = 0
+        self.tp_size = tensor_parallel_size
         self._init_distributed()
 
         if self.device.type == "cuda" and precision == "bfloat16":
@@ -222,7 +255,22 @@ class FSDP2PolicyWorker:
             )
         # A group started earlier in this process (e.g. by a test) is reused as it is.
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
+        if self.tp_size < 1 or self.world_size % self.tp_size:
+            raise ValueError(
+                f"tensor_parallel_size={self.tp_size} must divide the {self.world_size} ranks"
+            )
+        self.dp_size = self.world_size // self.tp_size
+        if self.tp_size == 1:
+            self.mesh = init_device_mesh(
+                self.device.type, (self.world_size,), mesh_dim_names=("dp",)
+            )
+            self.dp_mesh, self.tp_mesh, self.dp_group = self.mesh, None, None
+        else:  # rank = dp_rank * tp + tp_rank: a TP group is consecutive ranks (one node)
+            self.mesh = init_device_mesh(
+                self.device.type, (self.dp_size, self.tp_size), mesh_dim_names=("dp", "tp")
+            )
+            self.dp_mesh, self.tp_mesh = self.mesh["dp"], self.mesh["tp"]
+            self.dp_group = self.dp_mesh.get_group()  # counts and metrics: once per DP rank
 
     def _init_method(self) -> str:
         """The worker group's (``TEMPERING_DIST_INIT_METHOD``: a private file store on one
@@ -260,18 +308,28 @@ class FSDP2PolicyWorker:
                 f"FSDP2PolicyWorker: found no decoder layers in {type(model).__name__} "
                 f"(_no_split_modules={sorted(layer_names)}); this model class is not supported"
             )
+        if self.tp_mesh is not None:
+            for layer in layers:
+                _tensor_parallel(layer, self.tp_mesh)
         for layer in layers:
-            fully_shard(layer, mesh=self.mesh, mp_policy=self.mp_policy)
-        fully_shard(model, mesh=self.mesh, mp_policy=self.mp_policy)
+            fully_shard(layer, mesh=self.dp_mesh, mp_policy=self.mp_policy)
+        fully_shard(model, mesh=self.dp_mesh, mp_policy=self.mp_policy)
         return model
 
     # ------------------------------------------------------------ collectives
     def _all_reduce(
         self, values: list[float], op: dist.ReduceOp = dist.ReduceOp.SUM
     ) -> list[float]:
+        """Over the data-parallel ranks (the ranks of a TP group hold the same data)."""
         t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, op=op)  # gloo handles CPU tensors in both backends
+        dist.all_reduce(t, op=op, group=self.dp_group)  # gloo: CPU tensors in both backends
         return t.tolist()
+
+    def _all_gather_object(self, obj: Any) -> list[Any]:
+        """``obj`` from every data-parallel rank."""
+        gathered: list[Any] = [None] * self.dp_size
+        dist.all_gather_object(gathered, obj, group=self.dp_group)
+        return gathered
 
     # ------------------------------------------------------------- forward
     def _forward_logits(
@@ -352,7 +410,7 @@ class FSDP2PolicyWorker:
         """Train on this rank's shard: one optimizer step per global batch it holds.
 
         ``global_batch_size`` is the size over ALL ranks (None: the whole shard is one global
-        batch); the shard is walked in local steps of ``global_batch_size // world_size``
+        batch); the shard is walked in local steps of ``global_batch_size // dp_size``
         (the layout of `BatchedDataDict.shard_by_batch_size`). Returns global metrics
         (identical on every rank): loss, grad_norm, lr, num_tokens, num_valid_tokens,
         tokens_per_s, num_steps, and the loss function's metrics.
@@ -390,16 +448,16 @@ class FSDP2PolicyWorker:
             if shard_size == 0:
                 raise ValueError("FSDP2PolicyWorker.train got an empty batch")
             return shard_size
-        if global_batch_size % self.world_size:
+        if global_batch_size % self.dp_size:
             raise ValueError(
                 f"global_batch_size={global_batch_size} is not divisible by the data-parallel "
-                f"size {self.world_size}; pick a multiple of {self.world_size}"
+                f"size {self.dp_size}; pick a multiple of {self.dp_size}"
             )
-        local = global_batch_size // self.world_size
+        local = global_batch_size // self.dp_size
         if shard_size == 0 or shard_size % local:
             raise ValueError(
                 f"this rank got {shard_size} samples, not a positive multiple of "
-                f"global_batch_size/world_size={local}; the data size must be a multiple of "
+                f"global_batch_size/dp_size={local}; the data size must be a multiple of "
                 f"global_batch_size={global_batch_size}"
             )
         return local
@@ -445,15 +503,14 @@ class FSDP2PolicyWorker:
                 loss = self._forward_logits(self.model, _dummy_batch(self.device)).sum() * 0.0
             if do_step:
                 # FSDP2 averages gradients over DP ranks; the loss is already a global sum.
-                (loss * self.world_size).backward()
+                (loss * self.dp_size).backward()
 
         (global_loss,) = self._all_reduce([loss_sum])
         result: dict[str, float] = {}
         if do_step:
             assert self.optimizer is not None and self.scheduler is not None
             max_norm = self.max_grad_norm if self.max_grad_norm is not None else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-            result["grad_norm"] = float(_full(grad_norm))
+            result["grad_norm"] = self._clip_grad_norm(max_norm)
             result["lr"] = float(self.optimizer.param_groups[0]["lr"])
             # Numerics guard: the same decision on every rank (global loss, global norm).
             finite = math.isfinite(global_loss) and math.isfinite(result["grad_norm"])
@@ -477,6 +534,30 @@ class FSDP2PolicyWorker:
         )
         return result
 
+    def _clip_grad_norm(self, max_norm: float) -> float:
+        """Clip the global gradient norm to ``max_norm``; return the norm before clipping.
+
+        With TP the parameters live on two meshes (TP-split layers on ``dp x tp``, the rest on
+        ``dp``), which torch's clip_grad_norm_ cannot combine: each rank adds the squares of
+        its local shards, divided by how many ranks hold the same shard, and one all-reduce
+        over every rank sums them."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.tp_mesh is None:
+            return float(_full(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+        total = torch.zeros((), dtype=torch.float64)
+        for p in params:
+            g = p.grad
+            copies = self.world_size / g.device_mesh.size()  # ranks outside its mesh
+            for dim, placement in enumerate(g.placements):
+                copies *= g.device_mesh.size(dim) if placement.is_replicate() else 1
+            total += _local(g).double().pow(2).sum().cpu() / copies
+        dist.all_reduce(total)
+        norm = float(total.sqrt())
+        if math.isfinite(norm) and norm > max_norm:
+            for p in params:
+                p.grad.mul_(max_norm / (norm + 1e-6))
+        return norm
+
     def _skip_nonfinite_step(self, loss: float, grad_norm: float) -> None:
         """Leave weights, optimizer state and schedule as they were; count the step; raise
         NonFiniteTrainingError after ``max_consecutive_nonfinite`` in a row. Collective."""
@@ -486,9 +567,7 @@ class FSDP2PolicyWorker:
             for name, p in self.model.named_parameters()
             if p.grad is not None and not bool(torch.isfinite(_local(p.grad)).all())
         ]
-        gathered: list[list[str]] = [[] for _ in range(self.world_size)]
-        dist.all_gather_object(gathered, bad[:5])
-        names = sorted({n for rank_names in gathered for n in rank_names})
+        names = sorted({n for rank_names in self._all_gather_object(bad[:5]) for n in rank_names})
         what = (
             f"loss={loss}, grad_norm={grad_norm}; non-finite gradients in {names or 'none'}"
             f"{' (first 5 per rank)' if len(names) >= 5 else ''}"
@@ -510,9 +589,7 @@ class FSDP2PolicyWorker:
         """Loss metrics over micro-batches and ranks, following loss_functions' conventions:
         ``loss``/``kl_penalty``/``*_loss`` are globally normalised (summed), ``num_*`` are counts
         (summed), the rest are per-micro-batch means (weighted by num_valid_tokens/pairs)."""
-        gathered: list[list[dict[str, float]]] = [[] for _ in range(self.world_size)]
-        dist.all_gather_object(gathered, mb_metrics)
-        all_mbs = [m for rank_mbs in gathered for m in rank_mbs]
+        all_mbs = [m for rank_mbs in self._all_gather_object(mb_metrics) for m in rank_mbs]
         keys = sorted({k for m in all_mbs for k in m})
         out: dict[str, float] = {}
         for key in keys:
@@ -774,7 +851,8 @@ class FSDP2PolicyWorker:
 
     # ------------------------------------------------------------------ misc
     def get_rank_info(self) -> dict[str, Any]:
-        return {"rank": self.rank, "world_size": self.world_size, "device": str(self.device)}
+        return {"rank": self.rank, "world_size": self.world_size, "device": str(self.device),
+                "dp_size": self.dp_size, "tp_size": self.tp_size}  # fmt: skip
 
     def shutdown(self) -> None:
         """Leave the process group (for workers built directly in a test process)."""

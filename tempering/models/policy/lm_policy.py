@@ -140,7 +140,7 @@ class Policy(PolicyInterface):
             pack_sequences=self.sequence_packing,
             temperature=temperature,
         )
-        merged = BatchedDataDict.from_batches(self.worker_group.get_all_worker_results(futures))
+        merged = BatchedDataDict.from_batches(self.worker_group.get_dp_results(futures))
         return merged.slice(0, n) if pad else merged
 
     # ------------------------------------------------------------- checkpoints
@@ -229,17 +229,19 @@ def build_policy(
     env_vars: dict[str, str] | None = None,
     head: str = "causal_lm",
     pad_token_id: int | None = None,
+    tensor_parallel_size: int = 1,
 ) -> Policy:
     """Start one `FSDP2PolicyWorker` per bundle of `cluster` and wrap them in a `Policy`.
 
     Plain arguments only (the algorithm's builder reads them from the config); see
     `FSDP2PolicyWorker` for the worker-side ones.
     """
-    dp = sum(cluster.bundle_ct_per_node_list)
+    dp = sum(cluster.bundle_ct_per_node_list) // tensor_parallel_size
     if train_global_batch_size % dp:
         raise ValueError(
             f"policy.train_global_batch_size={train_global_batch_size} is not divisible by "
-            f"the data-parallel size {dp} (one worker per bundle); use a multiple of {dp}"
+            f"the data-parallel size {dp} (one worker per bundle, {tensor_parallel_size} per "
+            f"tensor-parallel group); use a multiple of {dp}"
         )
     builder = RayWorkerBuilder(
         POLICY_WORKER_FQN,
@@ -263,8 +265,12 @@ def build_policy(
         num_threads=num_threads,
         head=head,
         pad_token_id=pad_token_id,
+        tensor_parallel_size=tensor_parallel_size,
     )
-    group = RayWorkerGroup(cluster, builder, name_prefix=name_prefix, env_vars=env_vars)
+    group = RayWorkerGroup(
+        cluster, builder, name_prefix=name_prefix, env_vars=env_vars,
+        tensor_parallel_size=tensor_parallel_size,
+    )  # fmt: skip
     try:
         return Policy(
             group,

