@@ -57,16 +57,21 @@ def start_ray(cluster_cfg: ClusterConfig) -> None:
     init_ray(num_gpus=gpus or None)
 
 
-def build_cluster(cluster_cfg: ClusterConfig, name: str) -> Any:
-    from tempering.distributed.virtual_cluster import cluster_from_config
+def plan_run(cfg: Any) -> Any:
+    """The run's placement plan (`tempering plan` prints the same); a config that does not
+    fit its cluster fails here, before Ray starts (`PlanError`, a user error)."""
+    from tempering.distributed.placement import make_plan
 
-    return cluster_from_config(
-        cluster_cfg.num_nodes,
-        cluster_cfg.gpus_per_node,
-        workers_per_node=cluster_cfg.workers_per_node,
-        cpus_per_worker=cluster_cfg.cpus_per_worker,
-        name=name,
-    )
+    plan = make_plan(cfg)
+    log.info("placement plan:\n%s", plan.table())
+    return plan
+
+
+def build_cluster(group: Any, cluster_cfg: ClusterConfig, name: str) -> Any:
+    """The Ray virtual cluster of one group of the plan (``plan.policy``)."""
+    from tempering.distributed.virtual_cluster import cluster_for_group
+
+    return cluster_for_group(group, cluster_cfg.cpus_per_worker, name)
 
 
 def build_policy_from_config(
@@ -79,6 +84,7 @@ def build_policy_from_config(
     name_prefix: str = "policy",
     head: str = "causal_lm",
     pad_token_id: int | None = None,
+    gpu_share: float | None = None,
 ) -> Any:
     """An FSDP2 `Policy` over `cluster` with the optimizer and schedule of `policy_cfg`
     (``head="score"``: a reward model's workers, see `tempering.models.policy.reward_model`)."""
@@ -123,6 +129,7 @@ def build_policy_from_config(
         name_prefix=name_prefix,
         head=head,
         pad_token_id=pad_token_id,
+        gpu_share=gpu_share,
     )
 
 

@@ -191,6 +191,7 @@ def setup(cfg: DPOMasterConfig, resolved: dict[str, Any]) -> DPORun:
         "dpo.val_global_batch_size / val_micro_batch_size",
     )
     common.prepare_run(cfg.deadlines, cfg.logger.log_dir)
+    plan = common.plan_run(cfg)
     tokenizer = common.load_run_tokenizer(pol)
     data = load_preference_data(cfg.data)
     max_len = pol.max_total_sequence_length
@@ -201,7 +202,7 @@ def setup(cfg: DPOMasterConfig, resolved: dict[str, Any]) -> DPORun:
         collate_fn=lambda pairs: preference_batch(pairs, tokenizer, max_len),
     )
     common.start_ray(cfg.cluster)  # the inputs are good: now the workers
-    cluster = common.build_cluster(cfg.cluster, "dpo")
+    cluster = common.build_cluster(plan.policy, cfg.cluster, "dpo")
     policy = common.build_policy_from_config(
         pol,
         cluster,

@@ -201,6 +201,7 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any]) -> GRPORun:
     from tempering.models.registry import resolve_model_path
 
     common.prepare_run(cfg.deadlines, cfg.logger.log_dir)
+    plan = common.plan_run(cfg)
     model_path = resolve_model_path(cfg.policy.model_name)
     tokenizer = common.load_run_tokenizer(cfg.policy)
     train_problems, val_problems = load_problems(cfg.data, cfg.env.nemo_gym.default_route)
@@ -213,15 +214,18 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any]) -> GRPORun:
     common.start_ray(cfg.cluster)  # the inputs are good: now the workers
     environments = build_environments(cfg, {p.task_name for p in train_problems + val_problems})
 
-    cluster = common.build_cluster(cfg.cluster, "grpo")
+    cluster = common.build_cluster(plan.policy, cfg.cluster, "grpo")
     policy = common.build_policy_from_config(
         cfg.policy,
         cluster,
         total_steps=cfg.grpo.max_num_steps,
         init_reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0,
         seed=cfg.grpo.seed,
+        gpu_share=colocated_gpu_share(cfg),
     )
-    generation = build_generation(cfg.policy.generation, policy, model_path, tokenizer, cfg.cluster)
+    generation = build_generation(
+        cfg.policy.generation, policy, model_path, tokenizer, plan, cfg.cluster
+    )
     chat = build_chat_service(
         cfg.policy.generation, generation, tokenizer, cfg.policy.max_total_sequence_length
     )
@@ -260,6 +264,15 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any]) -> GRPORun:
             cfg.logger, policy=policy, generation=generation, environments=environments.values()
         ),
     )
+
+
+def colocated_gpu_share(cfg: GRPOMasterConfig) -> float | None:
+    """Colocated vLLM on GPUs: each policy worker takes part of its GPU in Ray's books."""
+    from tempering.models.generation.builders import COLOCATED_GPU_SHARE
+
+    gen = cfg.policy.generation
+    colocated_vllm = gen.backend == "vllm" and gen.colocated.enabled
+    return COLOCATED_GPU_SHARE if colocated_vllm and cfg.cluster.gpus_per_node else None
 
 
 def _build_gym(cfg: GRPOMasterConfig, server: Any, tokenizer: Any) -> Any:
@@ -469,6 +482,7 @@ def grpo_step(run: GRPORun, loss_fn: Any, step: int | None = None) -> dict[str, 
         result = sampler.result(pad_to_target=True)
         batch = BatchedDataDict(result.batch)
         extra.update({f"train/{k}": float(v) for k, v in result.metrics.items()})
+    run.generation.finish_generation()  # colocated vLLM sleeps: the GPUs are the trainer's
     if cfg.overlong_filtering:
         batch, n_masked = mask_overlong_samples(batch)
         extra["train/overlong_masked"] = float(n_masked)

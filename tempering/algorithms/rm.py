@@ -88,6 +88,7 @@ def setup(cfg: RMMasterConfig, resolved: dict[str, Any]) -> RMRun:
         "rm.val_global_batch_size / val_micro_batch_size",
     )
     common.prepare_run(cfg.deadlines, cfg.logger.log_dir)
+    plan = common.plan_run(cfg)
     tokenizer = common.load_run_tokenizer(pol)
     data = load_preference_data(cfg.data)
     max_len = pol.max_total_sequence_length
@@ -98,7 +99,7 @@ def setup(cfg: RMMasterConfig, resolved: dict[str, Any]) -> RMRun:
         collate_fn=lambda pairs: preference_batch(pairs, tokenizer, max_len),
     )
     common.start_ray(cfg.cluster)  # the inputs are good: now the workers
-    cluster = common.build_cluster(cfg.cluster, "rm")
+    cluster = common.build_cluster(plan.policy, cfg.cluster, "rm")
     reward_model = RewardModel(
         common.build_policy_from_config(
             pol,

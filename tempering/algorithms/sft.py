@@ -115,6 +115,7 @@ def setup(cfg: SFTMasterConfig, resolved: dict[str, Any]) -> SFTRun:
     from tempering.data.dataloader import StatefulDataLoader
 
     common.prepare_run(cfg.deadlines, cfg.logger.log_dir)
+    plan = common.plan_run(cfg)
     tokenizer = common.load_run_tokenizer(cfg.policy)
     data = load_sft_data(
         cfg.data,
@@ -130,7 +131,7 @@ def setup(cfg: SFTMasterConfig, resolved: dict[str, Any]) -> SFTRun:
         collate_fn=lambda ex: collate_sft(ex, pad),
     )
     common.start_ray(cfg.cluster)  # the inputs are good: now the workers
-    cluster = common.build_cluster(cfg.cluster, "sft")
+    cluster = common.build_cluster(plan.policy, cfg.cluster, "sft")
     policy = common.build_policy_from_config(
         cfg.policy, cluster, total_steps=cfg.sft.max_num_steps, seed=cfg.sft.seed
     )

@@ -258,6 +258,9 @@ class DeadlinesConfig(Section):
     """Seconds each phase may wait on its workers before the run stops with the phase, the
     ranks that did not answer and their Python stacks (tempering/distributed/deadlines.py)."""
 
+    startup_s: float = Field(
+        1800.0, gt=0, description="a worker group starting (imports, venv build, model load)"
+    )
     generation_s: float = Field(1800.0, gt=0, description="a generation call")
     refit_s: float = Field(1800.0, gt=0, description="moving weights to the generator")
     train_s: float = Field(1800.0, gt=0, description="one training call (a whole step)")

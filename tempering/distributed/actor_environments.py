@@ -118,6 +118,8 @@ ACTOR_ENVIRONMENT_REGISTRY: dict[str, str] = {
     "tempering.distributed.testing_workers.AllReduceWorker": PY_EXECUTABLES.SYSTEM,
     "tempering.distributed.testing_workers.RaisingWorker": PY_EXECUTABLES.SYSTEM,
     "tempering.distributed.testing_workers.DyingWorker": PY_EXECUTABLES.SYSTEM,
+    "tempering.distributed.testing_workers.HangInInitWorker": PY_EXECUTABLES.SYSTEM,
+    "tempering.distributed.testing_workers.PlacementProbeWorker": PY_EXECUTABLES.SYSTEM,
     "tempering.distributed.testing_workers.CowsayWorker": PY_EXECUTABLES.ISOLATION_PROBE,
     "tempering.environments.nemo_gym_launcher.NemoGymLauncher": PY_EXECUTABLES.NEMO_GYM,
 }

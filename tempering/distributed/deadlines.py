@@ -1,7 +1,8 @@
 """Deadlines for every remote wait, per phase, and Python stack dumps when one expires.
 
-Each wait on workers belongs to a *phase* -- generation, refit, train, logprobs, environment,
-checkpoint, or call (anything else) -- and has that phase's deadline (``deadlines.*_s`` in
+Each wait on workers belongs to a *phase* -- startup (a worker group starting: imports, venv,
+model load), generation, refit, train, logprobs, environment, checkpoint, or call (anything
+else) -- and has that phase's deadline (``deadlines.*_s`` in
 the config; on by default, 30 minutes each). :func:`phase_of` names the phase of a worker
 method. When a deadline expires the worker group sends ``SIGUSR1`` to each worker that did not
 answer; every worker registered :mod:`faulthandler` for that signal at start-up
@@ -22,7 +23,16 @@ import signal
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-PHASES = ("generation", "refit", "train", "logprobs", "environment", "checkpoint", "call")
+PHASES = (
+    "startup",
+    "generation",
+    "refit",
+    "train",
+    "logprobs",
+    "environment",
+    "checkpoint",
+    "call",
+)
 DEFAULT_DEADLINE_S = 1800.0
 STACK_DUMP_DIR_ENV = "TEMPERING_STACK_DUMP_DIR"
 GROUP_NAME_ENV = "TEMPERING_WORKER_GROUP"

@@ -9,8 +9,8 @@ how vLLM's tensor-parallel engines sit inside a node, and what one GPU holds: pa
 gradients and optimizer state at the configured precision and sharding, the reference model,
 activations and logits of one micro-batch, and vLLM's ``gpu_memory_utilization``. A plan that
 does not fit the declared cluster raises `PlanError` listing what is short and what to change.
-Every example builds its clusters from the plan (`build_clusters`), so `tempering plan` shows
-exactly what a run will ask Ray for.
+Every example makes its plan first and builds its clusters from it (`algorithms/common.py`'s
+`plan_run` and `build_cluster`), so `tempering plan` shows exactly what a run will ask Ray for.
 
 The memory figures are estimates (formulas below), meant to catch a misfit in a second
 instead of an out-of-memory error after minutes of start-up; they are not a profiler. On CPU
@@ -137,8 +137,9 @@ def model_shape(model_name: str) -> ModelShape | None:
 # --------------------------------------------------------------------------------- plans
 @dataclass
 class GroupPlan:
-    """One worker group: ``bundles_per_node[i]`` bundles of ``gpus_per_bundle`` GPUs (or of
-    CPUs, on CPU clusters) on node ``i``, one worker per bundle."""
+    """One worker group: ``bundles_per_node[i]`` bundles of ``gpus_per_bundle`` GPUs (0 on a
+    CPU cluster: bundles of ``cluster.cpus_per_worker`` CPUs) on node ``i``, one worker per
+    bundle."""
 
     name: str
     bundles_per_node: list[int]
@@ -276,9 +277,7 @@ def make_plan(cfg: Any) -> Plan:
                 f"{key}={value} is not divisible by the data-parallel size {dp} "
                 f"({world} policy workers / tensor_parallel_size {tp}); use a multiple of {dp}"
             )
-    policy = GroupPlan(
-        "policy", [policy_per_node] * policy_nodes, 1 if on_gpus else cl.cpus_per_worker, dp, tp
-    )
+    policy = GroupPlan("policy", [policy_per_node] * policy_nodes, 1 if on_gpus else 0, dp, tp)
     policy.gpu_ids = _gpu_ids(policy, 1) if on_gpus else []
     generation = gen_group(policy) if gen_group else None
 

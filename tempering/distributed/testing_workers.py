@@ -117,6 +117,13 @@ class RaisingWorker:
         return int(os.environ["RANK"])
 
 
+class HangInInitWorker:
+    """Never finishes starting (a stuck import or model load). For the start-up deadline."""
+
+    def __init__(self) -> None:
+        _sleep_forever()
+
+
 class DyingWorker:
     """Exits its process without a Python exception (like a kill or an OOM)."""
 
@@ -133,7 +140,7 @@ class DyingWorker:
         if not dist.is_initialized():
             dist.init_process_group(
                 "gloo",
-                init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+                init_method=os.environ["TEMPERING_DIST_INIT_METHOD"],
                 rank=int(os.environ["RANK"]),
                 world_size=int(os.environ["WORLD_SIZE"]),
             )
@@ -187,3 +194,22 @@ def _tcp_listeners() -> set[str]:
                 raw = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
             found.add(f"{socket.inet_ntop(family, raw)}:{int(hex_port, 16)}")
     return found
+
+
+class PlacementProbeWorker:
+    """Stands in for a generation engine where only its placement is under test: reports
+    the GPUs Ray gave it and the CUDA_VISIBLE_DEVICES it runs with."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def placement(self) -> dict[str, Any]:
+        import ray
+
+        from tempering.distributed.worker_groups import bundle_of_this_actor
+
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "bundle": bundle_of_this_actor(),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        }

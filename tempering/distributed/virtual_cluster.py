@@ -19,6 +19,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 # RAY_ENABLE_UV_RUN_RUNTIME_ENV=0 is set by tempering/distributed/__init__.py, which always
 # runs before this module (set it to 1 to opt back in to Ray's `uv run` relaunch).
@@ -323,6 +324,17 @@ def cluster_from_config(
         num_cpus_per_bundle=cpus_per_worker,
         name=name,
         ready_timeout_s=ready_timeout_s,
+    )
+
+
+def cluster_for_group(group: Any, cpus_per_worker: float, name: str) -> RayVirtualCluster:
+    """The virtual cluster of one group of a placement plan (`placement.GroupPlan`)."""
+    return RayVirtualCluster(
+        group.bundles_per_node,
+        use_gpus=group.gpus_per_bundle > 0,
+        num_cpus_per_bundle=cpus_per_worker,
+        num_gpus_per_bundle=group.gpus_per_bundle or 1,
+        name=name,
     )
 
 

@@ -98,6 +98,23 @@ def _signal_on_node(node_id: str) -> Any:
     )
 
 
+def bundle_of_this_actor() -> str | None:
+    """``<placement group id>/<bundle index>`` this actor's resources came from, for
+    diagnostics (Ray's public API does not say; its core worker names the resources
+    ``bundle_group_<index>_<pg id>``); None outside a placement group or if Ray changes."""
+    import re
+
+    try:
+        names = ray._private.worker.global_worker.core_worker.resource_ids()
+    except Exception:
+        return None
+    for name in names:
+        found = re.fullmatch(r"bundle_group_(\d+)_([0-9a-f]+)", name)
+        if found:
+            return f"{found.group(2)}/{found.group(1)}"
+    return None
+
+
 class RayWorkerBuilder:
     """What to build: worker class ``fqn`` with constructor arguments.
 
@@ -146,6 +163,8 @@ class IsolatedWorkerInitializer:
             "node_ip": ray.util.get_node_ip_address(),
             "pid": os.getpid(),
             "python": sys.executable,
+            "gpu_ids": [str(i) for i in ctx.get_accelerator_ids().get("GPU", [])],
+            "bundle": bundle_of_this_actor(),
         }
 
     def execute(self, _method_name: str, *args: Any, **kwargs: Any) -> Any:
@@ -179,11 +198,15 @@ class RayWorkerGroup:
         env_vars: extra environment variables for every worker.
         num_cpus_per_worker / num_gpus_per_worker: resources each worker takes from its
             bundle (default: the whole bundle; use fractions to colocate two groups).
-        start_timeout_s: how long the workers may take to start.
+        start_timeout_s: how long the workers may take to start (default: the ``startup``
+            phase's deadline, ``deadlines.startup_s``).
         call_timeout_s: a limit for every :meth:`get_all_worker_results` of this group;
             default None = each call's phase deadline (``deadlines.py``).
         tensor_parallel_size: workers per tensor-parallel group (consecutive ranks); they
             receive the same data shard (`dp_rank`) and return the same results.
+        bundle_indices: put the workers on these bundles of ``cluster`` only (in rank
+            order); default: one worker on every bundle.
+        env_vars_per_rank: more environment variables, one dict per rank.
     """
 
     def __init__(
@@ -195,9 +218,11 @@ class RayWorkerGroup:
         env_vars: dict[str, str] | None = None,
         num_cpus_per_worker: float | None = None,
         num_gpus_per_worker: float | None = None,
-        start_timeout_s: float = 300.0,
+        start_timeout_s: float | None = None,
         call_timeout_s: float | None = None,
         tensor_parallel_size: int = 1,
+        bundle_indices: Sequence[int] | None = None,
+        env_vars_per_rank: Sequence[dict[str, str]] | None = None,
     ) -> None:
         self.name = name_prefix
         self.tp_size = tensor_parallel_size
@@ -205,6 +230,8 @@ class RayWorkerGroup:
         self.call_timeout_s = call_timeout_s
         self._ref_info: dict[str, tuple[int, str]] = {}  # ObjectRef hex -> (rank, method)
         locations = cluster.bundle_locations()
+        if bundle_indices is not None:  # a subset, e.g. one vLLM engine per TP group of GPUs
+            locations = [locations[i] for i in bundle_indices]
         self._node_ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
         self._bundle_nodes = [loc.node_id for loc in locations]
 
@@ -220,6 +247,7 @@ class RayWorkerGroup:
         for rank, loc in enumerate(locations):
             worker_env = {
                 **(env_vars or {}),
+                **(env_vars_per_rank[rank] if env_vars_per_rank else {}),
                 deadlines.GROUP_NAME_ENV: self.name,
                 **{k: os.environ[k] for k in (deadlines.STACK_DUMP_DIR_ENV,) if k in os.environ},
                 "RANK": str(rank),
@@ -255,7 +283,8 @@ class RayWorkerGroup:
                 [w.describe.remote() for w in self.workers],
                 ["__init__"] * world_size,
                 list(range(world_size)),
-                start_timeout_s,
+                start_timeout_s or deadlines.deadline_s("startup"),
+                "startup",
             )
         except BaseException:
             self._kill(self.workers)
@@ -386,7 +415,7 @@ class RayWorkerGroup:
             if not ready:
                 waiting = sorted((ranks[position[r]], methods[position[r]]) for r in pending)
                 late = sorted({r for r, _ in waiting})
-                files = self.dump_stacks(late) if phase != "startup" else []
+                files = self.dump_stacks(late)
                 stacks = (
                     "Python stacks of those workers: " + ", ".join(files)
                     if files
@@ -451,8 +480,10 @@ class RayWorkerGroup:
         here = ray.get_runtime_context().get_node_id()
         expected = []
         for rank in ranks:
-            info = self.worker_info[rank]
-            pid, node = int(info["pid"]), info["node_id"]
+            found = self._pid_and_node(rank, folder)
+            if found is None:
+                continue
+            pid, node = found
             try:
                 if node == here:
                     os.kill(pid, deadlines.STACK_DUMP_SIGNAL)
@@ -469,6 +500,20 @@ class RayWorkerGroup:
         while time.monotonic() < end and not all(_has_text(p) for p in expected):
             time.sleep(0.05)
         return [str(p) for p in expected if _has_text(p)]
+
+    def _pid_and_node(self, rank: int, folder: str | None) -> tuple[int, str] | None:
+        """Worker ``rank``'s pid and node: from its description, or -- still starting, so
+        not described yet -- from the stack file it created first thing (this node only)."""
+        info = getattr(self, "worker_info", None)
+        if info is not None:
+            return int(info[rank]["pid"]), info[rank]["node_id"]
+        if not folder:
+            return None
+        files = sorted(Path(folder).glob(f"{self.name}-rank{rank}-pid*.txt"),
+                       key=lambda f: f.stat().st_mtime)  # fmt: skip
+        if not files:
+            return None
+        return int(files[-1].stem.rsplit("pid", 1)[1]), self._bundle_nodes[rank]
 
     def _kill(self, workers: list[ray.actor.ActorHandle]) -> None:
         for worker in workers:

@@ -69,6 +69,7 @@ def test_smollm2_gsm8k_sft_steps_lower_the_loss(ray_session):
     from tempering.data.collate import collate_sft, pad_token_id_of
     from tempering.data.gsm8k import gsm8k_sft_message_logs
     from tempering.data.processing import tokenize_message_logs
+    from tempering.distributed.placement import make_plan
     from tempering.models.hf import load_tokenizer
     from tempering.models.registry import resolve_model_path
 
@@ -86,7 +87,7 @@ def test_smollm2_gsm8k_sft_steps_lower_the_loss(ray_session):
     logs = gsm8k_sft_message_logs("train").examples[:4]
     examples, _ = tokenize_message_logs(logs, tokenizer, 256)
     batch = collate_sft(examples, pad_token_id_of(tokenizer))
-    cluster = build_cluster(cfg.cluster, "sft-smollm2")
+    cluster = build_cluster(make_plan(cfg).policy, cfg.cluster, "sft-smollm2")
     policy = build_policy_from_config(cfg.policy, cluster, total_steps=3)
     try:
         losses = [policy.train(batch, NLLLoss())["loss"] for _ in range(3)]

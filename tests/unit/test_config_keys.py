@@ -95,6 +95,9 @@ class _RecordingGroup:
     def get_all_worker_results(self, futures):
         return futures
 
+    def get_dp_results(self, futures):
+        return futures
+
 
 def test_logprob_token_budget_reaches_logprob_calls_only():
     import torch

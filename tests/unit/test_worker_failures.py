@@ -111,11 +111,25 @@ def test_hang_ends_at_the_phase_deadline_with_stack_dumps(cluster, tmp_path, mon
         assert time.monotonic() - start < 20  # hung workers are killed, not waited on
 
 
+def test_startup_hang_ends_at_its_deadline_with_stack_dumps(cluster, tmp_path, monkeypatch):
+    monkeypatch.setenv(deadlines.STACK_DUMP_DIR_ENV, str(tmp_path))
+    monkeypatch.setitem(deadlines._deadlines, "startup", 8.0)
+    start = time.monotonic()
+    with pytest.raises(deadlines.DeadlineExceeded) as info:
+        RayWorkerGroup(cluster, RayWorkerBuilder(f"{PKG}.HangInInitWorker"), "stuck")
+    assert time.monotonic() - start < 30
+    err = info.value
+    assert err.phase == "startup" and err.ranks == [0, 1]
+    assert "deadlines.startup_s" in str(err) and len(err.stack_files) == 2
+    assert all("_sleep_forever" in open(f).read() and "__init__" in open(f).read()
+               for f in err.stack_files)  # fmt: skip
+
+
 def test_phases_of_worker_methods():
     expected = {
         "train": "train", "get_logprobs": "logprobs", "get_reference_policy_logprobs": "logprobs",
         "generate": "generation", "refit_colocated_generation": "refit",
-        "state_dict_ref_for_refit": "refit", "save_checkpoint": "checkpoint",
+        "refit_bucket": "refit", "save_checkpoint": "checkpoint",
         "load_checkpoint": "checkpoint", "export_hf": "checkpoint", "whoami": "call",
     }  # fmt: skip
     assert {m: deadlines.phase_of(m) for m in expected} == expected

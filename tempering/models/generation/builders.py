@@ -1,16 +1,21 @@
 """Turn `policy.generation` into a generator the algorithm loop can call.
 
-Two shapes, one small interface (`generate`, `refit`, `shutdown`, and for the OpenAI-compatible
-server `num_replicas` + `generate_on`, which targets one data-parallel replica so that all
-turns of a conversation land on the same engine):
-- **Colocated** (torch backend, `colocated.enabled=true`, the CPU default): each policy
-  worker runs the torch engine on an unsharded copy of its own weights, over its DP shard of
-  the prompts. Refit copies the trained (sharded) weights into that copy inside the worker:
-  no tensor leaves the worker process.
-- **Split** (vLLM, or torch with `colocated.enabled=false`): a separate worker group of
-  generation workers. Refit: policy rank 0 puts its full state dict into Ray's object store
-  and returns only the ref; each generation worker fetches the tensors itself, so they never
-  pass through the controller.
+Three shapes, one small interface (`generate`, `refit`, `finish_generation`, `reseed`,
+`shutdown`, and for the OpenAI-compatible server `num_replicas` + `generate_on`, which targets
+one data-parallel replica so that all turns of a conversation land on the same engine):
+- **Colocated torch** (`backend=torch`, `colocated.enabled=true`, the CPU default): each
+  policy worker runs the torch engine on an unsharded copy of its own weights, over its DP
+  shard of the prompts. Refit copies the trained (sharded) weights into that copy inside the
+  worker: no tensor leaves the worker process.
+- **Split** (`colocated.enabled=false`, torch or vLLM): generation workers on bundles of
+  their own (the placement plan's generation group; a vLLM engine per `tensor_parallel_size`
+  GPUs of one node). Refit streams the weights in layer-aligned, size-bounded buckets in the
+  generator's dtype through Ray's object store (`refit.py`); the controller never holds them.
+- **Colocated vLLM** (`backend=vllm`, `colocated.enabled=true`, the GPU default): vLLM
+  engines on the policy's own GPUs (one per TP group of bundles). vLLM sleeps while the
+  policy trains (`finish_generation`) and wakes for the refit, with the policy's optimizer
+  state moved to host memory meanwhile. GPU only (the planner refuses it on CPU); not yet run
+  on hardware.
 """
 
 from __future__ import annotations
@@ -74,16 +79,28 @@ class ColocatedGeneration:
         """Every worker's sampling stream restarts from ``seed`` (offset by rank)."""
         self.policy.reseed_generation(seed)
 
+    def finish_generation(self) -> None:
+        """Nothing to free: the engine's copy lives in the policy worker."""
+
     def shutdown(self) -> None:
         """The engine lives and dies with the policy workers."""
 
 
 class SplitGeneration:
-    """A worker group of generation workers fed new weights through the object store."""
+    """A worker group of generation workers fed new weights through the object store.
 
-    def __init__(self, worker_group: Any, cluster: Any) -> None:
+    ``sleeps``: colocated vLLM (GPU): the engines sleep after generating and the refit wakes
+    them, with the policy's optimizer state off the GPU in between (see module docstring)."""
+
+    def __init__(
+        self, worker_group: Any, cluster: Any, sleeps: bool = False, refit_dtype: str | None = None
+    ) -> None:
         self.worker_group = worker_group
-        self.cluster = cluster
+        self.cluster = cluster  # None when it shares the policy's (colocated)
+        self.sleeps = sleeps
+        self.refit_dtype = refit_dtype
+        self.last_refit_bytes = 0  # what the last refit put into the object store
+        self._policy: Any = None
 
     def generate(
         self, data: BatchedDataDict, greedy: bool = False, sampling: SamplingConfig | None = None
@@ -109,13 +126,30 @@ class SplitGeneration:
         self.worker_group.get_all_worker_results(futures)
 
     def refit(self, policy: Any) -> None:
-        ref = policy.state_dict_ref_for_refit()
-        futures = self.worker_group.run_all_workers_single_data("update_weights", ref)
+        """The policy's current weights into every engine (`refit.stream_weights`)."""
+        from tempering.models.generation.refit import stream_weights
+
+        if self.sleeps:  # colocated: optimizer state off the GPU, engines awake to load
+            self._policy = policy
+            policy.prepare_for_generation()
+            self._all("prepare_for_generation")
+        self.last_refit_bytes = stream_weights(policy, self.worker_group, self.refit_dtype)
+
+    def finish_generation(self) -> None:
+        """Colocated vLLM: the engines sleep, the policy's optimizer state comes back."""
+        if self.sleeps:
+            self._all("finish_generation")
+            if self._policy is not None:
+                self._policy.prepare_for_training()
+
+    def _all(self, method: str) -> None:
+        futures = self.worker_group.run_all_workers_single_data(method)
         self.worker_group.get_all_worker_results(futures)
 
     def shutdown(self) -> None:
         self.worker_group.shutdown()
-        self.cluster.shutdown()
+        if self.cluster is not None:
+            self.cluster.shutdown()
 
 
 _GENERATE_KEYS = ("input_ids", "input_lengths", "max_new_tokens")
@@ -152,23 +186,25 @@ def data_parallel_generate(worker_group: Any, data: BatchedDataDict, **kw: Any) 
 
 
 def build_generation(
-    gen: GenerationSection, policy: Any, model_path: str, tokenizer: Any, cluster_cfg: ClusterConfig
+    gen: GenerationSection,
+    policy: Any,
+    model_path: str,
+    tokenizer: Any,
+    plan: Any,
+    cluster_cfg: ClusterConfig,
 ) -> ColocatedGeneration | SplitGeneration:
+    """The generator the placement ``plan`` describes (see the module docstring)."""
     sampling = sampling_from_config(gen, tokenizer)
     if gen.backend == "torch" and gen.colocated.enabled:
         return ColocatedGeneration(policy, sampling)
-    from tempering.distributed.virtual_cluster import cluster_from_config
+    from tempering.distributed.virtual_cluster import cluster_for_group
     from tempering.distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup
 
-    cluster = cluster_from_config(
-        cluster_cfg.num_nodes,
-        cluster_cfg.gpus_per_node,
-        workers_per_node=cluster_cfg.workers_per_node,
-        cpus_per_worker=cluster_cfg.cpus_per_worker,
-        name="generation",
-    )
+    group_plan = plan.generation
+    on_gpus = cluster_cfg.gpus_per_node > 0
     if gen.backend == "torch":
         builder = RayWorkerBuilder(TORCH_WORKER_FQN, model_path, dataclasses.asdict(sampling))
+        refit_dtype = None  # the torch engine runs in the policy's dtype
     else:
         v = gen.vllm_cfg
         builder = RayWorkerBuilder(
@@ -177,16 +213,57 @@ def build_generation(
             sampling,
             dtype=v.precision,
             gpu_memory_utilization=v.gpu_memory_utilization,
-            tensor_parallel_size=v.tensor_parallel_size,
+            tensor_parallel_size=group_plan.tp,
             max_model_len=v.max_model_len,
             enforce_eager=v.enforce_eager,
+            enable_sleep_mode=gen.colocated.enabled,
             # CPU engines need an explicit KV-cache size (GPU ones size it from utilization).
-            kv_cache_memory_bytes=None if cluster_cfg.gpus_per_node else 256 * 2**20,
+            kv_cache_memory_bytes=None if on_gpus else 256 * 2**20,
         )
-    group = RayWorkerGroup(cluster, builder, name_prefix=f"gen-{gen.backend}")
-    generation = SplitGeneration(group, cluster)
+        refit_dtype = v.precision  # weights travel in the engine's dtype
+    if gen.colocated.enabled:  # vLLM on the policy's GPUs (GPU only; not yet run on hardware)
+        group = start_colocated_engines(policy, group_plan, builder)
+        generation = SplitGeneration(group, None, sleeps=True, refit_dtype=refit_dtype)
+    else:
+        cluster = cluster_for_group(group_plan, cluster_cfg.cpus_per_worker, "generation")
+        group = RayWorkerGroup(cluster, builder, name_prefix=f"gen-{gen.backend}")
+        generation = SplitGeneration(group, cluster, refit_dtype=refit_dtype)
     generation.refit(policy)  # start from the policy's current weights
     return generation
+
+
+# Colocated vLLM: the policy worker and the engine on a GPU each take this share of it in
+# Ray's accounting (the memory is shared in time: vLLM sleeps while the policy trains).
+COLOCATED_GPU_SHARE = 0.5
+
+
+def start_colocated_engines(policy: Any, group_plan: Any, builder: Any) -> Any:
+    """One engine per TP group of the policy's bundles, sharing their GPUs (see below)."""
+    from tempering.distributed.worker_groups import RayWorkerGroup
+
+    bundles, envs = colocated_engine_placement(group_plan, policy.worker_group.worker_info)
+    return RayWorkerGroup(
+        policy.cluster, builder, name_prefix="gen-vllm", num_gpus_per_worker=COLOCATED_GPU_SHARE,
+        num_cpus_per_worker=0,  # the policy worker holds the bundle's CPUs
+        bundle_indices=bundles, env_vars_per_rank=envs,
+    )  # fmt: skip
+
+
+def colocated_engine_placement(
+    group_plan: Any, policy_workers: list[dict[str, Any]]
+) -> tuple[list[int], list[dict[str, str]]]:
+    """Where each colocated vLLM engine goes: the first bundle of its TP group of policy
+    bundles, seeing that group's GPUs (the ids Ray gave the policy workers there). Ray would
+    show an actor only its own bundle's GPU, hence RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES
+    and CUDA_VISIBLE_DEVICES set from the policy workers' ids."""
+    tp, bundles, envs = group_plan.tp, [], []
+    for engine in range(group_plan.workers):
+        first = engine * tp
+        ids = [gpu for w in policy_workers[first : first + tp] for gpu in w["gpu_ids"]]
+        bundles.append(first)
+        envs.append({"CUDA_VISIBLE_DEVICES": ",".join(ids),
+                     "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"})  # fmt: skip
+    return bundles, envs
 
 
 def build_chat_service(

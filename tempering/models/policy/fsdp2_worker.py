@@ -146,6 +146,8 @@ class FSDP2PolicyWorker:
         tensor_parallel_size: ranks that split each decoder layer (attention heads and MLP
             columns, torch's DTensor colwise/rowwise styles); consecutive ranks form a TP
             group, FSDP2 shards over the data-parallel groups (a 2-D ``dp x tp`` mesh).
+        lean_loading: with several ranks only rank 0 reads the weights (see `_load_sharded`);
+            False: every rank reads them (kept to measure the difference).
         max_consecutive_nonfinite: a step whose loss or gradient norm is NaN/Inf is skipped
             (no update, counted as ``num_nonfinite_skipped``); this many in a row raise
             `NonFiniteTrainingError` naming what was non-finite.
@@ -175,6 +177,7 @@ class FSDP2PolicyWorker:
         head: str = "causal_lm",
         pad_token_id: int | None = None,
         tensor_parallel_size: int = 1,
+        lean_loading: bool = True,
     ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r} is unknown; use one of {PRECISIONS}")
@@ -194,6 +197,7 @@ class FSDP2PolicyWorker:
         self.max_consecutive_nonfinite = max_consecutive_nonfinite
         self._nonfinite_streak = 0
         self.tp_size = tensor_parallel_size
+        self.lean_loading = lean_loading
         self._init_distributed()
 
         if self.device.type == "cuda" and precision == "bfloat16":
@@ -288,13 +292,21 @@ class FSDP2PolicyWorker:
         return f"tcp://{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{port}"
 
     def _load_sharded(self, activation_checkpointing: bool) -> torch.nn.Module:
-        from tempering.models.hf import load_causal_lm, load_sequence_classifier
-
-        if self.head == "score":
-            assert self.pad_token_id is not None
-            model = load_sequence_classifier(self.model_path, self.pad_token_id)
+        """The model, sharded. Memory-lean with several ranks: only rank 0 reads the
+        checkpoint; the others build the model on the meta device (no memory), shard it, and
+        receive their shards from rank 0 (`_fill_from_rank0`)."""
+        lean = self.lean_loading and self.world_size > 1
+        full_state = None
+        if lean:  # every rank shards the same empty model (TP and FSDP2 then need no data)
+            model = self._empty_model()
+            if self.rank == 0:  # broadcast below: the weights, and the buffers they imply
+                read = self._read_model()
+                full_state = {
+                    "state": dict(read.state_dict()),
+                    "buffers": dict(read.named_buffers()),
+                }
         else:
-            model = load_causal_lm(self.model_path, dtype=torch.float32)
+            model = self._read_model()
         use_packed_sdpa(model)  # packed micro-batches cost their sequences, not their bins
         self.hf_config = model.config
         if activation_checkpointing:
@@ -314,7 +326,49 @@ class FSDP2PolicyWorker:
         for layer in layers:
             fully_shard(layer, mesh=self.dp_mesh, mp_policy=self.mp_policy)
         fully_shard(model, mesh=self.dp_mesh, mp_policy=self.mp_policy)
+        if lean:
+            self._fill_from_rank0(model, full_state)
         return model
+
+    def _read_model(self) -> torch.nn.Module:
+        from tempering.models.hf import load_causal_lm, load_sequence_classifier
+
+        if self.head == "score":
+            assert self.pad_token_id is not None
+            return load_sequence_classifier(self.model_path, self.pad_token_id)
+        return load_causal_lm(self.model_path, dtype=torch.float32)
+
+    def _empty_model(self) -> torch.nn.Module:
+        """The model's architecture on the meta device: no weights read, no memory used."""
+        from transformers import (
+            AutoConfig,
+            AutoModelForCausalLM,
+            AutoModelForSequenceClassification,
+        )
+
+        from tempering.models.registry import hub_offline, resolve_model_path
+
+        config = AutoConfig.from_pretrained(
+            resolve_model_path(self.model_path), local_files_only=hub_offline()
+        )
+        auto = AutoModelForCausalLM
+        if self.head == "score":
+            config.num_labels, config.pad_token_id = 1, self.pad_token_id
+            auto = AutoModelForSequenceClassification
+        with torch.device("meta"):
+            return auto.from_config(config, dtype=torch.float32).eval()
+
+    def _fill_from_rank0(self, model: torch.nn.Module, full_state: dict[str, Any] | None) -> None:
+        """Rank 0 broadcasts the file's tensors; each rank keeps its shard. Buffers that are
+        not in the state dict (e.g. rotary frequencies) are recomputed by rank 0's read model
+        and broadcast whole. Collective."""
+        model.to_empty(device=self.device)
+        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, full_state["state"] if full_state else {}, options=opts)
+        for name, buffer in model.named_buffers():
+            if full_state:
+                buffer.copy_(full_state["buffers"][name])
+            dist.broadcast(buffer, src=0)
 
     # ------------------------------------------------------------ collectives
     def _all_reduce(
@@ -839,15 +893,41 @@ class FSDP2PolicyWorker:
             )
         return self._gen_engine.generate(data.to(self.device), greedy, sampling).to("cpu")
 
-    def state_dict_ref_for_refit(self, dtype: str | None = None) -> list[Any] | None:
-        """Rank 0 puts the full state dict into Ray's object store and returns ``[ref]``:
-        generation workers fetch it themselves, the controller only passes the ref along."""
-        sd = self.state_dict_for_refit(dtype)
-        if sd is None:
+    def refit_buckets(self, bucket_bytes: int) -> list[list[str]]:
+        """State-dict names in buckets of at most ``bucket_bytes`` (fp32 size), cut only
+        between decoder layers (`refit.py`); the same on every rank."""
+        buckets: list[list[str]] = []
+        current: list[str] = []
+        size, layer = 0, None
+        for name, tensor in self.model.state_dict().items():
+            this_layer = _layer_of(name)
+            nbytes = tensor.numel() * 4
+            if current and this_layer != layer and size + nbytes > bucket_bytes:
+                buckets.append(current)
+                current, size = [], 0
+            current.append(name)
+            size += nbytes
+            layer = this_layer
+        return buckets + ([current] if current else [])
+
+    def refit_bucket(self, names: list[str], dtype: str | None) -> tuple[Any, int] | None:
+        """Gather the full tensors of ``names`` (collective), cast to ``dtype``; rank 0 puts
+        them into Ray's object store and returns ``(ref, bytes)``, the others None."""
+        state = self.model.state_dict()
+        target = getattr(torch, dtype) if dtype else None
+        out: dict[str, torch.Tensor] = {}
+        for name in names:
+            full = _full(state[name])  # every rank joins each all-gather, in the same order
+            if self.rank == 0:
+                full = full.detach().to("cpu", copy=True)
+                out[name] = (
+                    full.to(target) if target is not None and full.is_floating_point() else full
+                )
+        if self.rank != 0:
             return None
         import ray
 
-        return [ray.put(sd)]
+        return ray.put(out), sum(t.numel() * t.element_size() for t in out.values())
 
     # ------------------------------------------------------------------ misc
     def get_rank_info(self) -> dict[str, Any]:
@@ -861,6 +941,15 @@ class FSDP2PolicyWorker:
 
 
 # ---------------------------------------------------------------------- helpers
+def _layer_of(name: str) -> str:
+    """``model.layers.3`` for ``model.layers.3.mlp.up_proj.weight``; the name itself otherwise."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part == "layers" and parts[i + 1].isdigit():
+            return ".".join(parts[: i + 2])
+    return name
+
+
 def _trim(mb: BatchedDataDict) -> BatchedDataDict:
     """Cut sequence keys (dim 1 == input_ids' dim 1) to the micro-batch's longest sequence."""
     width = mb["input_ids"].shape[1]

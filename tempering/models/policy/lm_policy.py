@@ -54,6 +54,7 @@ class Policy(PolicyInterface):
         max_tokens_per_microbatch: int | None = None,
         sequence_packing: bool = False,
         logprob_max_tokens_per_microbatch: int | None = None,
+        cluster: RayVirtualCluster | None = None,
     ) -> None:
         if sequence_packing and max_tokens_per_microbatch is None:
             raise ValueError(
@@ -67,6 +68,7 @@ class Policy(PolicyInterface):
                 f"the data-parallel size {dp}; use a multiple of {dp}"
             )
         self.worker_group = worker_group
+        self.cluster = cluster  # its bundles (colocated generation places engines on them)
         self.train_global_batch_size = train_global_batch_size
         self.train_micro_batch_size = train_micro_batch_size
         self.logprob_micro_batch_size = logprob_micro_batch_size or train_micro_batch_size
@@ -179,9 +181,13 @@ class Policy(PolicyInterface):
 
         return data_parallel_generate(self.worker_group, data, greedy=greedy, sampling=sampling)
 
-    def state_dict_ref_for_refit(self, dtype: str | None = None) -> Any:
-        """A Ray object ref to the full state dict (put by rank 0; never fetched here)."""
-        return self._all("state_dict_ref_for_refit", dtype)[0][0]
+    def refit_buckets(self, bucket_bytes: int) -> list[list[str]]:
+        """State-dict names in layer-aligned buckets (see `tempering.models.generation.refit`)."""
+        return self._all("refit_buckets", bucket_bytes)[0]
+
+    def refit_bucket(self, names: list[str], dtype: str | None) -> tuple[Any, int]:
+        """``(object ref, bytes)`` of one bucket in ``dtype``, put by rank 0 (never fetched here)."""
+        return self._all("refit_bucket", names, dtype)[0]
 
     # ---------------------------------------------------------- colocation
     def prepare_for_generation(self) -> None:
@@ -230,11 +236,13 @@ def build_policy(
     head: str = "causal_lm",
     pad_token_id: int | None = None,
     tensor_parallel_size: int = 1,
+    gpu_share: float | None = None,
 ) -> Policy:
     """Start one `FSDP2PolicyWorker` per bundle of `cluster` and wrap them in a `Policy`.
 
     Plain arguments only (the algorithm's builder reads them from the config); see
-    `FSDP2PolicyWorker` for the worker-side ones.
+    `FSDP2PolicyWorker` for the worker-side ones. ``gpu_share``: the share of its bundle's
+    GPU each worker takes in Ray's accounting (colocated vLLM takes the rest).
     """
     dp = sum(cluster.bundle_ct_per_node_list) // tensor_parallel_size
     if train_global_batch_size % dp:
@@ -269,7 +277,7 @@ def build_policy(
     )
     group = RayWorkerGroup(
         cluster, builder, name_prefix=name_prefix, env_vars=env_vars,
-        tensor_parallel_size=tensor_parallel_size,
+        tensor_parallel_size=tensor_parallel_size, num_gpus_per_worker=gpu_share,
     )  # fmt: skip
     try:
         return Policy(
@@ -280,6 +288,7 @@ def build_policy(
             max_tokens_per_microbatch=max_tokens_per_microbatch,
             sequence_packing=sequence_packing,
             logprob_max_tokens_per_microbatch=logprob_max_tokens_per_microbatch,
+            cluster=cluster,
         )
     except BaseException:
         group.shutdown()

