@@ -21,6 +21,7 @@ one small Ray call per worker, made between steps while the workers are idle.
 from __future__ import annotations
 
 import logging
+import os
 import resource
 import sys
 import time
@@ -29,6 +30,12 @@ from collections.abc import Callable, Mapping
 log = logging.getLogger(__name__)
 
 _warned_no_nvml = False
+
+
+def current_rss_gb() -> float:
+    """This process's resident memory now (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
 
 
 def process_usage() -> dict[str, float]:

@@ -210,7 +210,12 @@ class FSDP2PolicyWorker:
                     "precision=bfloat16 ignored on CPU (bf16 is ~20x slower there); using fp32"
                 )
             self.mp_policy = MixedPrecisionPolicy()
+        from tempering.utils.resources import current_rss_gb, process_usage
+
+        rss_before = current_rss_gb()
         self.model = self._load_sharded(activation_checkpointing)
+        # what loading cost this rank at its peak (lean loading: a shard plus one tensor)
+        self._load_peak_gb = process_usage()["peak_rss_gb"] - rss_before
         self.reference_model = None
         if init_reference_model:
             self.reference_model = self._load_sharded(False)
@@ -329,6 +334,10 @@ class FSDP2PolicyWorker:
         if lean:
             self._fill_from_rank0(model, full_state)
         return model
+
+    def load_peak_gb(self) -> float:
+        """Peak resident memory that loading the policy added to this rank, in GiB."""
+        return self._load_peak_gb
 
     def _read_model(self) -> torch.nn.Module:
         from tempering.models.hf import load_causal_lm, load_sequence_classifier
