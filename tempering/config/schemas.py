@@ -181,7 +181,11 @@ class PolicyConfig(Section):
     )
     logprob_batch_size: int = Field(32, ge=1)
     max_total_sequence_length: int = Field(512, ge=2)
-    precision: Literal["float32", "bfloat16", "float16"] = "float32"
+    precision: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="bfloat16: bf16 compute with fp32 master weights and fp32 gradient "
+        "reductions (on CPU too, where it is slower than fp32); float16 is refused",
+    )
     num_threads: int | None = Field(None, description="torch threads per worker (CPU)")
     dtensor_cfg: DTensorConfig = DTensorConfig()
     dynamic_batching: DynamicBatchingConfig = DynamicBatchingConfig()
@@ -201,6 +205,9 @@ class PolicyConfig(Section):
             "generation_batch_size": (None, "each generation worker generates its whole shard "
                                       "in one call (vLLM schedules its own batches inside "
                                       "it); remove the key"),
+            "precision": (self.precision if self.precision != "float16" else "bfloat16",
+                          "fp16 training needs loss scaling, which tempering does not "
+                          "implement; use bfloat16 (same memory, fp32's range) or float32"),
         })  # fmt: skip
         if self.train_global_batch_size % self.train_micro_batch_size:
             raise ValueError(

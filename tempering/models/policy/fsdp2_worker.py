@@ -8,8 +8,8 @@ process (without those variables it runs as a single rank on a free local port).
 What it does:
 - joins ``torch.distributed`` (gloo on CPU; ``cpu:gloo,cuda:nccl`` on GPU), loads the HF causal
   LM (`tempering.models.hf.load_causal_lm`: a registry name or a local folder), and shards it
-  with ``fully_shard`` per decoder layer and at the root (bf16 `MixedPrecisionPolicy` on GPU
-  when ``precision="bfloat16"``; fp32 on CPU);
+  with ``fully_shard`` per decoder layer and at the root (bf16 `MixedPrecisionPolicy` when
+  ``precision="bfloat16"``, on CPU as on GPU: fp32 master weights and reductions);
 - `train`: for each global batch in its shard, all-reduces the valid token/sequence counts
   BEFORE any micro-batch runs, so the micro-batch losses (each divided by the global counts
   and multiplied by the DP size, because FSDP2 averages gradients) add up to one big batch's
@@ -134,7 +134,7 @@ class FSDP2PolicyWorker:
         learning_rate, weight_decay, betas, eps: AdamW (``optimizer="sgd"`` for plain SGD).
         max_grad_norm: clip the global gradient norm to this; None = no clipping.
         lr_schedule, warmup_steps, total_steps, min_lr_ratio: see `optim.build_lr_scheduler`.
-        precision: "float32" or "bfloat16" (bf16 compute with fp32 master weights; GPU only).
+        precision: "float32" or "bfloat16" (bf16 compute with fp32 master weights and reductions).
         activation_checkpointing: recompute each decoder layer in backward.
         init_optimizer: False for an inference-only policy.
         init_reference_model: keep a frozen, sharded copy of the initial weights.
@@ -200,16 +200,13 @@ class FSDP2PolicyWorker:
         self.lean_loading = lean_loading
         self._init_distributed()
 
-        if self.device.type == "cuda" and precision == "bfloat16":
-            self.mp_policy = MixedPrecisionPolicy(
-                param_dtype=torch.bfloat16, reduce_dtype=torch.float32
-            )
-        else:
-            if precision == "bfloat16":
-                logger.warning(
-                    "precision=bfloat16 ignored on CPU (bf16 is ~20x slower there); using fp32"
-                )
-            self.mp_policy = MixedPrecisionPolicy()
+        # bf16: parameters cast to bf16 for forward/backward, fp32 master weights and
+        # optimizer state, gradients reduced in fp32 (FSDP2's MixedPrecisionPolicy)
+        self.mp_policy = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if precision == "bfloat16"
+            else MixedPrecisionPolicy()
+        )
         from tempering.utils.resources import current_rss_gb, process_usage
 
         rss_before = current_rss_gb()
