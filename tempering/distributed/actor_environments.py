@@ -115,6 +115,7 @@ ACTOR_ENVIRONMENT_REGISTRY: dict[str, str] = {
     "tempering.models.generation.torch_worker.TorchGenerationWorker": PY_EXECUTABLES.SYSTEM,
     "tempering.models.generation.vllm_worker.VllmGenerationWorker": PY_EXECUTABLES.VLLM,
     "tempering.distributed.testing_workers.EchoWorker": PY_EXECUTABLES.SYSTEM,
+    "tempering.distributed.testing_workers.WeightSinkWorker": PY_EXECUTABLES.SYSTEM,
     "tempering.distributed.testing_workers.AllReduceWorker": PY_EXECUTABLES.SYSTEM,
     "tempering.distributed.testing_workers.RaisingWorker": PY_EXECUTABLES.SYSTEM,
     "tempering.distributed.testing_workers.DyingWorker": PY_EXECUTABLES.SYSTEM,

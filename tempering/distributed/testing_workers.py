@@ -49,6 +49,21 @@ class EchoWorker:
         time.sleep(seconds)
 
 
+class WeightSinkWorker:
+    """A generation worker's refit side only: records each `update_weights` call (a bucket)."""
+
+    def __init__(self) -> None:
+        self.buckets: list[dict[str, Any]] = []
+
+    def update_weights(self, weights: dict[str, Any]) -> None:
+        self.buckets.append({name: t.clone() for name, t in weights.items()})
+
+    def received(self) -> list[dict[str, Any]]:
+        """The buckets received since the last call."""
+        buckets, self.buckets = self.buckets, []
+        return buckets
+
+
 class AllReduceWorker:
     """Joins a gloo process group the way the policy workers do (RANK, WORLD_SIZE and the
     group's TEMPERING_DIST_INIT_METHOD) and all-reduces a tensor; remembers which TCP

@@ -128,3 +128,44 @@ def test_train_rejects_partial_global_batch(policy) -> None:
     assert isinstance(policy, Policy)
     with pytest.raises(ValueError, match="not a multiple of the global batch size 4"):
         policy.train(_batch(0, n=6), NLLLoss())
+
+
+def test_streamed_refit_sends_layer_aligned_buckets_in_the_engine_dtype(policy) -> None:
+    """`stream_weights` from 2 FSDP2 ranks into 2 sink workers: with a bucket limit of one
+    decoder layer's size every layer is its own bucket, no layer is split, the tied lm_head is
+    sent once (as embed_tokens), the bytes are the engine dtype's, and the received tensors
+    equal the policy's full weights."""
+    from tempering.distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup
+    from tempering.models.generation.refit import stream_weights
+
+    full = {k: v.clone() for k, v in policy.state_dict_for_refit().items()}
+    assert "lm_head.weight" in full  # tied: the state dict names it twice
+    layer_mb = (
+        sum(t.numel() * 4 for k, t in full.items() if k.startswith("model.layers.0.")) / 2**20
+    )
+    sink_cluster = RayVirtualCluster([2], num_cpus_per_bundle=0.1, name="refit_sinks")
+    sinks = RayWorkerGroup(
+        sink_cluster,
+        RayWorkerBuilder("tempering.distributed.testing_workers.WeightSinkWorker"),
+        "sink",
+    )
+    try:
+        for dtype, nbytes in ((None, 4), ("bfloat16", 2)):
+            moved = stream_weights(policy, sinks, dtype, bucket_mb=layer_mb)  # type: ignore[arg-type]
+            got = sinks.get_all_worker_results(sinks.run_all_workers_single_data("received"))
+            buckets = got[0]
+            for other in got[1:]:  # every engine gets the same buckets
+                assert [sorted(b) for b in other] == [sorted(b) for b in buckets]
+            names = [n for b in buckets for n in b]
+            assert sorted(names) == sorted(set(full) - {"lm_head.weight"})
+            layers_per_bucket = [{n.split(".")[2] for n in b if ".layers." in n} for b in buckets]
+            assert [len(s) for s in layers_per_bucket if s] == [1, 1], layers_per_bucket
+            assert moved == sum(full[n].numel() * nbytes for n in names)
+            want_dtype = torch.bfloat16 if dtype else torch.float32
+            for name in names:
+                tensor = next(b[name] for b in buckets if name in b)
+                assert tensor.dtype == want_dtype, name
+                torch.testing.assert_close(tensor, full[name].to(want_dtype), atol=0, rtol=0)
+    finally:
+        sinks.shutdown()
+        sink_cluster.shutdown()
