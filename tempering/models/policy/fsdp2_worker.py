@@ -901,18 +901,13 @@ class FSDP2PolicyWorker:
 
     def refit_buckets(self, bucket_bytes: int) -> list[list[str]]:
         """State-dict names in buckets of at most ``bucket_bytes`` (fp32 size), cut only
-        between decoder layers (`refit.py`), tied duplicates left out; the same on every
-        rank."""
+        between decoder layers (`refit.py`); the same on every rank."""
         buckets: list[list[str]] = []
         current: list[str] = []
         size, layer = 0, None
-        # a tied weight (lm_head = embed_tokens) is sent once: both engines tie it themselves
-        own = {n for n, _ in self.model.named_parameters()} | {
-            n for n, _ in self.model.named_buffers()
-        }
+        # A tied lm_head is sent too: vLLM on CPU repacks it apart from embed_tokens, so
+        # loading embed_tokens alone left it stale (log-probs off by 3e-3, test_grpo).
         for name, tensor in self.model.state_dict().items():
-            if name not in own:
-                continue
             this_layer = _layer_of(name)
             nbytes = tensor.numel() * 4
             if current and this_layer != layer and size + nbytes > bucket_bytes:
