@@ -110,7 +110,9 @@ def main() -> None:
     for name in args.models:
         figures = bench_model(name, args.bucket_mb, args.repeats)
         print(f"\n{name} ({args.repeats} refits each, interleaved)")
-        print(f"{'':34} {'MB moved':>9} {'largest MB':>10} {'buckets':>7} {'refit s (min-max)':>22}")
+        print(
+            f"{'':34} {'MB moved':>9} {'largest MB':>10} {'buckets':>7} {'refit s (min-max)':>22}"
+        )
         for way, f in figures.items():
             print(
                 f"{way:34} {f['bytes'] / 2**20:9.1f} {f['largest_object'] / 2**20:10.1f} "

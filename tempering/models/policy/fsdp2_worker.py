@@ -9,7 +9,8 @@ What it does:
 - joins ``torch.distributed`` (gloo on CPU; ``cpu:gloo,cuda:nccl`` on GPU), loads the HF causal
   LM (`tempering.models.hf.load_causal_lm`: a registry name or a local folder), and shards it
   with ``fully_shard`` per decoder layer and at the root (bf16 `MixedPrecisionPolicy` when
-  ``precision="bfloat16"``, on CPU as on GPU: fp32 master weights and reductions);
+  ``precision="bfloat16"``, on CPU as on GPU: fp32 master weights and reductions); a single
+  fp32 rank keeps the plain module (nothing to shard; FSDP2's hooks cost ~20% of a tiny step);
 - `train`: for each global batch in its shard, all-reduces the valid token/sequence counts
   BEFORE any micro-batch runs, so the micro-batch losses (each divided by the global counts
   and multiplied by the DP size, because FSDP2 averages gradients) add up to one big batch's
@@ -322,6 +323,11 @@ class FSDP2PolicyWorker:
                 f"FSDP2PolicyWorker: found no decoder layers in {type(model).__name__} "
                 f"(_no_split_modules={sorted(layer_names)}); this model class is not supported"
             )
+        if self.world_size == 1 and self.mp_policy.param_dtype is None:
+            # One fp32 rank has nothing to shard, gather or reduce: FSDP2's per-layer hooks
+            # and DTensor dispatch cost ~20% of a tiny-arith step (bench/bench_floor.py).
+            # Checkpoints stay DCP, so they load into any layout.
+            return model.to(self.device)
         if self.tp_mesh is not None:
             for layer in layers:
                 _tensor_parallel(layer, self.tp_mesh)
