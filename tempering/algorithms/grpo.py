@@ -221,7 +221,7 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any]) -> GRPORun:
         total_steps=cfg.grpo.max_num_steps,
         init_reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0,
         seed=cfg.grpo.seed,
-        gpu_share=colocated_gpu_share(cfg),
+        gpu_share=colocated_gpu_share(plan),
     )
     generation = build_generation(
         cfg.policy.generation, policy, model_path, tokenizer, plan, cfg.cluster
@@ -266,13 +266,13 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any]) -> GRPORun:
     )
 
 
-def colocated_gpu_share(cfg: GRPOMasterConfig) -> float | None:
-    """Colocated vLLM on GPUs: each policy worker takes part of its GPU in Ray's books."""
+def colocated_gpu_share(plan: Any) -> float | None:
+    """Colocated vLLM on GPUs (the plan's generation group shares the policy's bundles): each
+    policy worker takes part of its GPU in Ray's books."""
     from tempering.models.generation.builders import COLOCATED_GPU_SHARE
 
-    gen = cfg.policy.generation
-    colocated_vllm = gen.backend == "vllm" and gen.colocated.enabled
-    return COLOCATED_GPU_SHARE if colocated_vllm and cfg.cluster.gpus_per_node else None
+    gen = plan.generation
+    return COLOCATED_GPU_SHARE if gen is not None and gen.colocated_with and plan.on_gpus else None
 
 
 def _build_gym(cfg: GRPOMasterConfig, server: Any, tokenizer: Any) -> Any:

@@ -221,7 +221,7 @@ def build_generation(
             kv_cache_memory_bytes=None if on_gpus else 256 * 2**20,
         )
         refit_dtype = v.precision  # weights travel in the engine's dtype
-    if gen.colocated.enabled:  # vLLM on the policy's GPUs (GPU only; not yet run on hardware)
+    if group_plan.colocated_with:  # vLLM on the policy's GPUs (GPU only; not yet run on hardware)
         group = start_colocated_engines(policy, group_plan, builder)
         generation = SplitGeneration(group, None, sleeps=True, refit_dtype=refit_dtype)
     else:

@@ -295,9 +295,10 @@ class FSDP2PolicyWorker:
         return f"tcp://{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{port}"
 
     def _load_sharded(self, activation_checkpointing: bool) -> torch.nn.Module:
-        """The model, sharded. Memory-lean with several ranks: only rank 0 reads the
-        checkpoint; the others build the model on the meta device (no memory), shard it, and
-        receive their shards from rank 0 (`_fill_from_rank0`)."""
+        """The model, sharded (a single fp32 rank: the plain module, see below). Memory-lean
+        with several ranks: only rank 0 reads the checkpoint; the others build the model on
+        the meta device (no memory), shard it, and receive their shards from rank 0
+        (`_fill_from_rank0`)."""
         lean = self.lean_loading and self.world_size > 1
         full_state = None
         if lean:  # every rank shards the same empty model (TP and FSDP2 then need no data)
@@ -828,10 +829,7 @@ class FSDP2PolicyWorker:
         sd = self._full_state_dict()
         if self.rank != 0:
             return None
-        if dtype is not None:
-            target = getattr(torch, dtype)
-            sd = {k: v.to(target) if v.is_floating_point() else v for k, v in sd.items()}
-        return sd
+        return {k: _in_dtype(v, dtype) for k, v in sd.items()}
 
     def export_hf(self, path: str) -> None:
         """Write an HF folder atomically (weights in `precision`, config, generation config,
@@ -928,15 +926,11 @@ class FSDP2PolicyWorker:
         """Gather the full tensors of ``names`` (collective), cast to ``dtype``; rank 0 puts
         them into Ray's object store and returns ``(ref, bytes)``, the others None."""
         state = self.model.state_dict()
-        target = getattr(torch, dtype) if dtype else None
         out: dict[str, torch.Tensor] = {}
         for name in names:
             full = _full(state[name])  # every rank joins each all-gather, in the same order
             if self.rank == 0:
-                full = full.detach().to("cpu", copy=True)
-                out[name] = (
-                    full.to(target) if target is not None and full.is_floating_point() else full
-                )
+                out[name] = _in_dtype(full.detach().to("cpu", copy=True), dtype)
         if self.rank != 0:
             return None
         import ray
@@ -955,6 +949,11 @@ class FSDP2PolicyWorker:
 
 
 # ---------------------------------------------------------------------- helpers
+def _in_dtype(t: torch.Tensor, dtype: str | None) -> torch.Tensor:
+    """``t`` cast to ``dtype`` (a torch dtype name) if it is floating point; None keeps it."""
+    return t.to(getattr(torch, dtype)) if dtype and t.is_floating_point() else t
+
+
 def _layer_of(name: str) -> str:
     """``model.layers.3`` for ``model.layers.3.mlp.up_proj.weight``; the name itself otherwise."""
     parts = name.split(".")
