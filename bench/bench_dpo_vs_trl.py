@@ -1,7 +1,7 @@
 """DPO seconds per optimizer step: tempering vs TRL's `DPOTrainer` on the same tiny workload.
 
     uv run --frozen python bench/bench_dpo_vs_trl.py [--model tiny-arith] [--pairs 32]
-        [--steps 30] [--warmup 5] [--threads 1]
+        [--steps 30] [--warmup 5] [--threads 1] [--runs 3]
 
 Same model folder, same synthetic arithmetic pairs (correct vs corrupted answer), same batch
 (`--pairs` pairs = 2x rows, chosen and rejected in one forward in both), same max length,
@@ -9,12 +9,16 @@ fp32 on CPU, AdamW at the same learning rate, beta 0.1, gradient checkpointing o
 log-probs computed every step in both (TRL: `precompute_ref_log_probs=False`, the default).
 
 - tempering: the real controller path, a `Policy` over one FSDP2 worker in a Ray actor
-  (reference log-probs call + train call per step, data tokenized by the controller);
+  (one train call per step: the worker computes the reference log-probs per micro-batch, and
+  a pair's shared prompt runs once (`policy.shared_prefix`, on by default); the controller
+  tokenizes each step's pairs inside the timed step);
 - TRL 1.16: run with ``venvs/bench/bin/python`` in a subprocess (TRL is not a
   dependency of tempering), ``use_cpu=True, bf16=False``; seconds per step measured by a
   `TrainerCallback` between `on_step_begin` and `on_step_end`.
 
-Prints both medians and the ratio; a benchmark reports, it never passes or fails.
+Each side runs ``--runs`` times, interleaved (these machines are noisy); prints the median of
+the per-run medians with their spread, and the speed-up per run. A benchmark reports, it never
+passes or fails.
 """
 
 from __future__ import annotations
@@ -171,22 +175,31 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5, help="first steps left out")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, both sides")
+    parser.add_argument("--runs", type=int, default=3, help="runs of each side, interleaved")
     args = parser.parse_args()
 
     from tempering.models.registry import resolve_model_path
 
     model = resolve_model_path(args.model)
     pairs = workload(args.pairs * args.steps)
-    ours = bench_tempering(model, pairs, args)[args.warmup :]
-    theirs = bench_trl(model, pairs, args)[args.warmup :]
-    t_ours, t_trl = statistics.median(ours), statistics.median(theirs)
+    ours, theirs = [], []
+    for run in range(args.runs):
+        ours.append(statistics.median(bench_tempering(model, pairs, args)[args.warmup :]))
+        theirs.append(statistics.median(bench_trl(model, pairs, args)[args.warmup :]))
+        print(f"run {run + 1}: tempering {ours[-1]:.4f} s/step, TRL {theirs[-1]:.4f} s/step")
+    ratios = [t / o for o, t in zip(ours, theirs, strict=True)]
     print(
         f"workload: {model}, {args.pairs} pairs ({2 * args.pairs} rows)/step, max_len {MAX_LEN},"
-        f" fp32 CPU, {args.threads} thread(s), median of {len(ours)} steps after {args.warmup}"
+        f" fp32 CPU, {args.threads} thread(s); per run the median of {args.steps - args.warmup}"
+        f" steps after {args.warmup}; below the median of {args.runs} runs (min-max)"
     )
-    print(f"tempering DPO (Ray + FSDP2 worker): {t_ours:.4f} s/step")
-    print(f"TRL 1.16 DPOTrainer:                {t_trl:.4f} s/step")
-    print(f"ratio tempering / TRL:              {t_ours / t_trl:.2f}")
+    print(f"tempering DPO (Ray + FSDP2 worker): {spread(ours)} s/step")
+    print(f"TRL 1.16 DPOTrainer:                {spread(theirs)} s/step")
+    print(f"speed-up (TRL s/step / tempering):  {spread(ratios, 2)}x")
+
+
+def spread(values: list[float], digits: int = 4) -> str:
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
 if __name__ == "__main__":

@@ -109,6 +109,7 @@ def build_policy_from_config(
         max_tokens_per_microbatch=token_budget,
         logprob_max_tokens_per_microbatch=dyn.logprob_mb_tokens if dyn.enabled else None,
         sequence_packing=packing.enabled,
+        shared_prefix=policy_cfg.shared_prefix,
         learning_rate=opt.kwargs.lr,
         weight_decay=opt.kwargs.weight_decay,
         betas=opt.kwargs.betas,

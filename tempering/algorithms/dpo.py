@@ -6,8 +6,9 @@
 copy, logger, checkpoints) from the config; `train()` is the loop:
 
   batch of pairs (chosen 2i / rejected 2i+1 interleaved, ONE forward batch)
-  -> reference log-probs, once per batch, no gradients (`policy.get_reference_policy_logprobs`)
-  -> policy.train(DPOLoss)  (beta = dpo.reference_policy_kl_penalty, + sft_loss_weight * NLL(chosen))
+  -> policy.train(DPOLoss, with_reference=True): per micro-batch, the frozen reference's
+     log-probs (no gradients), then the policy's forward/backward, in ONE worker call
+     (beta = dpo.reference_policy_kl_penalty, + sft_loss_weight * NLL(chosen))
   -> log loss, preference accuracy, reward margin, chosen/rejected rewards
   -> validate every `dpo.val_period` steps -> checkpoint.
 
@@ -249,11 +250,9 @@ def make_loss(cfg: DPOMasterConfig) -> Any:
 
 
 def dpo_step(policy: Any, batch: Any, loss_fn: Any, **train_kwargs: Any) -> dict[str, float]:
-    """Reference log-probs for the batch (no gradients), then one `policy.train` call."""
-    batch["reference_policy_logprobs"] = policy.get_reference_policy_logprobs(batch)[
-        "reference_policy_logprobs"
-    ]
-    return policy.train(batch, loss_fn, **train_kwargs)
+    """One `policy.train` call; the workers compute the reference log-probs per micro-batch
+    (the metrics' ``reference_logprob_accuracy`` reads them)."""
+    return policy.train(batch, loss_fn, with_reference=True, **train_kwargs)
 
 
 def train(run: DPORun) -> dict[str, Any]:
@@ -275,9 +274,6 @@ def train(run: DPORun) -> dict[str, Any]:
             t0 = time.perf_counter()
             batch = run.dataloader.next_batch()
             metrics = dpo_step(run.policy, batch, loss_fn)
-            metrics["reference_logprob_accuracy"] = likelihood_preference_accuracy(
-                batch["reference_policy_logprobs"], batch, cfg.preference_average_log_probs
-            )
             step += 1
             step_s = time.perf_counter() - t0
             run.logger.log_metrics(
@@ -331,9 +327,7 @@ def validate(run: DPORun, step: int) -> dict[str, float]:
             logprobs, batch, cfg.preference_average_log_probs
         )
         # what the reference already ranks right: the floor preference learning starts from
-        out["reference_logprob_accuracy"] = likelihood_preference_accuracy(
-            batch["reference_policy_logprobs"], batch, cfg.preference_average_log_probs
-        )
+        out["reference_logprob_accuracy"] = m["reference_logprob_accuracy"]
     else:
         log.warning(
             "dpo validation skipped: %d held-out pairs < dpo.val_global_batch_size/2=%d",

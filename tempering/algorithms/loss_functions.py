@@ -352,7 +352,8 @@ class DPOLoss:
     `count_valid_pairs`), not samples. ``beta`` is NeMo RL's ``reference_policy_kl_penalty``.
     Metrics: ``loss``, ``preference_loss``, ``sft_loss`` (both globally normalised),
     ``preference_accuracy``, ``rewards_chosen_mean``, ``rewards_rejected_mean``,
-    ``reward_margin`` (means over this micro-batch's valid pairs), ``num_valid_pairs``.
+    ``reward_margin``, ``reference_logprob_accuracy`` (pairs whose chosen answer the
+    reference finds more likely; means over this micro-batch's valid pairs), ``num_valid_pairs``.
     """
 
     loss_type: LossType = "sequence"
@@ -409,6 +410,10 @@ class DPOLoss:
                 "rewards_chosen_mean": _masked_mean(r_chosen, pair_mask),
                 "rewards_rejected_mean": _masked_mean(r_rejected, pair_mask),
                 "reward_margin": _masked_mean(margin, pair_mask),
+                # pairs the frozen reference already ranks right (what learning starts from)
+                "reference_logprob_accuracy": _masked_mean(
+                    (seq_ref[0::2] > seq_ref[1::2]).to(margin.dtype), pair_mask
+                ),
                 "num_valid_pairs": float(pair_mask.sum().item()),
             }
         return loss, metrics

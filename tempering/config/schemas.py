@@ -190,6 +190,11 @@ class PolicyConfig(Section):
     dtensor_cfg: DTensorConfig = DTensorConfig()
     dynamic_batching: DynamicBatchingConfig = DynamicBatchingConfig()
     sequence_packing: SequencePackingConfig = SequencePackingConfig()
+    shared_prefix: bool = Field(
+        True, description="rows that start alike (a prompt's GRPO samples, a DPO pair) run "
+        "their shared prefix once, with a tree attention mask (exact; "
+        "tempering/models/policy/shared_prefix.py); false computes every row whole"
+    )  # fmt: skip
     max_grad_norm: float | None = 1.0
     max_consecutive_nonfinite_steps: int = Field(
         3, ge=1, description="a NaN/Inf loss or gradient skips the update (counted in "

@@ -210,13 +210,17 @@ def test_dpo_step_uses_frozen_reference_and_learns_a_fixed_batch(worker, tiny_ar
     ref0 = worker.get_logprobs(batch)["logprobs"]
     loss_fn = DPOLoss(0.1)
     first = dpo_step(worker, batch, loss_fn, global_batch_size=32, micro_batch_size=8)
-    # the reference log-probs were computed before the update and equal the initial policy's
-    assert torch.allclose(batch["reference_policy_logprobs"], ref0, atol=1e-6)
+    # the reference log-probs (computed in the train call, before the update) equal the
+    # initial policy's: every implicit reward is 0, so the loss is log 2
     assert first["preference_loss"] == pytest.approx(math.log(2), abs=1e-5)
+    reference_accuracy = likelihood_preference_accuracy(ref0, batch, False)
+    assert first["reference_logprob_accuracy"] == pytest.approx(reference_accuracy)
     last = first
     for _ in range(15):
         last = dpo_step(worker, batch, loss_fn, global_batch_size=32, micro_batch_size=8)
-    assert torch.allclose(batch["reference_policy_logprobs"], ref0, atol=1e-6)  # frozen
+    ref_now = worker.get_reference_policy_logprobs(batch)["reference_policy_logprobs"]
+    assert torch.allclose(ref_now, ref0, atol=1e-5)  # frozen
+    assert last["reference_logprob_accuracy"] == pytest.approx(reference_accuracy)
     assert last["preference_loss"] < first["preference_loss"] - 0.1
     assert last["preference_accuracy"] >= 0.9
     assert last["reward_margin"] > 0

@@ -65,6 +65,11 @@ from tempering.algorithms.loss_functions import (
 from tempering.distributed.batched_data_dict import BatchedDataDict, PackedBin
 from tempering.models.policy.optim import build_lr_scheduler, build_optimizer
 from tempering.models.policy.packed_attention import use_packed_sdpa
+from tempering.models.policy.shared_prefix import (
+    BOOL_MASK_ATTENTION,
+    attention_cost_ratio,
+    plan_shared_prefix,
+)
 from tempering.utils import faults
 
 logger = logging.getLogger(__name__)
@@ -149,6 +154,8 @@ class FSDP2PolicyWorker:
             group, FSDP2 shards over the data-parallel groups (a 2-D ``dp x tp`` mesh).
         lean_loading: with several ranks only rank 0 reads the weights (see `_load_sharded`);
             False: every rank reads them (kept to measure the difference).
+        shared_prefix: rows of a micro-batch that start alike run their shared prefix once
+            (`tempering.models.policy.shared_prefix`; exact, counted in num_computed_tokens).
         max_consecutive_nonfinite: a step whose loss or gradient norm is NaN/Inf is skipped
             (no update, counted as ``num_nonfinite_skipped``); this many in a row raise
             `NonFiniteTrainingError` naming what was non-finite.
@@ -179,6 +186,7 @@ class FSDP2PolicyWorker:
         pad_token_id: int | None = None,
         tensor_parallel_size: int = 1,
         lean_loading: bool = True,
+        shared_prefix: bool = True,
     ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r} is unknown; use one of {PRECISIONS}")
@@ -214,6 +222,9 @@ class FSDP2PolicyWorker:
         self.model = self._load_sharded(activation_checkpointing)
         # what loading cost this rank at its peak (lean loading: a shard plus one tensor)
         self._load_peak_gb = process_usage()["peak_rss_gb"] - rss_before
+        self.shared_prefix = self._shared_prefix_ratio() if shared_prefix else None
+        self.computed_tokens = 0  # tokens the forwards ran (< the rows' when prefixes share)
+        self._with_reference = False  # set per train call
         self.reference_model = None
         if init_reference_model:
             self.reference_model = self._load_sharded(False)
@@ -339,6 +350,23 @@ class FSDP2PolicyWorker:
             self._fill_from_rank0(model, full_state)
         return model
 
+    def _shared_prefix_ratio(self) -> float | None:
+        """The cost ratio `plan_shared_prefix` weighs groups with; None (rows computed apart,
+        logged) where the attention cannot take the tree mask; None for a score head (a
+        sequence's score reads its last token, which a shared prefix does not change)."""
+        if self.head != "causal_lm":
+            return None
+        attention = getattr(self.hf_config, "_attn_implementation", None)
+        if attention not in BOOL_MASK_ATTENTION:
+            logger.warning(
+                "policy.shared_prefix: off for this model (attention=%s); shared prefixes "
+                "need one of %s, so every row is computed whole",
+                attention, BOOL_MASK_ATTENTION,
+            )  # fmt: skip
+            return None
+        params = sum(p.numel() for p in self.model.parameters())
+        return attention_cost_ratio(self.hf_config, params)
+
     def load_peak_gb(self) -> float:
         """Peak resident memory that loading the policy added to this rank, in GiB."""
         return self._load_peak_gb
@@ -415,6 +443,7 @@ class FSDP2PolicyWorker:
             # One row holding every sequence; transformers builds a block-diagonal causal mask
             # from position_ids that restart at 0 when attention_mask is None.
             cu = packed.cu_seqlens.to(self.device)
+            self.computed_tokens += packed.num_tokens
             out = model(
                 input_ids=packed.input_ids[None].to(self.device),
                 position_ids=packed.position_ids[None].to(self.device),
@@ -427,6 +456,14 @@ class FSDP2PolicyWorker:
             )
             return packed.unpack(out.logits[0].float())  # [n, max_seqlen, V] == mb's layout
         input_ids = mb["input_ids"]
+        if self.shared_prefix is not None:
+            plan = plan_shared_prefix(
+                input_ids, mb["input_lengths"], self.shared_prefix, self.pad_token_id or 0
+            )
+            if plan is not None:
+                self.computed_tokens += plan.tokens
+                return plan.forward(model)  # [B, S, V], each row as if computed alone
+        self.computed_tokens += int(mb["input_lengths"].sum())
         seq = torch.arange(input_ids.shape[1], device=input_ids.device)
         attention_mask = (seq[None, :] < mb["input_lengths"][:, None]).long()  # [B, S]
         out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
@@ -473,8 +510,13 @@ class FSDP2PolicyWorker:
         max_tokens_per_microbatch: int | None = None,
         eval_mode: bool = False,
         pack_sequences: bool = False,
+        with_reference: bool = False,
     ) -> dict[str, float]:
         """Train on this rank's shard: one optimizer step per global batch it holds.
+
+        ``with_reference``: each micro-batch's ``reference_policy_logprobs`` come from the
+        reference model right before its policy forward (DPO: one call, not a log-prob call
+        and a train call, and no [B, S] log-probs shipped through the controller).
 
         ``global_batch_size`` is the size over ALL ranks (None: the whole shard is one global
         batch); the shard is walked in local steps of ``global_batch_size // dp_size``
@@ -498,7 +540,13 @@ class FSDP2PolicyWorker:
                 "or packed micro-batches (max_tokens_per_microbatch) reorder rows: use "
                 "micro_batch_size"
             )
+        if with_reference and self.reference_model is None:
+            raise RuntimeError(
+                "FSDP2PolicyWorker.train(with_reference=True): this worker has no reference "
+                "model; build the policy with init_reference_model=True"
+            )
         batching = (micro_batch_size, max_tokens_per_microbatch, pack_sequences)
+        self._with_reference = with_reference
         self.model.train(not eval_mode)
         steps: list[dict[str, float]] = []
         for start in range(0, data.size, local_gbs):
@@ -557,11 +605,16 @@ class FSDP2PolicyWorker:
 
         mbs, bins, _ = self._microbatches(batch, *batching)
         n_mbs = self._equalise(len(mbs))
+        computed_before = self.computed_tokens
         loss_sum = 0.0
         mb_metrics: list[dict[str, float]] = []
         for i in range(n_mbs):
             if i < len(mbs):
                 mb = mbs[i].to(self.device)
+                if self._with_reference:
+                    with torch.no_grad():
+                        ref = self._forward_logits(self.reference_model, mb, bins[i])
+                        mb["reference_policy_logprobs"] = token_logprobs(ref, mb["input_ids"])
                 logits = self._forward_logits(self.model, mb, bins[i])
                 loss, metrics = loss_fn(logits, mb, global_valid_toks, global_valid_seqs)
                 loss_sum += float(loss.detach())
@@ -572,7 +625,8 @@ class FSDP2PolicyWorker:
                 # FSDP2 averages gradients over DP ranks; the loss is already a global sum.
                 (loss * self.dp_size).backward()
 
-        (global_loss,) = self._all_reduce([loss_sum])
+        computed = float(self.computed_tokens - computed_before)
+        global_loss, g_computed = self._all_reduce([loss_sum, computed])
         result: dict[str, float] = {}
         if do_step:
             assert self.optimizer is not None and self.scheduler is not None
@@ -596,6 +650,7 @@ class FSDP2PolicyWorker:
             loss=global_loss,
             num_tokens=g_tokens,
             num_valid_tokens=g_toks,
+            num_computed_tokens=g_computed,  # < num_tokens when shared prefixes ran once
             tokens_per_s=g_tokens / max(elapsed, 1e-9),
             step_time_s=elapsed,
         )

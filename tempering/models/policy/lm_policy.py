@@ -91,9 +91,12 @@ class Policy(PolicyInterface):
         eval_mode: bool = False,
         global_batch_size: int | None = None,
         micro_batch_size: int | None = None,
+        with_reference: bool = False,
     ) -> dict[str, float]:
         """One optimizer step per `global_batch_size` samples of `data` (default: the
-        policy's train_global_batch_size); returns global metrics (see FSDP2PolicyWorker.train)."""
+        policy's train_global_batch_size); returns global metrics (see FSDP2PolicyWorker.train).
+        ``with_reference``: the workers compute ``reference_policy_logprobs`` per micro-batch
+        (DPO), instead of a `get_reference_policy_logprobs` call before this one."""
         gbs = global_batch_size or self.train_global_batch_size
         if data.size % gbs:
             raise ValueError(
@@ -110,6 +113,7 @@ class Policy(PolicyInterface):
             max_tokens_per_microbatch=self.max_tokens_per_microbatch,
             pack_sequences=self.sequence_packing,
             eval_mode=eval_mode,
+            with_reference=with_reference,
         )
         results = self.worker_group.get_all_worker_results(futures)
         return results[0]  # all-reduced inside the workers: every rank returns the same
@@ -237,6 +241,7 @@ def build_policy(
     pad_token_id: int | None = None,
     tensor_parallel_size: int = 1,
     gpu_share: float | None = None,
+    shared_prefix: bool = True,
 ) -> Policy:
     """Start one `FSDP2PolicyWorker` per bundle of `cluster` and wrap them in a `Policy`.
 
@@ -274,6 +279,7 @@ def build_policy(
         head=head,
         pad_token_id=pad_token_id,
         tensor_parallel_size=tensor_parallel_size,
+        shared_prefix=shared_prefix,
     )
     group = RayWorkerGroup(
         cluster, builder, name_prefix=name_prefix, env_vars=env_vars,

@@ -1,0 +1,173 @@
+"""Rows that start alike are computed once: exact shared-prefix forwards.
+
+GRPO trains several samples of one prompt, DPO a chosen and a rejected answer to one prompt: in
+a padded micro-batch every row recomputes the prompt. `plan_shared_prefix` groups rows whose
+token ids share a prefix and lays each group out as ONE row: the shared prefix once, then every
+member's own continuation after it::
+
+    rows    [p p p a a]  [p p p b b b]  [p p p a a]     (3 rows, 16 tokens)
+    group   [p p p | a a | b b b | a a]                 (1 row, 10 tokens)
+
+A tree attention mask lets each continuation see the prefix and its own earlier tokens only,
+and its position ids continue from the prefix's, so every token's logits are those of its own
+row computed alone (up to float rounding). `SharedPrefixPlan.forward` runs the model on the
+groups and gathers the logits back into the micro-batch's padded ``[B, S, V]`` layout, so every
+loss works unchanged and gradients of a shared token sum over the rows that share it.
+
+Grouping is greedy over the rows sorted by their tokens, and a row joins a group only when a
+cost model says it pays: a token costs its matmuls (2 x parameters), and a group row costs
+attention over all its positions (a dense mask cannot skip blocks the way plain causal
+attention does), so long continuations under a short common prefix (e.g. a system prompt)
+stay apart. Identical rows (GRPO samples that came out the same) collapse into one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# Attention implementations that take a custom 4-D boolean mask (True = attend).
+BOOL_MASK_ATTENTION = ("sdpa", "tempering_packed_sdpa")
+
+
+@dataclass
+class SharedPrefixPlan:
+    """Groups of one micro-batch: ``input_ids``/``position_ids`` ``[G, L]``, ``mask``
+    ``[G, 1, L, L]`` (True = attend), and ``gather`` ``[B, S]``: for every row and column of
+    the micro-batch, its position in the flattened ``[G * L]`` groups."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    mask: torch.Tensor
+    gather: torch.Tensor
+    rows: int  # B, the micro-batch's rows
+    tokens: int  # real tokens in the groups (the rows had sum(input_lengths))
+
+    def forward(self, model: torch.nn.Module) -> torch.Tensor:
+        """The micro-batch's ``[B, S, V]`` float logits, computed on the groups."""
+        device = next(model.parameters()).device
+        out = model(
+            input_ids=self.input_ids.to(device),
+            position_ids=self.position_ids.to(device),
+            attention_mask=self.mask.to(device),
+            use_cache=False,
+        )
+        logits = out.logits.float()  # [G, L, V]
+        flat = logits.reshape(-1, logits.shape[-1])
+        return flat[self.gather.to(device).reshape(-1)].reshape(*self.gather.shape, -1)
+
+
+def attention_cost_ratio(config: Any, num_params: int) -> float:
+    """Cost of one (query, key) pair of attention relative to one token's matmuls:
+    4 x hidden x layers FLOPs (scores and values) against 2 x parameters."""
+    return 2.0 * config.hidden_size * config.num_hidden_layers / max(num_params, 1)
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _cost(tokens: int, ratio: float, dense: bool) -> float:
+    # a lone row's attention is causal (half the square); a group's mask is dense
+    return tokens + ratio * tokens * tokens * (1.0 if dense else 0.5)
+
+
+def plan_shared_prefix(
+    input_ids: torch.Tensor, input_lengths: torch.Tensor, ratio: float, pad_token_id: int = 0
+) -> SharedPrefixPlan | None:
+    """Group the right-padded rows ``input_ids`` ``[B, S]`` by shared prefixes (see module
+    docstring); None when no grouping is estimated to save work.
+
+    A group is a token trie of its rows: sorted, each row adds the tokens past its common
+    prefix with the row before it (the longest it shares with any earlier row)."""
+    lengths = [int(n) for n in input_lengths.tolist()]
+    ids = input_ids.tolist()
+    rows = [ids[i][: lengths[i]] for i in range(len(lengths))]
+    order = sorted(range(len(rows)), key=lambda i: rows[i])
+    groups: list[list[int]] = []  # members, in sorted order
+    sizes: list[int] = []  # trie nodes (tokens computed) per group
+    saved = False
+    for i in order:
+        if groups:
+            shared = _common(rows[groups[-1][-1]], rows[i])
+            grown = sizes[-1] + lengths[i] - shared
+            apart = _cost(sizes[-1], ratio, len(groups[-1]) > 1) + _cost(lengths[i], ratio, False)
+            if shared and _cost(grown, ratio, True) < apart:
+                groups[-1].append(i)
+                sizes[-1] = grown
+                saved = True
+                continue
+        groups.append([i])
+        sizes.append(lengths[i])
+    if not saved:
+        return None
+    return _layout(groups, sizes, rows, input_ids.shape[1], pad_token_id)
+
+
+def _layout(
+    groups: list[list[int]],
+    sizes: list[int],
+    rows: list[list[int]],
+    width: int,
+    pad_token_id: int,
+) -> SharedPrefixPlan:
+    """Each group's trie in depth-first order (a node's ancestors come before it), groups
+    packed first-fit-decreasing into rows as wide as the largest group. A node sees exactly
+    its ancestors and itself: in depth-first order, node j's subtree is j..end[j]-1, so
+    position i may attend to j iff j <= i < end[j]."""
+    L = max(sizes)
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for g in sorted(range(len(groups)), key=lambda g: -sizes[g]):
+        for b, free in enumerate(room):
+            if sizes[g] <= free:
+                bins[b].append(g)
+                room[b] -= sizes[g]
+                break
+        else:
+            bins.append([g])
+            room.append(L - sizes[g])
+    ids = [[pad_token_id] * L for _ in bins]
+    depth = [[0] * L for _ in bins]
+    end = [list(range(1, L + 1)) for _ in bins]  # padding sees itself only
+    gather = [[0] * width for _ in rows]
+    for r, members_of_bin in enumerate(bins):
+        node = 0  # next free position of this bin's row
+        for g in members_of_bin:
+            first = node
+            path: list[int] = []  # the previous row's nodes, by depth
+            previous: list[int] = []
+            for m in groups[g]:
+                row = rows[m]
+                shared = _common(previous, row)
+                path = path[:shared] + list(range(node, node + len(row) - shared))
+                ids[r][node : node + len(row) - shared] = row[shared:]
+                depth[r][node : node + len(row) - shared] = range(shared, len(row))
+                node += len(row) - shared
+                gather[m][: len(row)] = [r * L + j for j in path]
+                previous = row
+            # subtree ends: the next node at the same depth or shallower (monotonic stack)
+            open_nodes: list[int] = []
+            for j in range(first, node):
+                while open_nodes and depth[r][open_nodes[-1]] >= depth[r][j]:
+                    end[r][open_nodes.pop()] = j
+                open_nodes.append(j)
+            for j in open_nodes:
+                end[r][j] = node
+    pos = torch.arange(L)
+    ends = torch.tensor(end)  # [R, L]
+    mask = (pos[None, None, :] <= pos[None, :, None]) & (pos[None, :, None] < ends[:, None, :])
+    return SharedPrefixPlan(
+        input_ids=torch.tensor(ids),
+        position_ids=torch.tensor(depth),
+        mask=mask[:, None],
+        gather=torch.tensor(gather),
+        rows=len(rows),
+        tokens=sum(sizes),
+    )

@@ -1,0 +1,179 @@
+"""Shared-prefix forwards (tempering/models/policy/shared_prefix.py): rows that start alike
+run their prefix once, and every row's logits, log-probs and gradients equal those of the rows
+computed whole; the cost model keeps rows apart where sharing would not pay; DPO's reference
+log-probs computed inside the train call equal the separate call's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tempering.algorithms.loss_functions import DPOLoss, NLLLoss
+from tempering.distributed.batched_data_dict import BatchedDataDict
+from tempering.models.policy.fsdp2_worker import FSDP2PolicyWorker
+from tempering.models.policy.shared_prefix import attention_cost_ratio, plan_shared_prefix
+
+VOCAB = 100
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=False, attn_implementation="sdpa",
+    )  # fmt: skip
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("tiny_llama")
+    tiny_llama().save_pretrained(path)
+    return str(path)
+
+
+def grouped_rows(seed: int = 0) -> BatchedDataDict:
+    """GRPO-like rows: 3 prompts (lengths 9, 6, 11) x 4 continuations each (lengths 1-7), two
+    of them identical, one continuation empty past the prompt's last token; shuffled."""
+    g = torch.Generator().manual_seed(seed)
+    rows: list[list[int]] = []
+    for prompt_len, tails in ((9, [3, 7, 3, 1]), (6, [5, 2, 6, 4]), (11, [2, 2, 7, 5])):
+        prompt = torch.randint(1, VOCAB, (prompt_len,), generator=g).tolist()
+        same = torch.randint(1, VOCAB, (max(tails),), generator=g).tolist()
+        for k, n in enumerate(tails):
+            tail = same[:n] if k in (0, 2) else torch.randint(1, VOCAB, (n,), generator=g).tolist()
+            rows.append(prompt + tail)
+    order = torch.randperm(len(rows), generator=g).tolist()
+    rows = [rows[i] for i in order]
+    width = max(map(len, rows))
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+    lengths = torch.tensor([len(r) for r in rows])
+    token_mask = (torch.arange(width)[None] < lengths[:, None]).float()
+    token_mask[:, :5] = 0
+    return BatchedDataDict(
+        input_ids=ids, input_lengths=lengths, token_mask=token_mask,
+        sample_mask=torch.ones(len(rows)),
+    )  # fmt: skip
+
+
+def plain_logits(model: torch.nn.Module, data: BatchedDataDict) -> torch.Tensor:
+    ids, lengths = data["input_ids"], data["input_lengths"]
+    mask = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()
+    return model(input_ids=ids, attention_mask=mask).logits
+
+
+def ratio_of(model: torch.nn.Module) -> float:
+    return attention_cost_ratio(model.config, sum(p.numel() for p in model.parameters()))
+
+
+def test_shared_prefix_logits_equal_each_row_computed_whole() -> None:
+    model = tiny_llama()
+    data = grouped_rows()
+    plan = plan_shared_prefix(data["input_ids"], data["input_lengths"], ratio_of(model))
+    assert plan is not None
+    # every distinct prefix (trie node) runs once: each prompt once, a duplicate row not at all
+    rows = [r[:n].tolist() for r, n in zip(data["input_ids"], data["input_lengths"], strict=True)]
+    distinct = {tuple(r[: t + 1]) for r in rows for t in range(len(r))}
+    assert plan.tokens == len(distinct) < int(data["input_lengths"].sum()) / 2
+    with torch.no_grad():
+        want, got = plain_logits(model, data), plan.forward(model)
+    valid = torch.arange(want.shape[1])[None] < data["input_lengths"][:, None]
+    assert got.shape == want.shape
+    torch.testing.assert_close(got[valid], want[valid], atol=1e-5, rtol=0)
+
+
+def test_gradients_through_shared_prefix_equal_whole_rows() -> None:
+    data = grouped_rows(seed=1)
+    grads = []
+    for shared in (False, True):
+        model = tiny_llama().train()
+        if shared:
+            plan = plan_shared_prefix(data["input_ids"], data["input_lengths"], ratio_of(model))
+            logits = plan.forward(model)
+        else:
+            logits = plain_logits(model, data)
+        loss, _ = NLLLoss()(logits, data, data["token_mask"].sum(), torch.tensor(12.0))
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert max(g.abs().max() for g in grads[0].values()) > 1e-3  # not a vacuous comparison
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, atol=1e-6, rtol=1e-4)
+
+
+def test_rows_stay_apart_when_sharing_does_not_pay() -> None:
+    ratio = ratio_of(tiny_llama())
+    g = torch.Generator().manual_seed(2)
+    distinct = torch.randint(1, VOCAB, (6, 12), generator=g)
+    assert plan_shared_prefix(distinct, torch.full((6,), 12), ratio) is None
+    # a 2-token common start under 40-token continuations: attention over the merged row
+    # costs more than the 2 tokens it saves (a high attention ratio, as in a long-context model)
+    long_tails = torch.randint(1, VOCAB, (4, 42), generator=g)
+    long_tails[:, :2] = 7
+    assert plan_shared_prefix(long_tails, torch.full((4,), 42), ratio=0.02) is None
+    # the same rows with a 30-token common start do share
+    long_tails[:, :30] = long_tails[0, :30]
+    plan = plan_shared_prefix(long_tails, torch.full((4,), 42), ratio=0.02)
+    assert plan is not None and plan.tokens == 30 + 4 * 12  # random tails share nothing
+
+
+@pytest.fixture
+def make_worker(tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch):
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    built: list[FSDP2PolicyWorker] = []
+
+    def build(**kwargs) -> FSDP2PolicyWorker:
+        if built:
+            built[-1].shutdown()
+        built.append(FSDP2PolicyWorker(tiny_llama_dir, num_threads=1, **kwargs))
+        return built[-1]
+
+    yield build
+    if built:
+        built[-1].shutdown()
+
+
+def test_worker_shared_prefix_matches_whole_rows_and_counts_tokens(make_worker) -> None:
+    data = grouped_rows(seed=3)
+    runs = {}
+    for shared in (False, True):
+        worker = make_worker(shared_prefix=shared, optimizer="sgd", learning_rate=1.0)
+        logprobs = worker.get_logprobs(data, micro_batch_size=6)["logprobs"]
+        metrics = worker.train(data, NLLLoss(), global_batch_size=12, micro_batch_size=6)
+        runs[shared] = (logprobs, metrics, worker.state_dict_for_refit())
+    (lp0, m0, p0), (lp1, m1, p1) = runs[False], runs[True]
+    torch.testing.assert_close(lp1, lp0, atol=1e-5, rtol=0)
+    assert m1["loss"] == pytest.approx(m0["loss"], abs=1e-6)
+    for name, value in p0.items():
+        torch.testing.assert_close(p1[name], value, atol=1e-5, rtol=0)
+    assert m0["num_computed_tokens"] == m0["num_tokens"] == float(data["input_lengths"].sum())
+    assert m1["num_computed_tokens"] < 0.7 * m1["num_tokens"]
+
+
+def test_dpo_reference_inside_the_train_call_equals_the_separate_call(make_worker) -> None:
+    data = grouped_rows(seed=4)  # rows 2i / 2i+1 as chosen / rejected pairs
+    loss_fn = DPOLoss(0.1)
+    worker = make_worker(init_reference_model=True, init_optimizer=True, learning_rate=0.0)
+    separate = dict(data)
+    separate["reference_policy_logprobs"] = worker.get_reference_policy_logprobs(data)[
+        "reference_policy_logprobs"
+    ]
+    with torch.no_grad():  # move the policy away from its reference
+        for p in worker.model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    two_calls = worker.train(
+        BatchedDataDict(separate), loss_fn, global_batch_size=12, micro_batch_size=4,
+        eval_mode=True,
+    )  # fmt: skip
+    one_call = worker.train(
+        data, loss_fn, global_batch_size=12, micro_batch_size=4, eval_mode=True,
+        with_reference=True,
+    )  # fmt: skip
+    assert abs(two_calls["reward_margin"]) > 1e-4  # the policy differs from its reference
+    for key in ("loss", "reward_margin", "rewards_chosen_mean", "reference_logprob_accuracy"):
+        assert one_call[key] == pytest.approx(two_calls[key], abs=1e-5), key
