@@ -157,6 +157,31 @@ def test_all_rows_stopping_ends_the_loop_early(model, tokenizer, batch):
     assert out["finish_reasons"] == ["stop"] * len(PROMPTS)
 
 
+def test_finished_rows_leave_the_batch_and_the_rest_continue_unchanged(model, tokenizer, batch):
+    n = 12
+    engine = TorchGenerationEngine(model, tokenizer, max_new_tokens=n)
+    whole = engine.generate(batch, greedy=True)
+    sizes: list[int] = []  # the batch size of every decode forward
+    hook = model.register_forward_pre_hook(
+        lambda _m, _a, kw: sizes.append(kw["input_ids"].shape[0]), with_kwargs=True
+    )
+    try:
+        caps = torch.tensor([1, 2, 3, n])  # rows finish at steps 1, 2, 3; the last runs on
+        out = engine.generate({**batch, "max_new_tokens": caps}, greedy=True)
+    finally:
+        hook.remove()
+    assert sizes[0] == len(PROMPTS) and sizes[-1] == 1  # finished rows were dropped
+    S = batch["input_ids"].shape[1]
+    for b in range(len(PROMPTS)):
+        full = _generated(whole, batch, b)
+        assert _generated(out, batch, b) == full[: int(caps[b])], f"row {b}"
+        L = int(batch["input_lengths"][b])
+        got = out["logprobs"][b, L : L + len(_generated(out, batch, b))]
+        want = whole["logprobs"][b, L : L + len(got)]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert out["output_ids"].shape[1] <= S + n
+
+
 def test_stop_string_ends_sequence(model, tokenizer, batch):
     base = TorchGenerationEngine(model, tokenizer, max_new_tokens=8).generate(batch, greedy=True)
     free = [_generated(base, batch, b) for b in range(len(PROMPTS))]

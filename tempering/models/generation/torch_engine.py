@@ -8,7 +8,8 @@ generating. Implements `GenerationInterface` with the token layout of docs/CONTR
 - one prefill forward, then one forward per new token over the whole batch with HF's
   `DynamicCache` (the loop runs over time steps, never over sequences);
 - rows that emit a stop token (eos or `stop_token_ids`) or whose generated text contains a
-  stop string are finished: later columns are padding, and the loop ends once all are done;
+  stop string are finished: later columns are padding; once a quarter of the batch has
+  finished, finished rows leave it (and the KV cache), and the loop ends once all are done;
 - sampling (temperature, top-k, top-p) draws from a seeded `torch.Generator`; log-probs are
   `log_softmax(logits / temperature)` of the chosen token BEFORE top-k/top-p filtering.
 
@@ -31,6 +32,9 @@ from tempering.models.generation.interfaces import SamplingConfig
 # n characters lies within the last 4n tokens (plus slack for tokens that decode to nothing).
 _BYTES_PER_CHAR = 4
 _STOP_WINDOW_SLACK = 4
+# Finished rows leave the decode batch once the live ones are at most this share of it
+# (each compaction copies the KV cache once, so not after every finished row).
+_COMPACT_BELOW = 0.75
 
 
 class TorchGenerationEngine:
@@ -225,35 +229,46 @@ class _Decode:
         finished = torch.zeros(B, dtype=torch.bool, device=dev)
         stopped = torch.zeros(B, dtype=torch.bool, device=dev)
         next_position = lengths.clone()  # position id of each row's next token
+        rows = torch.arange(B, device=dev)  # rows still in the decode batch (and the cache)
         steps = 0
         for step in range(max_new):
             logp = torch.log_softmax(out.logits[:, -1, :].float() / self.cfg.temperature, dim=-1)
-            tokens = self._sample(logp)  # [B]
-            active = ~finished
-            generated[:, step] = torch.where(active, tokens, self.pad)
-            gen_logprobs[:, step] = torch.where(active, logp.gather(1, tokens[:, None])[:, 0], 0.0)
+            tokens = self._sample(logp)  # [b], b = len(rows)
+            active = ~finished[rows]
+            generated[rows, step] = torch.where(active, tokens, self.pad)
+            chosen = logp.gather(1, tokens[:, None])[:, 0]
+            gen_logprobs[rows, step] = torch.where(active, chosen, 0.0)
             if top_ids is not None and top_values is not None:
                 values, ids = logp.topk(k, dim=-1)
-                top_ids[:, step] = ids * active[:, None]
-                top_values[:, step] = values * active[:, None]
-            gen_lengths += active.long()
+                top_ids[rows, step] = ids * active[:, None]
+                top_values[rows, step] = values * active[:, None]
+            gen_lengths[rows] += active.long()
             steps = step + 1
             hit = active & torch.isin(tokens, self.stop_ids)
             if self.cfg.stop_strings:
-                hit |= self._stop_string_hits(generated[:, :steps], active & ~hit)
-            stopped |= hit
-            finished |= hit | (gen_lengths >= row_caps)
-            if bool(finished.all()):
+                hit |= self._stop_string_hits(generated[rows, :steps], active & ~hit)
+            stopped[rows] |= hit
+            finished[rows] |= hit | (gen_lengths[rows] >= row_caps[rows])
+            live = ~finished[rows]
+            n_live = int(live.sum())
+            if n_live == 0:
                 break
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B, 1)], dim=1)
+            if n_live <= _COMPACT_BELOW * len(rows):
+                # finished rows leave the batch: the model no longer computes them
+                keep = live.nonzero().flatten()
+                cache.batch_select_indices(keep)
+                attention_mask, rows = attention_mask[keep], rows[keep]
+            attention_mask = torch.cat(
+                [attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1
+            )
             out = self.model(
-                input_ids=generated[:, step : step + 1],
+                input_ids=generated[rows, step : step + 1],
                 attention_mask=attention_mask,
-                position_ids=next_position[:, None],
+                position_ids=next_position[rows][:, None],
                 past_key_values=cache,
                 use_cache=True,
             )
-            next_position += 1
+            next_position[rows] += 1
         cut = slice(0, steps)
         return (
             generated[:, cut],
