@@ -234,7 +234,6 @@ def ours_grpo(scale: dict, repeats: int) -> tuple[dict, object]:
     """grpo_step of the example config; returns its timings and the run's set-up pieces the
     floor reuses (problems, prompt format, sampling)."""
     from tempering.algorithms import grpo
-    from tempering.algorithms.loss_functions import ClippedPGLoss
     from tempering.config import GRPOMasterConfig, load_config
 
     cfg, resolved = load_config(
@@ -254,7 +253,7 @@ def ours_grpo(scale: dict, repeats: int) -> tuple[dict, object]:
     records: list[dict] = []
     try:
         for _ in range(repeats + 1):
-            m = grpo.grpo_step(run, ClippedPGLoss())
+            m = grpo.grpo_step(run, grpo.make_loss(cfg))
             n = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
             m["gen_tokens"] = m["train/gen_length_mean"] * n
             m["trained_tokens"] = m["throughput/tokens_per_s"] * m["timing/step_s"]

@@ -1,11 +1,23 @@
-"""GRPO seconds/step and tokens/s: tempering vs TRL's GRPOTrainer on the same tiny workload.
+"""GRPO speed: tempering vs TRL's GRPOTrainer on the same workload, per step and per
+generated token.
 
-    uv run bench/bench_grpo_vs_trl.py [--steps 16] [--prompts 16] [--generations 8]
+    uv run bench/bench_grpo_vs_trl.py [--scale tiny|smollm2] [--steps N] [--runs 3]
 
-Workload (identical on both sides): the committed tiny-arith model, fp32, CPU, 2 threads;
-`--prompts` prompts x `--generations` completions per step, up to 6 new tokens, temperature 1,
-exact-answer reward, no KL (beta 0, so neither side keeps a reference model), one optimizer
-step per generation batch, lr 1e-3. The first step of each side is warm-up and not counted.
+Workloads (identical on both sides: the same prompts, sampling, lengths and precision; fp32,
+CPU, 2 threads; one optimizer step per generation batch; TRL's first step of a run and ours
+are warm-up and not counted):
+
+- ``tiny``: the committed tiny-arith model, 16 prompts x 8 completions per step, up to 6 new
+  tokens, temperature 1, exact-answer reward, no KL (beta 0: neither side keeps a reference
+  model), constant lr 5e-5 (grpo_math_tiny.yaml's model, sampling and lr);
+- ``smollm2``: grpo_math_smollm2.yaml's workload: SmolLM2-135M-Instruct, 4 GSM8K/chain-sum
+  prompts x 4 completions in the chat template, up to 128 new tokens, temperature 0.7, KL
+  0.01 against a reference model, lr 1e-6.
+
+Sampled lengths differ between the sides, so the speed-up is reported per generated token
+(generated tokens per second, TRL's from its ``completions/mean_length`` log) as well as per
+step. Each side runs ``--runs`` times, interleaved (these machines are noisy): the figures are
+the median of the per-run medians with their spread (min-max).
 
 TRL runs in its own environment (`venvs/bench`, the `bench` dependency group, built on first
 use) as a subprocess, so it never enters tempering's lock-in environment.
@@ -28,19 +40,25 @@ REPO = Path(__file__).resolve().parents[1]
 TRL_SCRIPT = r"""
 import json, sys, time, torch
 torch.set_num_threads(2)
+torch.manual_seed(0)
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 args = json.loads(sys.argv[1])
 tok = AutoTokenizer.from_pretrained(args["model"])
 model = AutoModelForCausalLM.from_pretrained(args["model"], dtype=torch.float32)
-ds = Dataset.from_list([{"prompt": p, "answer": a} for p, a in args["problems"]])
+def prompt(text, system):
+    if not args["chat"]:
+        return text
+    return ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": text}]
+ds = Dataset.from_list([{"prompt": prompt(p, s), "answer": a} for p, a, s in args["problems"]])
 
 def exact(completions, answer, **kw):
     out = []
     for c, a in zip(completions, answer):
-        s = c.strip().split()
-        out.append(1.0 if s and s[0].isdigit() and s[0] == a else 0.0)
+        text = c if isinstance(c, str) else c[0]["content"]  # conversational prompts
+        out.append(1.0 if a in text.split() else 0.0)
     return out
 
 class Clock(TrainerCallback):
@@ -50,8 +68,9 @@ class Clock(TrainerCallback):
 n = args["prompts"] * args["generations"]
 cfg = GRPOConfig(
     output_dir=args["out"], per_device_train_batch_size=n, num_generations=args["generations"],
-    max_completion_length=args["max_new_tokens"], temperature=1.0, learning_rate=1e-3,
-    beta=0.0, max_steps=args["steps"], logging_steps=1, report_to=[], use_cpu=True, bf16=False,
+    max_completion_length=args["max_new_tokens"], temperature=args["temperature"],
+    learning_rate=args["lr"], top_p=1.0, top_k=0,
+    beta=args["beta"], max_steps=args["steps"], logging_steps=1, report_to=[], use_cpu=True, bf16=False,
     gradient_checkpointing=False, use_vllm=False, save_strategy="no", seed=0,
     steps_per_generation=1, num_iterations=1, dataloader_num_workers=0,
 )
@@ -60,20 +79,41 @@ trainer = GRPOTrainer(model=model, reward_funcs=exact, args=cfg, train_dataset=d
                       processing_class=tok, callbacks=[clock])
 trainer.train()
 steps = [b - a for a, b in zip(clock.t, clock.t[1:])]
-toks = [h.get("num_tokens") for h in trainer.state.log_history if "num_tokens" in h]
-print("RESULT " + json.dumps({"step_s": steps, "num_tokens": toks}))
+lengths = [h["completions/mean_length"] for h in trainer.state.log_history
+           if "completions/mean_length" in h]
+print("RESULT " + json.dumps({"step_s": steps, "gen_tokens": [n * x for x in lengths]}))
 """
 
 
-def run_trl(model: str, problems: list[tuple[str, str]], a: argparse.Namespace) -> dict:
+SCALES = {
+    "tiny": {
+        "config": "grpo_math_tiny.yaml",
+        "overrides": [
+            "grpo.num_prompts_per_step=16",
+            "grpo.num_generations_per_prompt=8",
+            "policy.train_global_batch_size=128",
+            "policy.train_micro_batch_size=128",
+            "policy.scheduler.name=constant",
+        ],
+        "steps": 16,
+    },
+    "smollm2": {"config": "grpo_math_smollm2.yaml", "overrides": [], "steps": 3},
+}
+
+
+def run_trl(cfg, model: str, problems: list, steps: int) -> dict:
     py = ensure_bench_venv()
     payload = {
         "model": model,
         "problems": problems,
-        "prompts": a.prompts,
-        "generations": a.generations,
-        "max_new_tokens": 6,
-        "steps": a.steps,
+        "chat": cfg.data.use_chat_template,
+        "prompts": cfg.grpo.num_prompts_per_step,
+        "generations": cfg.grpo.num_generations_per_prompt,
+        "max_new_tokens": cfg.policy.generation.max_new_tokens,
+        "temperature": cfg.policy.generation.temperature,
+        "lr": cfg.policy.optimizer.kwargs.lr,
+        "beta": cfg.loss_fn.reference_policy_kl_penalty,
+        "steps": steps,
         "out": "/tmp/tempering_bench_trl",
     }
     env = {**os.environ, "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1", "WANDB_DISABLED": "true"}
@@ -86,75 +126,92 @@ def run_trl(model: str, problems: list[tuple[str, str]], a: argparse.Namespace) 
     return json.loads(line[0][7:])
 
 
-def run_tempering(a: argparse.Namespace) -> tuple[dict, str, list[tuple[str, str]]]:
-    from tempering.algorithms import grpo
-    from tempering.algorithms.loss_functions import ClippedPGLoss
+def load(scale: str):
     from tempering.config import GRPOMasterConfig, load_config
 
-    n = a.prompts * a.generations
-    cfg, resolved = load_config(
-        REPO / "examples/configs/grpo_math_tiny.yaml",
+    return load_config(
+        REPO / "examples/configs" / SCALES[scale]["config"],
         [
-            f"grpo.num_prompts_per_step={a.prompts}",
-            f"grpo.num_generations_per_prompt={a.generations}",
-            f"policy.train_global_batch_size={n}",
-            f"policy.train_micro_batch_size={n}",
+            *SCALES[scale]["overrides"],
             "policy.num_threads=2",
             "grpo.val_period=0",
+            "grpo.val_at_start=false",
             "checkpointing.enabled=false",
             "logger.tensorboard_enabled=false",
             "logger.log_dir=/tmp/tempering_bench_grpo",
         ],
         schema=GRPOMasterConfig,
     )
+
+
+def run_tempering(scale: str, steps: int) -> tuple[dict, str, list]:
+    from tempering.algorithms import grpo
+    from tempering.models.registry import resolve_model_path
+
+    cfg, resolved = load(scale)
+    n = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
     run = grpo.setup(cfg, resolved)
-    loss_fn = ClippedPGLoss()
-    steps, toks = [], []
+    loss_fn = grpo.make_loss(cfg)
+    out: dict = {"step_s": [], "gen_tokens": []}
     try:
-        for _ in range(a.steps):
+        for _ in range(steps):
             t0 = time.perf_counter()
             m = grpo.grpo_step(run, loss_fn)
-            steps.append(time.perf_counter() - t0)
-            toks.append(m["throughput/tokens_per_s"] * m["timing/step_s"])
-        model_path = run.policy.worker_group  # keep the run alive until timing is done
-        del model_path
-        from tempering.models.registry import resolve_model_path
-
-        model = resolve_model_path(cfg.policy.model_name)
-        problems = [(p.prompt, p.answer) for p in run.train_problems[: 4 * a.prompts * a.steps]]
+            out["step_s"].append(time.perf_counter() - t0)
+            out["gen_tokens"].append(m["train/gen_length_mean"] * n)
+        problems = [
+            (p.prompt, p.answer, p.system)
+            for p in run.train_problems[: cfg.grpo.num_prompts_per_step * steps * 4]
+        ]
     finally:
         run.close()
-    return {"step_s": steps, "num_tokens": toks}, model, problems
+    return out, str(resolve_model_path(cfg.policy.model_name)), problems
 
 
-def summarise(name: str, res: dict) -> tuple[float, float]:
-    steps = res["step_s"][1:] or res["step_s"]
-    s = statistics.median(steps)
-    toks = res["num_tokens"]
-    per_step = (
-        (toks[-1] / len(toks)) if toks and name == "TRL" else statistics.median(toks[1:] or toks)
+def per_run(res: dict) -> tuple[float, float]:
+    """Median seconds per step and generated tokens per second, warm-up step left out."""
+    steps, toks = res["step_s"][1:], res["gen_tokens"][1:]
+    return statistics.median(steps), statistics.median(
+        t / s for t, s in zip(toks, steps, strict=True)
     )
-    return s, per_step / s
+
+
+def spread(values: list[float], fmt: str = ".2f") -> str:
+    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=16)
-    p.add_argument("--prompts", type=int, default=16)
-    p.add_argument("--generations", type=int, default=8)
+    p.add_argument("--scale", choices=list(SCALES), default="tiny")
+    p.add_argument("--steps", type=int, default=None, help="steps per run (first is warm-up)")
+    p.add_argument("--runs", type=int, default=3)
     a = p.parse_args()
-    ours, model, problems = run_tempering(a)
-    trl = run_trl(model, problems, a)
-    s_ours, tps_ours = summarise("tempering", ours)
-    s_trl, tps_trl = summarise("TRL", trl)
+    steps = a.steps or SCALES[a.scale]["steps"]
+    cfg, _ = load(a.scale)
+    rows = {"tempering": [], "TRL 1.16": []}
+    for r in range(a.runs):
+        ours, model, problems = run_tempering(a.scale, steps)
+        rows["tempering"].append(per_run(ours))
+        rows["TRL 1.16"].append(per_run(run_trl(cfg, model, problems, steps)))
+        print(
+            f"run {r + 1}: "
+            + ", ".join(f"{k} {v[-1][0]:.3f} s/step {v[-1][1]:.0f} tok/s" for k, v in rows.items())
+        )
     print(
-        f"\nGRPO, tiny-arith, {a.prompts}x{a.generations} per step, fp32 CPU, median of "
-        f"{a.steps - 1} steps after warm-up"
+        f"\nGRPO, {a.scale}, {cfg.grpo.num_prompts_per_step}x"
+        f"{cfg.grpo.num_generations_per_prompt} per step, up to "
+        f"{cfg.policy.generation.max_new_tokens} new tokens, fp32 CPU; per run the median of "
+        f"{steps - 1} steps after warm-up, below the median of {a.runs} runs (min-max)"
     )
-    print(f"{'':12s}{'s/step':>10s}{'tokens/s':>12s}")
-    print(f"{'tempering':12s}{s_ours:10.2f}{tps_ours:12.0f}")
-    print(f"{'TRL 1.16':12s}{s_trl:10.2f}{tps_trl:12.0f}")
-    print(f"speed-up (TRL s/step / tempering s/step): {s_trl / s_ours:.2f}x")
+    print(f"{'':12s}{'s/step':>24s}{'generated tokens/s':>28s}")
+    for name, vals in rows.items():
+        print(f"{name:12s}{spread([v[0] for v in vals], '.3f'):>24s}"
+              f"{spread([v[1] for v in vals], '.1f'):>28s}")  # fmt: skip
+    pairs = list(zip(rows["tempering"], rows["TRL 1.16"], strict=True))
+    print(f"speed-up per step (TRL s/step / tempering s/step): "
+          f"{spread([t[0] / o[0] for o, t in pairs])}x")  # fmt: skip
+    print(f"speed-up per generated token (tempering tok/s / TRL tok/s): "
+          f"{spread([o[1] / t[1] for o, t in pairs])}x")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -10,8 +10,9 @@ One step (DESIGN.md "One GRPO step"):
   4. advantages: leave-one-out baseline per group, optional std normalisation; optional
      dynamic sampling (drop zero-variance groups and refill) and overlong filtering
   5. behaviour log-probs from the trainer when a rollout batch spans several optimizer steps
-     (one step is on-policy: the train forward supplies them), reference log-probs when KL is on
-  6. policy.train(ClippedPGLoss), normalised by the global count of valid tokens
+     (one step is on-policy: the train forward supplies them)
+  6. policy.train(ClippedPGLoss), normalised by the global count of valid tokens; with KL on,
+     the workers compute each micro-batch's reference log-probs just before its forward
   7. refit: the generator sees the new weights (colocated: in place in the workers)
   8. log, validate every `val_period` steps, checkpoint atomically
 """
@@ -337,14 +338,12 @@ def build_environments(cfg: GRPOMasterConfig, task_names: set[str]) -> dict[str,
 
 
 # --------------------------------------------------------------------------- loop
-def train(run: GRPORun) -> dict[str, Any]:
-    """The GRPO loop; returns a summary (start/end validation accuracy, time)."""
+def make_loss(cfg: GRPOMasterConfig) -> Any:
+    """The run's `ClippedPGLoss`, from ``loss_fn``."""
     from tempering.algorithms.loss_functions import ClippedPGLoss
-    from tempering.utils.logger import print_step_summary, track
 
-    cfg = run.cfg
     lf = cfg.loss_fn
-    loss_fn = ClippedPGLoss(
+    return ClippedPGLoss(
         ratio_clip_min=lf.ratio_clip_min,
         ratio_clip_max=lf.ratio_clip_max,
         ratio_clip_c=lf.ratio_clip_c,
@@ -354,6 +353,14 @@ def train(run: GRPORun) -> dict[str, Any]:
         use_importance_sampling_correction=lf.use_importance_sampling_correction,
         truncated_importance_sampling_ratio=lf.truncated_importance_sampling_ratio,
     )
+
+
+def train(run: GRPORun) -> dict[str, Any]:
+    """The GRPO loop; returns a summary (start/end validation accuracy, time)."""
+    from tempering.utils.logger import print_step_summary, track
+
+    cfg = run.cfg
+    loss_fn = make_loss(cfg)
     budget = cfg.grpo.max_wall_time_s  # covers the whole run, resumed parts included
     deadline = common.Deadline(None if budget is None else budget - run.prior_wall_time_s)
     first_val: dict[str, float] = {}
@@ -497,13 +504,12 @@ def grpo_step(run: GRPORun, loss_fn: Any, step: int | None = None) -> dict[str, 
         # batch train later steps on older samples and need the recomputed log-probs.
         if data.size > run.cfg.policy.train_global_batch_size:
             data["prev_logprobs"] = run.policy.get_logprobs(data)["logprobs"]
-        if run.cfg.loss_fn.reference_policy_kl_penalty > 0:
-            data["reference_policy_logprobs"] = run.policy.get_reference_policy_logprobs(data)[
-                "reference_policy_logprobs"
-            ]
     with timer.time("train"):
         faults.maybe_fault("controller", "train")
-        train_metrics = run.policy.train(data, loss_fn)
+        # the KL term's reference log-probs: computed by the workers per micro-batch, right
+        # before its forward (the reference is frozen, so when does not matter)
+        kl = run.cfg.loss_fn.reference_policy_kl_penalty > 0
+        train_metrics = run.policy.train(data, loss_fn, with_reference=kl)
     with timer.time("refit"):  # waits for in-flight server calls, holds new ones meanwhile
         faults.maybe_fault("controller", "refit")
         run.chat.refit(lambda: run.generation.refit(run.policy))

@@ -73,7 +73,6 @@ def test_smollm2_grpo_steps_earn_reward(ray_session, tmp_path):
     from pathlib import Path
 
     from tempering.algorithms import grpo
-    from tempering.algorithms.loss_functions import ClippedPGLoss
     from tempering.config import GRPOMasterConfig, load_config
 
     repo = Path(__file__).parents[2]
@@ -93,11 +92,8 @@ def test_smollm2_grpo_steps_earn_reward(ray_session, tmp_path):
     )
     run = grpo.setup(cfg, resolved)
     try:
-        lf = cfg.loss_fn
-        loss_fn = ClippedPGLoss(
-            reference_policy_kl_penalty=lf.reference_policy_kl_penalty, kl_estimator=lf.kl_type
-        )
-        steps = [grpo.grpo_step(run, loss_fn) for _ in range(2)]
+        assert cfg.loss_fn.reference_policy_kl_penalty > 0
+        steps = [grpo.grpo_step(run, grpo.make_loss(cfg)) for _ in range(2)]
     finally:
         run.close()
     print(
@@ -109,3 +105,8 @@ def test_smollm2_grpo_steps_earn_reward(ray_session, tmp_path):
     assert sum(m["train/reward_mean"] for m in steps) > 0
     assert all(math.isfinite(m["train/loss"]) for m in steps)
     assert max(m["train/grad_norm"] for m in steps) > 0
+    # the reference log-probs (computed inside the train call) are the initial policy's: no
+    # KL at the first step; after one update (lr 1e-6) a little (~1e-7), where a reference
+    # that followed the policy would still give exactly 0
+    assert abs(steps[0]["train/kl_penalty"]) < 1e-6
+    assert steps[1]["train/kl_penalty"] > 0
