@@ -119,6 +119,11 @@ def test_rows_stay_apart_when_sharing_does_not_pay() -> None:
     long_tails[:, :30] = long_tails[0, :30]
     plan = plan_shared_prefix(long_tails, torch.full((4,), 42), ratio=0.02)
     assert plan is not None and plan.tokens == 30 + 4 * 12  # random tails share nothing
+    # two of four 40-token rows share 10 tokens: the merged group (70) sets the packed width,
+    # 3 rows x 70 positions > 4 x 40 padded ones, so the plan is dropped
+    sft_like = torch.randint(1, VOCAB, (4, 40), generator=g)
+    sft_like[1, :10] = sft_like[0, :10]
+    assert plan_shared_prefix(sft_like, torch.full((4,), 40), ratio=1e-4) is None
 
 
 @pytest.fixture

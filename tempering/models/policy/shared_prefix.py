@@ -18,7 +18,9 @@ Grouping is greedy over the rows sorted by their tokens, and a row joins a group
 cost model says it pays: a token costs its matmuls (2 x parameters), and a group row costs
 attention over all its positions (a dense mask cannot skip blocks the way plain causal
 attention does), so long continuations under a short common prefix (e.g. a system prompt)
-stay apart. Identical rows (GRPO samples that came out the same) collapse into one.
+stay apart, and a plan whose packed rows (padding included) hold no fewer positions than the
+padded micro-batch is dropped. Identical rows (GRPO samples that came out the same) collapse
+into one.
 """
 
 from __future__ import annotations
@@ -107,7 +109,10 @@ def plan_shared_prefix(
         sizes.append(lengths[i])
     if not saved:
         return None
-    return _layout(groups, sizes, rows, input_ids.shape[1], pad_token_id)
+    plan = _layout(groups, sizes, rows, input_ids.shape[1], pad_token_id)
+    # padding is computed too: a plan whose rows hold no fewer positions than the padded
+    # micro-batch (e.g. two long rows merged over a short common start) saves nothing
+    return plan if plan.input_ids.numel() < input_ids.numel() else None
 
 
 def _layout(
