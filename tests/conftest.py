@@ -9,6 +9,9 @@ session. Tests that need a *different* Ray (e.g. the simulated two-node cluster 
 this one without touching it. Tests must give back what they reserve (call
 ``cluster.shutdown()`` / ``group.shutdown()``, or use fixtures that do).
 
+``make_worker`` builds single-rank `FSDP2PolicyWorker`s in the test process from the
+requesting module's ``tiny_llama_dir`` fixture (one process group at a time).
+
 ``worker_venvs_dir`` points ``TEMPERING_VENVS_DIR`` at a session temp folder so isolated
 worker venvs are built there (once per session), never in the repo's ``venvs/``.
 """
@@ -60,3 +63,25 @@ def worker_venvs_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]
             os.environ.pop("TEMPERING_VENVS_DIR", None)
         else:
             os.environ["TEMPERING_VENVS_DIR"] = previous
+
+
+@pytest.fixture
+def make_worker(tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch):
+    """Build single-rank workers on the module's ``tiny_llama_dir`` (1 thread unless given),
+    leaving the process group on teardown."""
+    from tempering.models.policy.fsdp2_worker import FSDP2PolicyWorker
+
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    built: list[FSDP2PolicyWorker] = []
+
+    def build(**kwargs) -> FSDP2PolicyWorker:
+        if built:  # one process group per process: reuse it by tearing the old one down
+            built[-1].shutdown()
+        kwargs.setdefault("num_threads", 1)
+        built.append(FSDP2PolicyWorker(tiny_llama_dir, **kwargs))
+        return built[-1]
+
+    yield build
+    if built:
+        built[-1].shutdown()

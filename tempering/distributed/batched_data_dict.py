@@ -47,6 +47,23 @@ def _lengths_of(value: Value, key: str) -> list[int]:
     return [int(v) for v in value]
 
 
+def first_fit_decreasing(sizes: Sequence[int], capacity: int) -> list[list[int]]:
+    """Indices of ``sizes`` in bins of at most ``capacity`` (each size <= capacity): largest
+    first, each into the first bin with room."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        for b, free in enumerate(room):
+            if sizes[i] <= free:
+                bins[b].append(i)
+                room[b] -= sizes[i]
+                break
+        else:
+            bins.append([i])
+            room.append(capacity - sizes[i])
+    return bins
+
+
 @dataclass
 class PackedBin:
     """One bin of packed sequences (padding-free layout for varlen attention).
@@ -350,18 +367,7 @@ class BatchedDataDict(dict):
         keys = self._sequence_keys(seq_keys)
         if "input_ids" not in keys:
             keys.insert(0, "input_ids")
-        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-        bins: list[list[int]] = []
-        room: list[int] = []
-        for i in order:
-            for b, free in enumerate(room):
-                if lengths[i] <= free:
-                    bins[b].append(i)
-                    room[b] -= lengths[i]
-                    break
-            else:
-                bins.append([i])
-                room.append(max_tokens_per_bin - lengths[i])
+        bins = first_fit_decreasing(lengths, max_tokens_per_bin)
         out = []
         for members in bins:
             lens = [lengths[i] for i in members]

@@ -73,25 +73,6 @@ def reference_logprobs(
     return out
 
 
-@pytest.fixture
-def make_worker(tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch):
-    """Build single-rank workers (leaving the process group on teardown)."""
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
-    built: list[FSDP2PolicyWorker] = []
-
-    def build(**kwargs) -> FSDP2PolicyWorker:
-        if built:  # one process group per process: reuse it by tearing the old one down
-            built[-1].shutdown()
-        kwargs.setdefault("num_threads", 1)
-        built.append(FSDP2PolicyWorker(tiny_llama_dir, **kwargs))
-        return built[-1]
-
-    yield build
-    if built:
-        built[-1].shutdown()
-
-
 LENGTHS = [12, 7, 9, 4, 11, 5]
 
 

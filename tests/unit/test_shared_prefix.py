@@ -12,7 +12,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from tempering.algorithms.loss_functions import DPOLoss, NLLLoss
 from tempering.distributed.batched_data_dict import BatchedDataDict
-from tempering.models.policy.fsdp2_worker import FSDP2PolicyWorker
 from tempering.models.policy.shared_prefix import attention_cost_ratio, plan_shared_prefix
 
 VOCAB = 100
@@ -124,23 +123,6 @@ def test_rows_stay_apart_when_sharing_does_not_pay() -> None:
     sft_like = torch.randint(1, VOCAB, (4, 40), generator=g)
     sft_like[1, :10] = sft_like[0, :10]
     assert plan_shared_prefix(sft_like, torch.full((4,), 40), ratio=1e-4) is None
-
-
-@pytest.fixture
-def make_worker(tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch):
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
-    built: list[FSDP2PolicyWorker] = []
-
-    def build(**kwargs) -> FSDP2PolicyWorker:
-        if built:
-            built[-1].shutdown()
-        built.append(FSDP2PolicyWorker(tiny_llama_dir, num_threads=1, **kwargs))
-        return built[-1]
-
-    yield build
-    if built:
-        built[-1].shutdown()
 
 
 def test_worker_shared_prefix_matches_whole_rows_and_counts_tokens(make_worker) -> None:

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from tempering.distributed.batched_data_dict import first_fit_decreasing
+
 # Attention implementations that take a custom 4-D boolean mask (True = attend).
 BOOL_MASK_ATTENTION = ("sdpa", "tempering_packed_sdpa")
 
@@ -127,17 +129,7 @@ def _layout(
     its ancestors and itself: in depth-first order, node j's subtree is j..end[j]-1, so
     position i may attend to j iff j <= i < end[j]."""
     L = max(sizes)
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for g in sorted(range(len(groups)), key=lambda g: -sizes[g]):
-        for b, free in enumerate(room):
-            if sizes[g] <= free:
-                bins[b].append(g)
-                room[b] -= sizes[g]
-                break
-        else:
-            bins.append([g])
-            room.append(L - sizes[g])
+    bins = first_fit_decreasing(sizes, L)
     ids = [[pad_token_id] * L for _ in bins]
     depth = [[0] * L for _ in bins]
     end = [list(range(1, L + 1)) for _ in bins]  # padding sees itself only
