@@ -203,6 +203,9 @@ def test_dpo_parity_config_learns_a_preference_the_reference_does_not_hold(ray_s
         run.close()
     start, end = summary["start"], summary["end"]
     reference = end["reference_logprob_accuracy"]
-    assert start["logprob_accuracy"] == start["reference_logprob_accuracy"] == reference
+    # the same pairs counted two ways (the controller's log-prob call; the loss's metric in
+    # the train call's micro-batches): equal up to the float of a weighted mean
+    assert start["logprob_accuracy"] == pytest.approx(start["reference_logprob_accuracy"])
+    assert start["reference_logprob_accuracy"] == pytest.approx(reference)
     assert reference <= 0.65, "the reference already holds this preference"
     assert end["logprob_accuracy"] >= reference + 0.25, summary
