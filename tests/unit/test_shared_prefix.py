@@ -162,5 +162,8 @@ def test_dpo_reference_inside_the_train_call_equals_the_separate_call(make_worke
         with_reference=True,
     )  # fmt: skip
     assert abs(two_calls["reward_margin"]) > 1e-4  # the policy differs from its reference
+    # the reference's forward is not counted: the rows' tokens, each shared prefix once
+    assert one_call["num_computed_tokens"] == two_calls["num_computed_tokens"]
+    assert one_call["num_computed_tokens"] < one_call["num_tokens"]
     for key in ("loss", "reward_margin", "rewards_chosen_mean", "reference_logprob_accuracy"):
         assert one_call[key] == pytest.approx(two_calls[key], abs=1e-5), key

@@ -67,6 +67,7 @@ from tempering.models.policy.optim import build_lr_scheduler, build_optimizer
 from tempering.models.policy.packed_attention import use_packed_sdpa
 from tempering.models.policy.shared_prefix import (
     BOOL_MASK_ATTENTION,
+    SharedPrefixPlan,
     attention_cost_ratio,
     plan_shared_prefix,
 )
@@ -84,6 +85,9 @@ RNG_FILE = "rng_rank{rank}.pt"
 PAIRWISE_LOSSES = (DPOLoss, BradleyTerryLoss)
 # Loss metrics that are already divided by the global count: summed over micro-batches/ranks.
 _GLOBALLY_NORMALISED = ("loss", "kl_penalty")
+# How a micro-batch runs through the model: packed into one row, as shared-prefix groups, or
+# (None) as its padded rows.
+Layout = PackedBin | SharedPrefixPlan | None
 
 
 def _free_port() -> int:
@@ -223,8 +227,6 @@ class FSDP2PolicyWorker:
         # what loading cost this rank at its peak (lean loading: a shard plus one tensor)
         self._load_peak_gb = process_usage()["peak_rss_gb"] - rss_before
         self.shared_prefix = self._shared_prefix_ratio() if shared_prefix else None
-        self.computed_tokens = 0  # tokens the forwards ran (< the rows' when prefixes share)
-        self._with_reference = False  # set per train call
         self.reference_model = None
         if init_reference_model:
             self.reference_model = self._load_sharded(False)
@@ -428,10 +430,13 @@ class FSDP2PolicyWorker:
 
     # ------------------------------------------------------------- forward
     def _forward_logits(
-        self, model: torch.nn.Module, mb: BatchedDataDict, packed: PackedBin | None = None
+        self, model: torch.nn.Module, mb: BatchedDataDict, layout: Layout = None
     ) -> torch.Tensor:
-        """``[B, S, V]`` float logits of micro-batch ``mb`` (computed packed when ``packed``);
-        ``[B]`` scores for ``head="score"``."""
+        """``[B, S, V]`` float logits of micro-batch ``mb``, computed in its ``layout`` (see
+        `_microbatches`; None: the padded rows); ``[B]`` scores for ``head="score"``."""
+        if isinstance(layout, SharedPrefixPlan):
+            return layout.forward(model)  # [B, S, V], each row as if computed alone
+        packed = layout
         if self.head == "score":
             if packed is not None:
                 raise ValueError("a reward model (head='score') does not take packed batches")
@@ -443,7 +448,6 @@ class FSDP2PolicyWorker:
             # One row holding every sequence; transformers builds a block-diagonal causal mask
             # from position_ids that restart at 0 when attention_mask is None.
             cu = packed.cu_seqlens.to(self.device)
-            self.computed_tokens += packed.num_tokens
             out = model(
                 input_ids=packed.input_ids[None].to(self.device),
                 position_ids=packed.position_ids[None].to(self.device),
@@ -456,14 +460,6 @@ class FSDP2PolicyWorker:
             )
             return packed.unpack(out.logits[0].float())  # [n, max_seqlen, V] == mb's layout
         input_ids = mb["input_ids"]
-        if self.shared_prefix is not None:
-            plan = plan_shared_prefix(
-                input_ids, mb["input_lengths"], self.shared_prefix, self.pad_token_id or 0
-            )
-            if plan is not None:
-                self.computed_tokens += plan.tokens
-                return plan.forward(model)  # [B, S, V], each row as if computed alone
-        self.computed_tokens += int(mb["input_lengths"].sum())
         seq = torch.arange(input_ids.shape[1], device=input_ids.device)
         attention_mask = (seq[None, :] < mb["input_lengths"][:, None]).long()  # [B, S]
         out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
@@ -475,9 +471,11 @@ class FSDP2PolicyWorker:
         micro_batch_size: int | None,
         max_tokens: int | None,
         pack: bool = False,
-    ) -> tuple[list[BatchedDataDict], list[PackedBin | None], torch.Tensor | None]:
-        """Micro-batches trimmed to their longest sequence, each one's packed bin (None when
-        not packing), and the row permutation (None when rows keep their order)."""
+    ) -> tuple[list[BatchedDataDict], list[Layout], torch.Tensor | None]:
+        """Micro-batches trimmed to their longest sequence, each one's layout for the forward
+        (its packed bin when packing; else its shared-prefix plan, or None: the padded rows),
+        and the row permutation (None when rows keep their order). A layout is decided once
+        per micro-batch, so a reference forward and the policy's share it."""
         if pack:
             if max_tokens is None:
                 raise ValueError(
@@ -494,7 +492,14 @@ class FSDP2PolicyWorker:
                 _trim(mb) for mb in data.make_microbatches(micro_batch_size or max(1, data.size))
             ]
             perm = None
-        return mbs, [None] * len(mbs), perm
+        return mbs, [self._plan(mb) for mb in mbs], perm
+
+    def _plan(self, mb: BatchedDataDict) -> SharedPrefixPlan | None:
+        if self.shared_prefix is None:
+            return None
+        return plan_shared_prefix(
+            mb["input_ids"], mb["input_lengths"], self.shared_prefix, self.pad_token_id or 0
+        )
 
     def _equalise(self, count: int) -> int:
         """Every rank must run the same number of forward passes (FSDP2 collectives)."""
@@ -546,16 +551,16 @@ class FSDP2PolicyWorker:
                 "model; build the policy with init_reference_model=True"
             )
         batching = (micro_batch_size, max_tokens_per_microbatch, pack_sequences)
-        self._with_reference = with_reference
         self.model.train(not eval_mode)
         steps: list[dict[str, float]] = []
         for start in range(0, data.size, local_gbs):
             batch = data.slice(start, start + local_gbs)
-            if eval_mode:
-                with torch.no_grad():
-                    steps.append(self._run_global_batch(batch, loss_fn, pairwise, batching, False))
-            else:
-                steps.append(self._run_global_batch(batch, loss_fn, pairwise, batching, True))
+            with torch.set_grad_enabled(not eval_mode):
+                steps.append(
+                    self._run_global_batch(
+                        batch, loss_fn, pairwise, batching, not eval_mode, with_reference
+                    )
+                )
         return _combine_steps(steps)
 
     def _local_batch_size(self, shard_size: int, global_batch_size: int | None) -> int:
@@ -584,9 +589,11 @@ class FSDP2PolicyWorker:
         pairwise: bool,
         batching: tuple[int | None, int | None, bool],
         do_step: bool,
+        with_reference: bool,
     ) -> dict[str, float]:
         """One global batch: micro-batches by ``batching`` = (micro_batch_size,
-        max_tokens_per_microbatch, pack_sequences); an optimizer step when ``do_step``."""
+        max_tokens_per_microbatch, pack_sequences); an optimizer step when ``do_step``; the
+        reference's log-probs per micro-batch when ``with_reference``."""
         t0 = time.perf_counter()
         sample_mask = batch.get("sample_mask")
         if sample_mask is None:
@@ -603,19 +610,21 @@ class FSDP2PolicyWorker:
         global_valid_toks = torch.tensor(g_toks, device=self.device)
         global_valid_seqs = torch.tensor(g_seqs, device=self.device)
 
-        mbs, bins, _ = self._microbatches(batch, *batching)
+        mbs, layouts, _ = self._microbatches(batch, *batching)
         n_mbs = self._equalise(len(mbs))
-        computed_before = self.computed_tokens
+        computed = float(
+            sum(_computed_tokens(mb, lay) for mb, lay in zip(mbs, layouts, strict=True))
+        )
         loss_sum = 0.0
         mb_metrics: list[dict[str, float]] = []
         for i in range(n_mbs):
             if i < len(mbs):
                 mb = mbs[i].to(self.device)
-                if self._with_reference:
+                if with_reference:
                     with torch.no_grad():
-                        ref = self._forward_logits(self.reference_model, mb, bins[i])
+                        ref = self._forward_logits(self.reference_model, mb, layouts[i])
                         mb["reference_policy_logprobs"] = token_logprobs(ref, mb["input_ids"])
-                logits = self._forward_logits(self.model, mb, bins[i])
+                logits = self._forward_logits(self.model, mb, layouts[i])
                 loss, metrics = loss_fn(logits, mb, global_valid_toks, global_valid_seqs)
                 loss_sum += float(loss.detach())
                 mb_metrics.append(metrics)
@@ -625,7 +634,6 @@ class FSDP2PolicyWorker:
                 # FSDP2 averages gradients over DP ranks; the loss is already a global sum.
                 (loss * self.dp_size).backward()
 
-        computed = float(self.computed_tokens - computed_before)
         global_loss, g_computed = self._all_reduce([loss_sum, computed])
         result: dict[str, float] = {}
         if do_step:
@@ -801,7 +809,7 @@ class FSDP2PolicyWorker:
         model.eval()
         full_len = data["input_ids"].shape[1]
         view = BatchedDataDict(input_ids=data["input_ids"], input_lengths=data["input_lengths"])
-        mbs, bins, perm = self._microbatches(view, *batching) if view.size else ([], [], None)
+        mbs, layouts, perm = self._microbatches(view, *batching) if view.size else ([], [], None)
         n_mbs = self._equalise(len(mbs))
         pieces: list[torch.Tensor] = []
         for i in range(n_mbs):
@@ -809,7 +817,7 @@ class FSDP2PolicyWorker:
                 self._forward_logits(model, _dummy_batch(self.device))
                 continue
             mb = mbs[i].to(self.device)
-            logits = self._forward_logits(model, mb, bins[i])
+            logits = self._forward_logits(model, mb, layouts[i])
             if temperature != 1.0:
                 logits = logits / temperature
             lp = token_logprobs(logits, mb["input_ids"])  # [b, s]
@@ -1004,6 +1012,15 @@ class FSDP2PolicyWorker:
 
 
 # ---------------------------------------------------------------------- helpers
+def _computed_tokens(mb: BatchedDataDict, layout: Layout) -> int:
+    """Tokens one forward of ``mb`` computes in ``layout`` (padding not counted)."""
+    if isinstance(layout, PackedBin):
+        return layout.num_tokens
+    if isinstance(layout, SharedPrefixPlan):
+        return layout.tokens
+    return int(mb["input_lengths"].sum())
+
+
 def _in_dtype(t: torch.Tensor, dtype: str | None) -> torch.Tensor:
     """``t`` cast to ``dtype`` (a torch dtype name) if it is floating point; None keeps it."""
     return t.to(getattr(torch, dtype)) if dtype and t.is_floating_point() else t

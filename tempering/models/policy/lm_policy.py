@@ -96,7 +96,7 @@ class Policy(PolicyInterface):
         """One optimizer step per `global_batch_size` samples of `data` (default: the
         policy's train_global_batch_size); returns global metrics (see FSDP2PolicyWorker.train).
         ``with_reference``: the workers compute ``reference_policy_logprobs`` per micro-batch
-        (DPO), instead of a `get_reference_policy_logprobs` call before this one."""
+        (DPO; GRPO with KL), instead of a `get_reference_policy_logprobs` call before this one."""
         gbs = global_batch_size or self.train_global_batch_size
         if data.size % gbs:
             raise ValueError(

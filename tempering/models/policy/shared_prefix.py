@@ -46,7 +46,6 @@ class SharedPrefixPlan:
     position_ids: torch.Tensor
     mask: torch.Tensor
     gather: torch.Tensor
-    rows: int  # B, the micro-batch's rows
     tokens: int  # real tokens in the groups (the rows had sum(input_lengths))
 
     def forward(self, model: torch.nn.Module) -> torch.Tensor:
@@ -165,6 +164,5 @@ def _layout(
         position_ids=torch.tensor(depth),
         mask=mask[:, None],
         gather=torch.tensor(gather),
-        rows=len(rows),
         tokens=sum(sizes),
     )
