@@ -83,6 +83,39 @@ def test_token_logprobs_alignment_and_values(batch):
     assert lp_big.dtype == torch.float32 and torch.isfinite(lp_big).all()
 
 
+def test_token_logprobs_gradient_is_onehot_minus_softmax(batch):
+    """The fused backward writes (onehot(next token) - softmax) x upstream grad at each scored
+    position and nothing at the last one; checked against torch's gradcheck in float64 and, in
+    bfloat16, against a float64 hand gradient (the returned grad keeps the logits' dtype)."""
+    ids = batch["input_ids"]
+    logits = batch["logits"].clone().requires_grad_()
+    assert torch.autograd.gradcheck(lambda x: token_logprobs(x, ids), (logits,))
+    weight = batch["noise"]
+    half = batch["logits"].to(torch.bfloat16).requires_grad_()
+    (token_logprobs(half, ids) * weight).sum().backward()
+    assert half.grad.dtype == torch.bfloat16
+    probs = torch.softmax(half.detach().double(), -1)
+    for b in range(B):
+        assert torch.all(half.grad[b, S - 1] == 0)  # the last position scores nothing
+        for t in range(S - 1):
+            expect = -probs[b, t] * weight[b, t + 1]
+            expect[ids[b, t + 1]] += weight[b, t + 1]
+            assert torch.allclose(half.grad[b, t].double(), expect, atol=1e-2, rtol=1e-2)
+
+
+def test_token_entropy_with_mask_computes_only_masked_entries(batch):
+    from tempering.algorithms.loss_functions import token_entropy
+
+    logits, mask = batch["logits"], batch["token_mask"]
+    ent = token_entropy(logits, mask)
+    whole = token_entropy(logits)
+    for b in range(B):
+        for t in range(1, S):
+            assert whole[b, t].item() == pytest.approx(hand_entropy(logits, b, t), abs=1e-9)
+            want = hand_entropy(logits, b, t) if mask[b, t] else 0.0
+            assert ent[b, t].item() == pytest.approx(want, abs=1e-9)
+
+
 def test_nll_loss_and_grad(batch):
     data = {k: batch[k] for k in ("input_ids", "token_mask", "sample_mask")}
     toks, seqs = counts(data)
