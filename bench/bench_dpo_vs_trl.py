@@ -1,12 +1,20 @@
-"""DPO seconds per optimizer step: tempering vs TRL's `DPOTrainer` on the same tiny workload.
+"""DPO seconds per optimizer step: tempering vs TRL's `DPOTrainer` on the same workload.
 
-    uv run --frozen python bench/bench_dpo_vs_trl.py [--model tiny-arith] [--pairs 32]
-        [--steps 30] [--warmup 5] [--threads 1] [--runs 3]
+    uv run --frozen python bench/bench_dpo_vs_trl.py [--scale tiny|smollm2] [--pairs N]
+        [--steps N] [--warmup N] [--threads N] [--runs 3]
 
-Same model folder, same synthetic arithmetic pairs (correct vs corrupted answer), same batch
-(`--pairs` pairs = 2x rows, chosen and rejected in one forward in both), same max length,
-fp32 on CPU, AdamW at the same learning rate, beta 0.1, gradient checkpointing off, reference
-log-probs computed every step in both (TRL: `precompute_ref_log_probs=False`, the default).
+Scales (each flag overrides its scale's value):
+- tiny: tiny-arith, synthetic arithmetic pairs (correct vs corrupted answer) as plain text,
+  32 pairs per step, max length 32, lr 5e-4, 1 thread, 30 steps (5 left out);
+- smollm2: SmolLM2-135M-Instruct, GSM8K pairs (worked answer vs the same answer corrupted) in
+  the model's chat template on both sides, 4 pairs per step, max length 256 (longer rows are
+  cut at the end on both sides: TRL's only `truncation_mode`, keep_start), lr 1e-6, 2 threads,
+  8 steps (2 left out).
+
+Same model folder, same pairs, same batch (`--pairs` pairs = 2x rows, chosen and rejected in
+one forward in both), same max length, fp32 on CPU, AdamW at the same learning rate, beta 0.1,
+gradient checkpointing off, reference log-probs computed every step in both (TRL:
+`precompute_ref_log_probs=False`, the default).
 
 - tempering: the real controller path, a `Policy` over one FSDP2 worker in a Ray actor
   (one train call per step: the worker computes the reference log-probs per micro-batch, and
@@ -37,9 +45,13 @@ from pathlib import Path
 from peers import ensure_bench_venv  # bench/peers.py (this folder is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
-MAX_LEN = 32
 BETA = 0.1
-LR = 5e-4
+SCALES = {
+    "tiny": dict(model="tiny-arith", pairs=32, max_len=32, lr=5e-4, threads=1, steps=30, warmup=5),
+    "smollm2": dict(
+        model="smollm2-135m-instruct", pairs=4, max_len=256, lr=1e-6, threads=2, steps=8, warmup=2
+    ),
+}
 
 TRL_SCRIPT = textwrap.dedent(
     """
@@ -54,7 +66,8 @@ TRL_SCRIPT = textwrap.dedent(
     rows = json.load(open(args["data"]))
     model = AutoModelForCausalLM.from_pretrained(args["model"], dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(args["model"])
-    tok.chat_template = None  # plain prompt + completion text, as tempering tokenizes it
+    if not args["chat"]:
+        tok.chat_template = None  # plain prompt + completion text, as tempering tokenizes it
 
     class Timer(TrainerCallback):
         def __init__(self):
@@ -76,18 +89,34 @@ TRL_SCRIPT = textwrap.dedent(
     trainer = DPOTrainer(model=model, args=cfg, train_dataset=Dataset.from_list(rows),
                          processing_class=tok, callbacks=[timer])
     trainer.train()
-    print("RESULT " + json.dumps({"step_times": timer.times}))
+    cap = lambda n: min(n, args["max_len"])  # noqa: E731 (keep_start truncation)
+    tokens = sum(
+        cap(len(r["prompt_ids"]) + len(r["chosen_ids"]))
+        + cap(len(r["prompt_ids"]) + len(r["rejected_ids"]))
+        for r in trainer.train_dataset
+    )
+    result = {"step_times": timer.times, "tokens_per_step": tokens / args["steps"]}
+    print("RESULT " + json.dumps(result))
     """
 )
 
 
-def workload(n_pairs: int) -> list:
-    from tempering.data.preference_datasets import arithmetic_preference_pairs
+def workload(scale: str, n_pairs: int) -> list:
+    from tempering.data.preference_datasets import (
+        arithmetic_preference_pairs,
+        gsm8k_preference_pairs,
+    )
 
-    return arithmetic_preference_pairs(n_pairs, seed=0).examples
+    if scale == "tiny":
+        return arithmetic_preference_pairs(n_pairs, seed=0).examples
+    pairs = gsm8k_preference_pairs("train").examples
+    if len(pairs) < n_pairs:
+        raise SystemExit(f"GSM8K has {len(pairs)} training pairs; --pairs x --steps asks {n_pairs}")
+    return pairs[:n_pairs]
 
 
-def bench_tempering(model: str, pairs: list, args: argparse.Namespace) -> list[float]:
+def bench_tempering(model: str, pairs: list, args: argparse.Namespace) -> tuple[list, float]:
+    """Seconds per step and tokens per step (chosen + rejected rows, after truncation)."""
     from tempering.algorithms.dpo import dpo_step, preference_batch
     from tempering.algorithms.loss_functions import DPOLoss
     from tempering.distributed.virtual_cluster import cluster_from_config, init_ray
@@ -102,34 +131,39 @@ def bench_tempering(model: str, pairs: list, args: argparse.Namespace) -> list[f
         model,
         train_global_batch_size=rows,
         train_micro_batch_size=rows,
-        learning_rate=LR,
+        learning_rate=args.lr,
         init_reference_model=True,
         num_threads=args.threads,
         seed=0,
     )
     tokenizer = load_tokenizer(model)
     loss_fn = DPOLoss(BETA)
-    times = []
+    times, tokens = [], 0
     try:
         for step in range(args.steps):
             t0 = time.perf_counter()
             chunk = pairs[step * args.pairs : (step + 1) * args.pairs]
-            dpo_step(policy, preference_batch(chunk, tokenizer, MAX_LEN), loss_fn)
+            batch = preference_batch(chunk, tokenizer, args.max_len)
+            dpo_step(policy, batch, loss_fn)
+            tokens += int(batch["input_lengths"].sum())
             times.append(time.perf_counter() - t0)
     finally:
         policy.shutdown()
         cluster.shutdown()
-    return times
+    return times, tokens / args.steps
 
 
-def bench_trl(model: str, pairs: list, args: argparse.Namespace) -> list[float]:
+def bench_trl(model: str, pairs: list, args: argparse.Namespace) -> tuple[list, float]:
     trl_python = ensure_bench_venv()
     with tempfile.TemporaryDirectory(prefix="bench_trl_") as tmp:
         data = Path(tmp) / "pairs.json"
         data.write_text(
             json.dumps(
                 [
-                    {
+                    # messages where the model has a chat template (TRL applies it), else text
+                    {"prompt": p.prompt, "chosen": p.chosen, "rejected": p.rejected}
+                    if args.chat
+                    else {
                         "prompt": p.prompt[0]["content"],
                         "chosen": p.chosen[0]["content"],
                         "rejected": p.rejected[0]["content"],
@@ -144,10 +178,11 @@ def bench_trl(model: str, pairs: list, args: argparse.Namespace) -> list[float]:
             "out": str(Path(tmp) / "out"),
             "pairs": args.pairs,
             "steps": args.steps,
-            "lr": LR,
+            "lr": args.lr,
             "beta": BETA,
-            "max_len": MAX_LEN,
+            "max_len": args.max_len,
             "threads": args.threads,
+            "chat": args.chat,
         }
         env = {
             **os.environ,
@@ -165,31 +200,47 @@ def bench_trl(model: str, pairs: list, args: argparse.Namespace) -> list[float]:
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
         raise SystemExit(f"TRL run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT ") :])["step_times"]
+    result = json.loads(lines[-1][len("RESULT ") :])
+    return result["step_times"], result["tokens_per_step"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="tiny-arith")
-    parser.add_argument("--pairs", type=int, default=32, help="preference pairs per step")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5, help="first steps left out")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads, both sides")
+    parser.add_argument("--scale", choices=list(SCALES), default="tiny")
+    parser.add_argument("--model", help="model name or folder (default: the scale's)")
+    parser.add_argument("--pairs", type=int, help="preference pairs per step")
+    parser.add_argument("--max-len", type=int, help="tokens per row at most")
+    parser.add_argument("--lr", type=float, help="learning rate")
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--warmup", type=int, help="first steps left out")
+    parser.add_argument("--threads", type=int, help="torch threads, both sides")
     parser.add_argument("--runs", type=int, default=3, help="runs of each side, interleaved")
     args = parser.parse_args()
+    for key, value in SCALES[args.scale].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
 
     from tempering.models.registry import resolve_model_path
 
     model = resolve_model_path(args.model)
-    pairs = workload(args.pairs * args.steps)
+    # tiny-arith's template only joins the messages and ends the answer with EOS, which TRL
+    # does for plain text; SmolLM2's is the real chat format, given to TRL as messages.
+    args.chat = args.scale == "smollm2"
+    pairs = workload(args.scale, args.pairs * args.steps)
     ours, theirs = [], []
     for run in range(args.runs):
-        ours.append(statistics.median(bench_tempering(model, pairs, args)[args.warmup :]))
-        theirs.append(statistics.median(bench_trl(model, pairs, args)[args.warmup :]))
-        print(f"run {run + 1}: tempering {ours[-1]:.4f} s/step, TRL {theirs[-1]:.4f} s/step")
+        times, our_tokens = bench_tempering(model, pairs, args)
+        ours.append(statistics.median(times[args.warmup :]))
+        times, their_tokens = bench_trl(model, pairs, args)
+        theirs.append(statistics.median(times[args.warmup :]))
+        print(
+            f"run {run + 1}: tempering {ours[-1]:.4f} s/step ({our_tokens:.0f} tokens/step),"
+            f" TRL {theirs[-1]:.4f} s/step ({their_tokens:.0f} tokens/step)"
+        )
     ratios = [t / o for o, t in zip(ours, theirs, strict=True)]
     print(
-        f"workload: {model}, {args.pairs} pairs ({2 * args.pairs} rows)/step, max_len {MAX_LEN},"
+        f"workload: {model}, {args.pairs} pairs ({2 * args.pairs} rows)/step,"
+        f" max_len {args.max_len}, chat template {'on' if args.chat else 'off'},"
         f" fp32 CPU, {args.threads} thread(s); per run the median of {args.steps - args.warmup}"
         f" steps after {args.warmup}; below the median of {args.runs} runs (min-max)"
     )
