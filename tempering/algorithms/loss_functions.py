@@ -128,8 +128,9 @@ def token_entropy(logits: Tensor, mask: Tensor | None = None) -> Tensor:
     """
     with torch.no_grad():
         work = logits[:, :-1]
-        keep = torch.ones(work.shape[:2], dtype=torch.bool, device=logits.device)
-        if mask is not None:
+        if mask is None:
+            keep = torch.ones(work.shape[:2], dtype=torch.bool, device=logits.device)
+        else:
             keep = mask[:, 1:] != 0
         logp = torch.log_softmax(_upcast(work[keep]), dim=-1)  # [N, V]: only the kept rows
         ent = torch.zeros(logits.shape[:2], dtype=logp.dtype, device=logits.device)

@@ -15,6 +15,7 @@ from tempering.algorithms.loss_functions import (
     NLLLoss,
     count_valid_pairs,
     kl_estimate,
+    token_entropy,
     token_logprobs,
 )
 
@@ -104,8 +105,6 @@ def test_token_logprobs_gradient_is_onehot_minus_softmax(batch):
 
 
 def test_token_entropy_with_mask_computes_only_masked_entries(batch):
-    from tempering.algorithms.loss_functions import token_entropy
-
     logits, mask = batch["logits"], batch["token_mask"]
     ent = token_entropy(logits, mask)
     whole = token_entropy(logits)
