@@ -10,6 +10,8 @@ log-prob ranking op on the first request), then the median of --repeats timed ca
 
     uv run --frozen python bench/bench_generation.py                  # 128 x 16, fp32
     uv run --frozen python bench/bench_generation.py --batch 32 --dtype bfloat16
+    uv run --frozen python bench/bench_generation.py --model ~/.cache/tempering/models/smollm2-135m-instruct \
+        --batch 16 --group 4 --new-tokens 128 --prompt-len 200    # the SmolLM2 GRPO step's shape
 
 A benchmark prints ratios; it never passes or fails.
 """
@@ -67,8 +69,18 @@ def build_tiny_llama(folder: Path, seed: int = 0) -> None:
     LlamaForCausalLM(config).save_pretrained(folder)
 
 
-def make_prompts(vocab: int, batch: int, max_len: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Right-padded random prompts of lengths in [max_len // 2, max_len] (no special tokens)."""
+def make_prompts(
+    vocab: int, batch: int, max_len: int, seed: int = 0, group: int = 1
+) -> dict[str, torch.Tensor]:
+    """Right-padded random prompts of lengths in [max_len // 2, max_len] (no special tokens),
+    each repeated ``group`` times in a row (a GRPO group; ``batch`` counts the rows)."""
+    if batch % group:
+        raise SystemExit(f"--batch {batch} is not a multiple of --group {group}")
+    data = _random_prompts(vocab, batch // group, max_len, seed)
+    return {k: v.repeat_interleave(group, dim=0) for k, v in data.items()}
+
+
+def _random_prompts(vocab: int, batch: int, max_len: int, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(max(1, max_len // 2), max_len + 1, (batch,), generator=gen)
     input_ids = torch.full((batch, max_len), 2, dtype=torch.long)
@@ -112,14 +124,18 @@ def run_engine(args: argparse.Namespace) -> dict[str, float]:
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from tempering.models.generation.torch_engine import TorchGenerationEngine
+        from tempering.models.generation.torch_engine import (
+            TorchGenerationEngine,
+            optimize_for_cpu_inference,
+        )
 
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
-        engine = TorchGenerationEngine(model.eval(), tokenizer, **sampling)
+        optimize_for_cpu_inference(model.eval())  # as the generation workers do
+        engine = TorchGenerationEngine(model, tokenizer, **sampling)
         vocab = len(tokenizer)
     startup_s = time.perf_counter() - start
-    data = BatchedDataDict(make_prompts(vocab, args.batch, args.prompt_len))
+    data = BatchedDataDict(make_prompts(vocab, args.batch, args.prompt_len, group=args.group))
     result = time_engine(engine, data, args.repeats)
     result["startup_s"] = startup_s
     if args.engine == "vllm":
@@ -138,6 +154,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=32, help="longest prompt (tokens)")
+    parser.add_argument("--group", type=int, default=1, help="rows per distinct prompt (GRPO)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--model", help="HF model folder (default: a tiny random Llama)")
@@ -155,7 +172,7 @@ def main() -> None:
         common = [
             "--model", args.model, "--batch", str(args.batch), "--new-tokens",
             str(args.new_tokens), "--prompt-len", str(args.prompt_len), "--dtype", args.dtype,
-            "--repeats", str(args.repeats),
+            "--repeats", str(args.repeats), "--group", str(args.group),
         ]  # fmt: skip
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "2"}
         env.pop("VIRTUAL_ENV", None)
@@ -173,7 +190,8 @@ def main() -> None:
             results[engine] = json.loads(lines[-1].removeprefix("RESULT "))
 
     print(
-        f"generation, {args.batch} prompts (<= {args.prompt_len} tokens) x {args.new_tokens} "
+        f"generation, {args.batch} prompts (<= {args.prompt_len} tokens, {args.group} rows per "
+        f"distinct prompt) x {args.new_tokens} "
         f"new tokens, {args.dtype}, CPU threads 2"
     )
     for engine, r in results.items():

@@ -14,7 +14,10 @@ are warm-up and not counted):
   prompts x 4 completions in the chat template, up to 128 new tokens, temperature 0.7, KL
   0.01 against a reference model, lr 1e-6.
 
-Sampled lengths differ between the sides, so the speed-up is reported per generated token
+Both sides see the same prompts in the same order: tempering's data loader draws each step's
+prompts and TRL is given that sequence unshuffled (``shuffle_dataset=False``), so step k of
+either side samples completions for the same 4 (or 16) problems. Sampled lengths still differ
+(different random streams), so the speed-up is reported per generated token
 (generated tokens per second, TRL's from its ``completions/mean_length`` log) as well as per
 step. Each side runs ``--runs`` times, interleaved (these machines are noisy): the figures are
 the median of the per-run medians with their spread (min-max).
@@ -73,6 +76,7 @@ cfg = GRPOConfig(
     beta=args["beta"], max_steps=args["steps"], logging_steps=1, report_to=[], use_cpu=True, bf16=False,
     gradient_checkpointing=False, use_vllm=False, save_strategy="no", seed=0,
     steps_per_generation=1, num_iterations=1, dataloader_num_workers=0,
+    shuffle_dataset=False,  # the problems arrive in tempering's order, one step's worth each
 )
 clock = Clock()
 trainer = GRPOTrainer(model=model, reward_funcs=exact, args=cfg, train_dataset=ds,
@@ -153,16 +157,21 @@ def run_tempering(scale: str, steps: int) -> tuple[dict, str, list]:
     run = grpo.setup(cfg, resolved)
     loss_fn = grpo.make_loss(cfg)
     out: dict = {"step_s": [], "gen_tokens": []}
+    problems: list = []  # every step's problems, in the order tempering's loader drew them
+    next_batch = run.dataloader.next_batch
+
+    def recording_next_batch():
+        batch = next_batch()
+        problems.extend((p.prompt, p.answer, p.system) for p in batch)
+        return batch
+
+    run.dataloader.next_batch = recording_next_batch
     try:
         for _ in range(steps):
             t0 = time.perf_counter()
             m = grpo.grpo_step(run, loss_fn)
             out["step_s"].append(time.perf_counter() - t0)
             out["gen_tokens"].append(m["train/gen_length_mean"] * n)
-        problems = [
-            (p.prompt, p.answer, p.system)
-            for p in run.train_problems[: cfg.grpo.num_prompts_per_step * steps * 4]
-        ]
     finally:
         run.close()
     return out, str(resolve_model_path(cfg.policy.model_name)), problems

@@ -131,14 +131,16 @@ def resolve_model(model: str, scratch: Path) -> tuple[str, dict[str, Any] | None
 
 def _backend(model_path: str, backend: str, sampling: Any) -> tuple[Any, Any]:
     """(generation backend, a close function) on the torch engine here or a vLLM worker."""
-    from tempering.models.generation.torch_engine import TorchGenerationEngine
+    from tempering.models.generation.torch_engine import (
+        TorchGenerationEngine,
+        optimize_for_cpu_inference,
+    )
     from tempering.models.hf import load_causal_lm, load_tokenizer
 
     if backend == "torch":
-        engine = TorchGenerationEngine(
-            load_causal_lm(model_path), load_tokenizer(model_path), sampling
-        )
-        return engine, lambda: None
+        model = load_causal_lm(model_path)
+        optimize_for_cpu_inference(model)  # as GRPO's generation workers do
+        return TorchGenerationEngine(model, load_tokenizer(model_path), sampling), lambda: None
     if backend != "vllm":
         raise ValueError(f"--backend {backend!r}: use torch or vllm")
     from tempering.distributed.virtual_cluster import cluster_from_config, init_ray

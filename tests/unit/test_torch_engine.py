@@ -248,3 +248,105 @@ def test_invalid_sampling_config_names_every_problem():
         SamplingConfig(temperature=0, top_p=1.5, max_new_tokens=0)
     assert "temperature=0" in str(e.value) and "top_p=1.5" in str(e.value)
     assert "max_new_tokens=0" in str(e.value)
+
+
+def test_cpu_inference_set_up_computes_the_same_function(tokenizer, batch):
+    """optimize_for_cpu_inference (oneDNN-packed linears, grouped attention with a padding
+    mask) changes how the model computes, not what: greedy tokens equal and log-probs within
+    1e-5 of the untouched model on padded prompts (the mask path), also after new weights
+    arrive in place (a refit: a stale packed copy would keep the old model's answers), and a
+    forward with autograd still trains through plain F.linear."""
+    import copy
+
+    from tempering.models.generation.torch_engine import (
+        CPU_SDPA,
+        PackedLinear,
+        optimize_for_cpu_inference,
+    )
+
+    plain, other = _random_llama(tokenizer, 3), _random_llama(tokenizer, 4)
+    fast = copy.deepcopy(plain)
+    done = optimize_for_cpu_inference(fast)
+    n_linear = sum(isinstance(m, torch.nn.Linear) for m in plain.modules())
+    assert done == {"packed_linear_layers": n_linear, "cpu_sdpa": 1}
+    assert isinstance(fast.model.layers[0].self_attn.q_proj, PackedLinear)
+    assert fast.config._attn_implementation == CPU_SDPA
+    assert plain.config.num_key_value_heads < plain.config.num_attention_heads  # grouped
+
+    def both(model_a, model_b):
+        args = {"max_new_tokens": 8}
+        a = TorchGenerationEngine(model_a, tokenizer, **args).generate(batch, greedy=True)
+        b = TorchGenerationEngine(model_b, tokenizer, **args).generate(batch, greedy=True)
+        assert torch.equal(a["output_ids"], b["output_ids"])
+        torch.testing.assert_close(a["logprobs"], b["logprobs"], atol=1e-5, rtol=0)
+        return a
+
+    before = both(fast, plain)
+    TorchGenerationEngine(fast, tokenizer).update_weights(other.state_dict())
+    after = both(fast, other)
+    assert not torch.equal(before["output_ids"], after["output_ids"])  # the refit took
+
+    ids = batch["input_ids"]
+    fast.train()
+    other.train()
+    loss_fast = fast(ids, attention_mask=(ids != tokenizer.pad_token_id).long()).logits.sum()
+    loss_plain = other(ids, attention_mask=(ids != tokenizer.pad_token_id).long()).logits.sum()
+    loss_fast.backward()
+    loss_plain.backward()
+    q_fast, q_plain = fast.model.layers[0].self_attn.q_proj, other.model.layers[0].self_attn.q_proj
+    torch.testing.assert_close(q_fast.weight.grad, q_plain.weight.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_rows_sharing_a_prompt_are_prefilled_once(model, tokenizer):
+    """A GRPO group's rows share their prompt: the prefill runs once per distinct prompt and
+    its cache is copied to each row. Greedy rows of a group equal the prompt generated alone,
+    sampled rows differ from each other, and every sampled log-prob equals a teacher-forced
+    forward over the finished sequence."""
+    prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[3], PROMPTS[3]]
+    enc = tokenizer(prompts, add_special_tokens=False, padding=True, return_tensors="pt")
+    grouped = {"input_ids": enc["input_ids"], "input_lengths": enc["attention_mask"].sum(1)}
+    sizes: list[int] = []
+    hook = model.register_forward_pre_hook(
+        lambda _m, _a, kw: sizes.append(kw["input_ids"].shape[0]), with_kwargs=True
+    )
+    try:
+        greedy = TorchGenerationEngine(model, tokenizer, max_new_tokens=8).generate(grouped, True)
+    finally:
+        hook.remove()
+    assert sizes[0] == 3  # three distinct prompts prefilled, six rows decoded
+    assert sizes[1] == len(prompts)
+    for b, prompt in enumerate(prompts):
+        alone = tokenizer([prompt], add_special_tokens=False, return_tensors="pt")["input_ids"]
+        one = {"input_ids": alone, "input_lengths": torch.tensor([alone.shape[1]])}
+        ref = TorchGenerationEngine(model, tokenizer, max_new_tokens=8).generate(one, True)
+        assert _generated(greedy, grouped, b) == _generated(ref, one, 0), f"row {b}"
+
+    temperature = 1.0
+    out = TorchGenerationEngine(
+        model, tokenizer, temperature=temperature, max_new_tokens=10, seed=5
+    ).generate(grouped)
+    assert _generated(out, grouped, 0) != _generated(out, grouped, 1) or _generated(
+        out, grouped, 0
+    ) != _generated(out, grouped, 3)
+    ids, seq_lens = out["output_ids"], out["unpadded_sequence_lengths"]
+    cols = torch.arange(ids.shape[1])
+    with torch.no_grad():
+        logits = model(ids, attention_mask=(cols < seq_lens[:, None]).long()).logits
+    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    ref = torch.nn.functional.pad(logp.gather(-1, ids[:, 1:, None]).squeeze(-1), (1, 0))
+    gen_mask = (cols >= grouped["input_lengths"][:, None]) & (cols < seq_lens[:, None])
+    torch.testing.assert_close(out["logprobs"][gen_mask], ref[gen_mask], atol=1e-4, rtol=0)
+
+
+def test_inverse_cdf_sampling_follows_the_distribution():
+    """One uniform draw per row, inverted through the row's cumulative distribution: token
+    frequencies over 40,000 draws match the probabilities (within 0.01), and a token of
+    probability 0 -- first, inside or last -- is never drawn."""
+    from tempering.models.generation.torch_engine import _inverse_cdf_sample
+
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0])
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.cat([_inverse_cdf_sample(probs.expand(4000, -1), generator) for _ in range(10)])
+    freq = torch.bincount(draws, minlength=len(probs)).float() / len(draws)
+    assert freq[probs == 0].sum() == 0
+    torch.testing.assert_close(freq, probs, atol=0.01, rtol=0)

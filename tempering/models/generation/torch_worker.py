@@ -14,7 +14,10 @@ from typing import Any
 import torch
 
 from tempering.models.generation.interfaces import SamplingConfig
-from tempering.models.generation.torch_engine import TorchGenerationEngine
+from tempering.models.generation.torch_engine import (
+    TorchGenerationEngine,
+    optimize_for_cpu_inference,
+)
 from tempering.utils import faults
 
 
@@ -27,6 +30,7 @@ class TorchGenerationWorker:
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model = load_causal_lm(model_path).eval()
+        optimize_for_cpu_inference(self.model)  # this copy only generates
         self.tokenizer = load_tokenizer(model_path)
         self.sampling = SamplingConfig(**sampling)
         self.engine = TorchGenerationEngine(self.model, self.tokenizer, self.sampling)

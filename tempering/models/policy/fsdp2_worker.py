@@ -928,7 +928,10 @@ class FSDP2PolicyWorker:
         copies the trained weights into the copy in place, so no tensor leaves this process.
         """
         from tempering.models.generation.interfaces import SamplingConfig
-        from tempering.models.generation.torch_engine import TorchGenerationEngine
+        from tempering.models.generation.torch_engine import (
+            TorchGenerationEngine,
+            optimize_for_cpu_inference,
+        )
         from tempering.models.hf import load_causal_lm, load_tokenizer
 
         self._require_head("causal_lm", "init_colocated_generation")
@@ -936,6 +939,7 @@ class FSDP2PolicyWorker:
         if args.get("seed") is None:  # distinct, reproducible streams per rank
             args["seed"] = int(torch.initial_seed()) + 1000 * self.rank
         model = load_causal_lm(self.model_path).to(self.device).eval()
+        optimize_for_cpu_inference(model)  # this copy only generates
         tokenizer = load_tokenizer(self.model_path)
         self._gen_engine = TorchGenerationEngine(model, tokenizer, SamplingConfig(**args))
         self.refit_colocated_generation()
