@@ -130,13 +130,14 @@ def run_trl(cfg, model: str, problems: list, steps: int) -> dict:
     return json.loads(line[0][7:])
 
 
-def load(scale: str):
+def load(scale: str, overrides: tuple[str, ...] = ()):
     from tempering.config import GRPOMasterConfig, load_config
 
     return load_config(
         REPO / "examples/configs" / SCALES[scale]["config"],
         [
             *SCALES[scale]["overrides"],
+            *overrides,
             "policy.num_threads=2",
             "grpo.val_period=0",
             "grpo.val_at_start=false",
@@ -148,11 +149,15 @@ def load(scale: str):
     )
 
 
-def run_tempering(scale: str, steps: int) -> tuple[dict, str, list]:
+def run_tempering(
+    scale: str, steps: int, overrides: tuple[str, ...] = ()
+) -> tuple[dict, str, list]:
+    """``steps`` GRPO steps of the scale's workload: seconds and generated tokens per step,
+    plus each phase's seconds (``timing/*``), the model folder and the problems drawn."""
     from tempering.algorithms import grpo
     from tempering.models.registry import resolve_model_path
 
-    cfg, resolved = load(scale)
+    cfg, resolved = load(scale, overrides)
     n = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
     run = grpo.setup(cfg, resolved)
     loss_fn = grpo.make_loss(cfg)
@@ -172,6 +177,9 @@ def run_tempering(scale: str, steps: int) -> tuple[dict, str, list]:
             m = grpo.grpo_step(run, loss_fn)
             out["step_s"].append(time.perf_counter() - t0)
             out["gen_tokens"].append(m["train/gen_length_mean"] * n)
+            for k, v in m.items():
+                if k.startswith("timing/"):
+                    out.setdefault(k, []).append(v)
     finally:
         run.close()
     return out, str(resolve_model_path(cfg.policy.model_name)), problems

@@ -102,12 +102,9 @@ def test_greedy_matches_hf_generate_token_for_token(model, tokenizer, batch):
     assert (out["logprobs"] <= 0).all()
 
 
-def test_sampled_logprobs_match_teacher_forced_forward(model, tokenizer, batch):
-    temperature = 0.7
-    engine = TorchGenerationEngine(
-        model, tokenizer, temperature=temperature, top_k=20, top_p=0.9, max_new_tokens=10, seed=3
-    )
-    out = engine.generate(batch)
+def _check_teacher_forced(model, out, batch, temperature: float):
+    """Assert the engine's log-probs equal a teacher-forced forward over its output (1e-4);
+    returns that forward's logits and the mask of generated positions."""
     ids, seq_lens = out["output_ids"], out["unpadded_sequence_lengths"]
     cols = torch.arange(ids.shape[1])
     with torch.no_grad():
@@ -116,9 +113,20 @@ def test_sampled_logprobs_match_teacher_forced_forward(model, tokenizer, batch):
     logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
     ref = torch.nn.functional.pad(logp.gather(-1, ids[:, 1:, None]).squeeze(-1), (1, 0))
     gen_mask = (cols >= batch["input_lengths"][:, None]) & (cols < seq_lens[:, None])
-    assert int(gen_mask.sum()) == int(out["generation_lengths"].sum()) > 0
     torch.testing.assert_close(out["logprobs"][gen_mask], ref[gen_mask], atol=1e-4, rtol=0)
+    return logits, gen_mask
+
+
+def test_sampled_logprobs_match_teacher_forced_forward(model, tokenizer, batch):
+    temperature = 0.7
+    engine = TorchGenerationEngine(
+        model, tokenizer, temperature=temperature, top_k=20, top_p=0.9, max_new_tokens=10, seed=3
+    )
+    out = engine.generate(batch)
+    logits, gen_mask = _check_teacher_forced(model, out, batch, temperature)
+    assert int(gen_mask.sum()) == int(out["generation_lengths"].sum()) > 0
     assert (out["logprobs"][~gen_mask] == 0).all()
+    ids = out["output_ids"]
     # Sampling really happened (not argmax everywhere): some token is not the argmax.
     greedy_tokens = logits[:, :-1].argmax(-1)
     assert (greedy_tokens[gen_mask[:, 1:]] != ids[:, 1:][gen_mask[:, 1:]]).any()
@@ -328,14 +336,7 @@ def test_rows_sharing_a_prompt_are_prefilled_once(model, tokenizer):
     assert _generated(out, grouped, 0) != _generated(out, grouped, 1) or _generated(
         out, grouped, 0
     ) != _generated(out, grouped, 3)
-    ids, seq_lens = out["output_ids"], out["unpadded_sequence_lengths"]
-    cols = torch.arange(ids.shape[1])
-    with torch.no_grad():
-        logits = model(ids, attention_mask=(cols < seq_lens[:, None]).long()).logits
-    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-    ref = torch.nn.functional.pad(logp.gather(-1, ids[:, 1:, None]).squeeze(-1), (1, 0))
-    gen_mask = (cols >= grouped["input_lengths"][:, None]) & (cols < seq_lens[:, None])
-    torch.testing.assert_close(out["logprobs"][gen_mask], ref[gen_mask], atol=1e-4, rtol=0)
+    _check_teacher_forced(model, out, grouped, temperature)
 
 
 def test_inverse_cdf_sampling_follows_the_distribution():
