@@ -18,8 +18,9 @@ gradient checkpointing off, reference log-probs computed every step in both (TRL
 
 - tempering: the real controller path, a `Policy` over one FSDP2 worker in a Ray actor
   (one train call per step: the worker computes the reference log-probs per micro-batch, and
-  a pair's shared prompt runs once (`policy.shared_prefix`, on by default); the controller
-  tokenizes each step's pairs inside the timed step);
+  a pair's shared prompt runs once (`policy.shared_prefix`, on by default); the pairs come
+  from DPO's own data loader, which tokenizes the next step's pairs in a background thread
+  while the worker trains, and taking the batch from it is inside the timed step);
 - TRL 1.16: run with ``venvs/bench/bin/python`` in a subprocess (TRL is not a
   dependency of tempering), ``use_cpu=True, bf16=False``; seconds per step measured by a
   `TrainerCallback` between `on_step_begin` and `on_step_end`.
@@ -119,6 +120,7 @@ def bench_tempering(model: str, pairs: list, args: argparse.Namespace) -> tuple[
     """Seconds per step and tokens per step (chosen + rejected rows, after truncation)."""
     from tempering.algorithms.dpo import dpo_step, preference_batch
     from tempering.algorithms.loss_functions import DPOLoss
+    from tempering.data.dataloader import StatefulDataLoader
     from tempering.distributed.virtual_cluster import cluster_from_config, init_ray
     from tempering.models.hf import load_tokenizer
     from tempering.models.policy.lm_policy import build_policy
@@ -137,13 +139,19 @@ def bench_tempering(model: str, pairs: list, args: argparse.Namespace) -> tuple[
         seed=0,
     )
     tokenizer = load_tokenizer(model)
+    loader = StatefulDataLoader(  # as dpo.setup builds it, in the pairs' order
+        pairs,
+        args.pairs,
+        shuffle=False,
+        collate_fn=lambda chunk: preference_batch(chunk, tokenizer, args.max_len),
+        prefetch=True,
+    )
     loss_fn = DPOLoss(BETA)
     times, tokens = [], 0
     try:
-        for step in range(args.steps):
+        for _ in range(args.steps):
             t0 = time.perf_counter()
-            chunk = pairs[step * args.pairs : (step + 1) * args.pairs]
-            batch = preference_batch(chunk, tokenizer, args.max_len)
+            batch = loader.next_batch()
             dpo_step(policy, batch, loss_fn)
             tokens += int(batch["input_lengths"].sum())
             times.append(time.perf_counter() - t0)

@@ -36,6 +36,7 @@ the count is logged as `data/num_skipped`).
 
 from __future__ import annotations
 
+import copy
 import logging
 import tempfile
 import time
@@ -196,11 +197,13 @@ def setup(cfg: DPOMasterConfig, resolved: dict[str, Any]) -> DPORun:
     tokenizer = common.load_run_tokenizer(pol)
     data = load_preference_data(cfg.data)
     max_len = pol.max_total_sequence_length
+    loader_tokenizer = copy.deepcopy(tokenizer)  # the prefetch thread's own
     dataloader = StatefulDataLoader(
         data.train,
         pol.train_global_batch_size // 2,  # pairs; the policy counts rows
         seed=cfg.dpo.seed,
-        collate_fn=lambda pairs: preference_batch(pairs, tokenizer, max_len),
+        collate_fn=lambda pairs: preference_batch(pairs, loader_tokenizer, max_len),
+        prefetch=True,  # tokenize the next batch while the workers train
     )
     common.start_ray(cfg.cluster)  # the inputs are good: now the workers
     cluster = common.build_cluster(plan.policy, cfg.cluster, "dpo")

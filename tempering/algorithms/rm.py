@@ -18,6 +18,7 @@ the default arithmetic pairs are SYNTHETIC (correct answer vs corrupted number).
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from dataclasses import dataclass
@@ -92,11 +93,13 @@ def setup(cfg: RMMasterConfig, resolved: dict[str, Any]) -> RMRun:
     tokenizer = common.load_run_tokenizer(pol)
     data = load_preference_data(cfg.data)
     max_len = pol.max_total_sequence_length
+    loader_tokenizer = copy.deepcopy(tokenizer)  # the prefetch thread's own
     dataloader = StatefulDataLoader(
         data.train,
         pol.train_global_batch_size // 2,
         seed=cfg.rm.seed,
-        collate_fn=lambda pairs: preference_batch(pairs, tokenizer, max_len),
+        collate_fn=lambda pairs: preference_batch(pairs, loader_tokenizer, max_len),
+        prefetch=True,  # tokenize the next batch while the workers train
     )
     common.start_ray(cfg.cluster)  # the inputs are good: now the workers
     cluster = common.build_cluster(plan.policy, cfg.cluster, "rm")

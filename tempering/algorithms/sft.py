@@ -129,6 +129,7 @@ def setup(cfg: SFTMasterConfig, resolved: dict[str, Any]) -> SFTRun:
         cfg.policy.train_global_batch_size,
         seed=cfg.sft.seed,
         collate_fn=lambda ex: collate_sft(ex, pad),
+        prefetch=True,  # tokenize the next batch while the workers train
     )
     common.start_ray(cfg.cluster)  # the inputs are good: now the workers
     cluster = common.build_cluster(plan.policy, cfg.cluster, "sft")

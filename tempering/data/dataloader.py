@@ -12,6 +12,7 @@ was consumed resumes with the following batch.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ class StatefulDataLoader:
         shuffle: bool = True,
         drop_last: bool = True,
         collate_fn: Callable[[list[Any]], Any] = list,
+        prefetch: bool = False,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
@@ -47,6 +49,8 @@ class StatefulDataLoader:
         self.epoch = 0
         self.position = 0
         self._order = self._epoch_order(0)
+        self._executor = ThreadPoolExecutor(1, "prefetch") if prefetch else None
+        self._prefetched: tuple[tuple[int, int], Future] | None = None  # ((epoch, start), batch)
 
     def _epoch_order(self, epoch: int) -> list[int]:
         if not self.shuffle:
@@ -69,9 +73,27 @@ class StatefulDataLoader:
             self.epoch += 1
             self.position = 0
             self._order = self._epoch_order(self.epoch)
+        key = (self.epoch, self.position)
         indices = self._order[self.position : self.position + self.batch_size]
         self.position += len(indices)
-        return self.collate_fn([self.dataset[i] for i in indices])
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is not None and prefetched[0] == key:
+            batch = prefetched[1].result()  # re-raises what collate_fn raised on it
+        else:
+            _settle(prefetched)  # collate_fn never runs twice at once
+            batch = self.collate_fn([self.dataset[i] for i in indices])
+        if self._executor is not None:
+            self._prefetch_following()
+        return batch
+
+    def _prefetch_following(self) -> None:
+        """Start collating the batch that the current state says comes next."""
+        epoch, start, order = self.epoch, self.position, self._order
+        if self._epoch_done():
+            epoch, start, order = epoch + 1, 0, self._epoch_order(epoch + 1)
+        examples = [self.dataset[i] for i in order[start : start + self.batch_size]]
+        assert self._executor is not None
+        self._prefetched = ((epoch, start), self._executor.submit(self.collate_fn, examples))
 
     def __iter__(self) -> Iterator[Any]:
         """The rest of the current epoch (a whole epoch when called at an epoch boundary)."""
@@ -94,3 +116,12 @@ class StatefulDataLoader:
             )
         self.epoch, self.position, self.seed = state["epoch"], state["position"], state["seed"]
         self._order = self._epoch_order(self.epoch)
+        _settle(self._prefetched)  # collated for the old position (or seed): dropped
+        self._prefetched = None
+
+
+def _settle(prefetched: tuple[tuple[int, int], Future] | None) -> None:
+    """Wait for (or cancel) a prefetch that will not be used; its error, if any, is dropped
+    with it (the batch is collated again, and raises again, when it is asked for)."""
+    if prefetched is not None and not prefetched[1].cancel():
+        prefetched[1].exception()

@@ -152,15 +152,17 @@ def test_collate_sft_right_pads_and_masks(tokenizer):
     assert batch.size == 3
 
 
-def test_loader_resumes_exactly_across_epochs():
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_loader_resumes_exactly_across_epochs(prefetch):
     data = list(range(10))
     reference = StatefulDataLoader(data, batch_size=3, seed=7)
     expected = [reference.next_batch() for _ in range(8)]  # crosses two epoch boundaries
 
-    first = StatefulDataLoader(data, batch_size=3, seed=7)
+    first = StatefulDataLoader(data, batch_size=3, seed=7, prefetch=prefetch)
     got = [first.next_batch() for _ in range(4)]
     state = first.state_dict()
-    resumed = StatefulDataLoader(data, batch_size=3, seed=0)  # seed comes from the state
+    resumed = StatefulDataLoader(data, batch_size=3, seed=0, prefetch=prefetch)  # seed: state's
+    resumed.next_batch()  # a batch (and a prefetch) for the seed-0 order, then the state wins
     resumed.load_state_dict(state)
     got += [resumed.next_batch() for _ in range(4)]
     assert got == expected
@@ -176,6 +178,35 @@ def test_loader_epochs_cover_data_once_and_reshuffle():
     assert len(loader) == 3
     ordered = StatefulDataLoader(list(range(5)), 2, shuffle=False, drop_last=False)
     assert list(ordered) == [[0, 1], [2, 3], [4]]
+
+
+def test_loader_prefetches_the_next_batch_in_the_background():
+    """With prefetch, every batch after the first is collated off the caller's thread before
+    it is asked for, never two at once, and a collate error surfaces with its own batch."""
+    import threading
+
+    calls: list[tuple[list[int], bool]] = []
+    running = threading.Lock()
+
+    def collate(batch: list[int]) -> list[int]:
+        assert running.acquire(blocking=False), "collate_fn ran twice at once"
+        try:
+            calls.append((batch, threading.current_thread() is threading.main_thread()))
+            if 99 in batch:
+                raise ValueError("row 99 is malformed")
+            return batch
+        finally:
+            running.release()
+
+    data = list(range(9)) + [99, 10, 11]
+    loader = StatefulDataLoader(data, 3, shuffle=False, collate_fn=collate, prefetch=True)
+    assert loader.next_batch() == [0, 1, 2]
+    assert loader.next_batch() == [3, 4, 5]
+    assert loader.next_batch() == [6, 7, 8]
+    with pytest.raises(ValueError, match="row 99"):
+        loader.next_batch()
+    assert [on_main for _, on_main in calls[:4]] == [True, False, False, False]
+    assert [b for b, _ in calls[:4]] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [99, 10, 11]]
 
 
 def test_loader_collates_and_rejects_bad_state(tokenizer):
