@@ -457,7 +457,7 @@ def optimize_for_cpu_inference(model: torch.nn.Module) -> dict[str, int]:
 
 
 def pack_linear_layers(model: torch.nn.Module) -> int:
-    """Replace ``model``'s CPU fp32/bf16 `nn.Linear` layers by `PackedLinear`; returns how
+    """Replace ``model``'s CPU fp32 `nn.Linear` layers by `PackedLinear`; returns how
     many. Where oneDNN is missing (or the model is on a GPU) nothing changes, and a CPU model
     left unpacked is logged."""
     linears = [
@@ -465,7 +465,7 @@ def pack_linear_layers(model: torch.nn.Module) -> int:
         for name, m in model.named_modules()
         if type(m) is torch.nn.Linear
         and m.weight.device.type == "cpu"
-        and m.weight.dtype in (torch.float32, torch.bfloat16)
+        and m.weight.dtype == torch.float32  # bf16 needs CPU support oneDNN may emulate
     ]
     if not linears:
         return 0
@@ -523,5 +523,9 @@ def use_cpu_sdpa(model: Any) -> bool:
 
     AttentionInterface.register(CPU_SDPA, _cpu_sdpa_attention)
     AttentionMaskInterface.register(CPU_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    model.set_attn_implementation(CPU_SDPA)
-    return True
+    try:
+        model.set_attn_implementation(CPU_SDPA)
+    except (ValueError, NotImplementedError) as exc:  # a model that fixes its attention
+        logger.warning("torch engine: %s keeps HF's sdpa attention (%s)", type(model).__name__, exc)
+        return False
+    return getattr(model.config, "_attn_implementation", None) == CPU_SDPA
