@@ -469,10 +469,14 @@ def pack_linear_layers(model: torch.nn.Module) -> int:
     ]
     if not linears:
         return 0
-    if not torch.backends.mkldnn.is_available():
+    ops = ("_reorder_linear_weight", "_linear_pointwise")  # what torch's inductor uses on CPU
+    if not torch.backends.mkldnn.is_available() or not all(
+        hasattr(torch.ops.mkldnn, op) for op in ops
+    ):
         logger.warning(
-            "torch engine: this torch build has no oneDNN (mkldnn); %d linear layers stay on "
+            "torch engine: this torch build lacks oneDNN's %s; %d linear layers stay on "
             "F.linear (slower decoding on CPU)",
+            " / ".join(ops),
             len(linears),
         )
         return 0
