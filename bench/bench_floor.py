@@ -11,12 +11,14 @@ For each algorithm (SFT, DPO, GRPO) and scale (tiny-arith; SmolLM2-135M), in one
       GRPO `grpo.grpo_step` of the example config: rollouts, rewards, reference log-probs,
       train, refit).
 
-It prints, as medians of --repeats timed steps after one warm-up (with min-max), the floor's
-and tempering's seconds per step, the overhead (tempering / floor) and the training phase's
+It prints, as medians of --repeats timed steps after --warmup untimed ones (with min-max),
+the floor's and tempering's seconds per step, the overhead (tempering / floor) and the training phase's
 model FLOP utilisation (6 x matmul parameters x trained tokens / train seconds / matmul rate).
 GRPO's sampled lengths differ between the two sides, so its floor is scaled to tempering's
 token counts (floor seconds per generated token x tempering's generated tokens, and the same
-for trained tokens).
+for trained tokens). For SFT and DPO the floor's steps are timed half before and half after
+tempering's (the floor's model stays loaded), so a drift of this machine's speed during the
+run (±15% within minutes here) weighs on both sides alike.
 
     uv run --frozen python bench/bench_floor.py                        # tiny, all three
     uv run --frozen python bench/bench_floor.py --scale smollm2 --algos sft dpo grpo
@@ -27,6 +29,7 @@ A benchmark prints figures; it never passes or fails.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -62,8 +65,9 @@ SCALES = {  # per scale: model, SFT rows x max length, DPO pairs, GRPO config an
 }
 
 
-def timed(fn: Callable[[], object], repeats: int) -> list[float]:
-    fn()  # warm-up
+def timed(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
+    for _ in range(warmup):
+        fn()
     out = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -157,23 +161,25 @@ def masked_sum(logp: torch.Tensor, batch) -> torch.Tensor:
     return (logp * batch["token_mask"][:, 1:]).sum(-1)
 
 
-def floor_sft(path: str, batches: list, lr: float, repeats: int) -> dict:
+def floor_sft(path: str, batches: list, lr: float):
+    """The floor's SFT step (a closure over its own model and batches) and its parameters."""
     model, opt = floor_model(path, lr)
-    it = iter(batches * 2)
+    it = itertools.cycle(batches)
 
     def step() -> None:
         b = next(it)
         logp = token_logprobs(model, b["input_ids"], b["input_lengths"])
         floor_update(model, opt, -masked_sum(logp, b).sum() / b["token_mask"][:, 1:].sum())
 
-    return {"step": timed(step, repeats), "train": None, "params": matmul_params(model)}
+    return step, matmul_params(model)
 
 
-def floor_dpo(path: str, batches: list, lr: float, repeats: int, beta: float = 0.1) -> dict:
+def floor_dpo(path: str, batches: list, lr: float, beta: float = 0.1):
+    """The floor's DPO step (policy and frozen reference) and its parameters."""
     model, opt = floor_model(path, lr)
     reference, _ = floor_model(path, lr)
     reference.requires_grad_(False)
-    it = iter(batches * 2)
+    it = itertools.cycle(batches)
 
     def step() -> None:
         b = next(it)
@@ -183,7 +189,7 @@ def floor_dpo(path: str, batches: list, lr: float, repeats: int, beta: float = 0
         margin = (pol - ref).view(-1, 2)
         floor_update(model, opt, -F.logsigmoid(beta * (margin[:, 0] - margin[:, 1])).mean())
 
-    return {"step": timed(step, repeats), "train": None, "params": matmul_params(model)}
+    return step, matmul_params(model)
 
 
 def tempering_policy(path: str, rows: int, lr: float, reference: bool):
@@ -204,26 +210,26 @@ def tempering_policy(path: str, rows: int, lr: float, reference: bool):
     return cluster, policy
 
 
-def ours_sft(path: str, batches: list, lr: float, repeats: int) -> dict:
+def ours_sft(path: str, batches: list, lr: float, repeats: int, warmup: int) -> list[float]:
     from tempering.algorithms.loss_functions import NLLLoss
 
     cluster, policy = tempering_policy(path, batches[0].size, lr, reference=False)
-    it = iter(batches * 2)
+    it = itertools.cycle(batches)
     try:
-        return {"step": timed(lambda: policy.train(next(it), NLLLoss()), repeats)}
+        return timed(lambda: policy.train(next(it), NLLLoss()), repeats, warmup)
     finally:
         policy.shutdown()
         cluster.shutdown()
 
 
-def ours_dpo(path: str, batches: list, lr: float, repeats: int) -> dict:
+def ours_dpo(path: str, batches: list, lr: float, repeats: int, warmup: int) -> list[float]:
     from tempering.algorithms.dpo import dpo_step
     from tempering.algorithms.loss_functions import DPOLoss
 
     cluster, policy = tempering_policy(path, batches[0].size, lr, reference=True)
-    it = iter(batches * 2)
+    it = itertools.cycle(batches)
     try:
-        return {"step": timed(lambda: dpo_step(policy, next(it), DPOLoss(0.1)), repeats)}
+        return timed(lambda: dpo_step(policy, next(it), DPOLoss(0.1)), repeats, warmup)
     finally:
         policy.shutdown()
         cluster.shutdown()
@@ -353,6 +359,7 @@ def main() -> None:
     parser.add_argument("--scale", choices=list(SCALES), nargs="+", default=["tiny"])
     parser.add_argument("--algos", nargs="+", default=["sft", "dpo", "grpo"])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (SFT, DPO)")
     args = parser.parse_args()
     torch.set_num_threads(THREADS)
     from tempering.distributed.virtual_cluster import init_ray
@@ -368,20 +375,23 @@ def main() -> None:
             if algo in ("sft", "dpo"):
                 rows, max_len = scale[algo]
                 make = sft_batches if algo == "sft" else dpo_batches
-                batches = make(scale["model"], rows, max_len, args.repeats + 1)
-                floor = (floor_sft if algo == "sft" else floor_dpo)(
-                    path, batches, scale["lr"], args.repeats
+                batches = make(scale["model"], rows, max_len, args.repeats + args.warmup)
+                floor_step, params = (floor_sft if algo == "sft" else floor_dpo)(
+                    path, batches, scale["lr"]
                 )
+                before = args.repeats // 2  # the floor brackets tempering's steps
+                floor = timed(floor_step, before, args.warmup) if before else []
                 ours = (ours_sft if algo == "sft" else ours_dpo)(
-                    path, batches, scale["lr"], args.repeats
+                    path, batches, scale["lr"], args.repeats, args.warmup
                 )
+                floor += timed(floor_step, args.repeats - before, warmup=1)
                 tokens = statistics.median(float(b["input_lengths"].sum()) for b in batches)
                 passes = 6 if algo == "sft" else 8  # DPO adds the reference forward (2N)
-                mfu = passes * floor["params"] * tokens / statistics.median(ours["step"]) / rate
+                mfu = passes * params * tokens / statistics.median(ours) / rate
                 print(
-                    f"{name:8} {algo:5} floor {spread(floor['step'])} s  tempering "
-                    f"{spread(ours['step'])} s  overhead "
-                    f"{statistics.median(ours['step']) / statistics.median(floor['step']):.2f}x  "
+                    f"{name:8} {algo:5} floor {spread(floor)} s  tempering "
+                    f"{spread(ours)} s  overhead "
+                    f"{statistics.median(ours) / statistics.median(floor):.2f}x  "
                     f"MFU {100 * mfu:.1f}% ({tokens:.0f} tokens/step)"
                 )
             else:
