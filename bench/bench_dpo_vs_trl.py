@@ -118,9 +118,8 @@ def workload(scale: str, n_pairs: int) -> list:
 
 def bench_tempering(model: str, pairs: list, args: argparse.Namespace) -> tuple[list, float]:
     """Seconds per step and tokens per step (chosen + rejected rows, after truncation)."""
-    from tempering.algorithms.dpo import dpo_step, preference_batch
+    from tempering.algorithms.dpo import dpo_step, preference_loader
     from tempering.algorithms.loss_functions import DPOLoss
-    from tempering.data.dataloader import StatefulDataLoader
     from tempering.distributed.virtual_cluster import cluster_from_config, init_ray
     from tempering.models.hf import load_tokenizer
     from tempering.models.policy.lm_policy import build_policy
@@ -139,13 +138,8 @@ def bench_tempering(model: str, pairs: list, args: argparse.Namespace) -> tuple[
         seed=0,
     )
     tokenizer = load_tokenizer(model)
-    loader = StatefulDataLoader(  # as dpo.setup builds it, in the pairs' order
-        pairs,
-        args.pairs,
-        shuffle=False,
-        collate_fn=lambda chunk: preference_batch(chunk, tokenizer, args.max_len),
-        prefetch=True,
-    )
+    # as dpo.setup builds it, in the pairs' order
+    loader = preference_loader(pairs, 2 * args.pairs, tokenizer, args.max_len, shuffle=False)
     loss_fn = DPOLoss(BETA)
     times, tokens = [], 0
     try:

@@ -139,6 +139,32 @@ def preference_batch(pairs: list[Any], tokenizer: Any, max_seq_len: int) -> Any:
     return collate_preference(pairs, tokenizer, max_seq_len)
 
 
+def preference_loader(
+    pairs: Any,
+    batch_rows: int,
+    tokenizer: Any,
+    max_seq_len: int,
+    *,
+    seed: int = 0,
+    shuffle: bool = True,
+) -> Any:
+    """A `StatefulDataLoader` of `preference_batch`es, ``batch_rows // 2`` pairs each (the
+    policy counts rows), that tokenizes the next batch in a background thread while the
+    workers train. The thread gets its own copy of ``tokenizer``: HF fast tokenizers are not
+    safe to call from two threads, and the caller keeps using its own."""
+    from tempering.data.dataloader import StatefulDataLoader
+
+    own = copy.deepcopy(tokenizer)
+    return StatefulDataLoader(
+        pairs,
+        batch_rows // 2,
+        shuffle=shuffle,
+        seed=seed,
+        collate_fn=lambda chunk: preference_batch(chunk, own, max_seq_len),
+        prefetch=True,
+    )
+
+
 def check_pair_batch_sizes(
     global_batch_size: int, micro_batch_size: int, dp: int, what: str
 ) -> None:
@@ -176,8 +202,6 @@ class DPORun:
 
 
 def setup(cfg: DPOMasterConfig, resolved: dict[str, Any]) -> DPORun:
-    from tempering.data.dataloader import StatefulDataLoader
-
     pol = cfg.policy
     dp = cfg.cluster.num_nodes * (cfg.cluster.gpus_per_node or cfg.cluster.workers_per_node)
     check_pair_batch_sizes(
@@ -196,14 +220,12 @@ def setup(cfg: DPOMasterConfig, resolved: dict[str, Any]) -> DPORun:
     plan = common.plan_run(cfg)
     tokenizer = common.load_run_tokenizer(pol)
     data = load_preference_data(cfg.data)
-    max_len = pol.max_total_sequence_length
-    loader_tokenizer = copy.deepcopy(tokenizer)  # the prefetch thread's own
-    dataloader = StatefulDataLoader(
+    dataloader = preference_loader(
         data.train,
-        pol.train_global_batch_size // 2,  # pairs; the policy counts rows
+        pol.train_global_batch_size,
+        tokenizer,
+        pol.max_total_sequence_length,
         seed=cfg.dpo.seed,
-        collate_fn=lambda pairs: preference_batch(pairs, loader_tokenizer, max_len),
-        prefetch=True,  # tokenize the next batch while the workers train
     )
     common.start_ray(cfg.cluster)  # the inputs are good: now the workers
     cluster = common.build_cluster(plan.policy, cfg.cluster, "dpo")

@@ -18,7 +18,6 @@ the default arithmetic pairs are SYNTHETIC (correct answer vs corrupted number).
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from tempering.algorithms.dpo import (
     check_pair_batch_sizes,
     load_preference_data,
     preference_batch,
+    preference_loader,
 )
 from tempering.config.schemas import RMMasterConfig
 
@@ -71,7 +71,6 @@ class RMRun:
 
 def setup(cfg: RMMasterConfig, resolved: dict[str, Any]) -> RMRun:
     from tempering.data.collate import pad_token_id_of
-    from tempering.data.dataloader import StatefulDataLoader
     from tempering.models.policy.reward_model import RewardModel
 
     pol = cfg.policy
@@ -92,14 +91,12 @@ def setup(cfg: RMMasterConfig, resolved: dict[str, Any]) -> RMRun:
     plan = common.plan_run(cfg)
     tokenizer = common.load_run_tokenizer(pol)
     data = load_preference_data(cfg.data)
-    max_len = pol.max_total_sequence_length
-    loader_tokenizer = copy.deepcopy(tokenizer)  # the prefetch thread's own
-    dataloader = StatefulDataLoader(
+    dataloader = preference_loader(
         data.train,
-        pol.train_global_batch_size // 2,
+        pol.train_global_batch_size,
+        tokenizer,
+        pol.max_total_sequence_length,
         seed=cfg.rm.seed,
-        collate_fn=lambda pairs: preference_batch(pairs, loader_tokenizer, max_len),
-        prefetch=True,  # tokenize the next batch while the workers train
     )
     common.start_ray(cfg.cluster)  # the inputs are good: now the workers
     cluster = common.build_cluster(plan.policy, cfg.cluster, "rm")
