@@ -119,8 +119,8 @@ def workload(scale: str, n_pairs: int) -> list:
 def bench_tempering(model: str, pairs: list, args: argparse.Namespace) -> tuple[list, float]:
     """Seconds per step and tokens per step (chosen + rejected rows, after truncation)."""
     from tempering.algorithms.dpo import dpo_step, preference_loader
-    from tempering.algorithms.loss_functions import DPOLoss
     from tempering.distributed.virtual_cluster import cluster_from_config, init_ray
+    from tempering.losses import DPOLoss
     from tempering.models.hf import load_tokenizer
     from tempering.models.policy.lm_policy import build_policy
 

@@ -211,7 +211,7 @@ def tempering_policy(path: str, rows: int, lr: float, reference: bool):
 
 
 def ours_sft(path: str, batches: list, lr: float, repeats: int, warmup: int) -> list[float]:
-    from tempering.algorithms.loss_functions import NLLLoss
+    from tempering.losses import NLLLoss
 
     cluster, policy = tempering_policy(path, batches[0].size, lr, reference=False)
     it = itertools.cycle(batches)
@@ -224,7 +224,7 @@ def ours_sft(path: str, batches: list, lr: float, repeats: int, warmup: int) -> 
 
 def ours_dpo(path: str, batches: list, lr: float, repeats: int, warmup: int) -> list[float]:
     from tempering.algorithms.dpo import dpo_step
-    from tempering.algorithms.loss_functions import DPOLoss
+    from tempering.losses import DPOLoss
 
     cluster, policy = tempering_policy(path, batches[0].size, lr, reference=True)
     it = itertools.cycle(batches)

@@ -41,7 +41,7 @@ STEP_SCRIPT = r"""
 import json, sys, time
 from pathlib import Path
 from tempering.algorithms import grpo
-from tempering.algorithms.loss_functions import ClippedPGLoss
+from tempering.losses import ClippedPGLoss
 from tempering.config import GRPOMasterConfig, load_config
 steps, log_dir = int(sys.argv[1]), sys.argv[2]
 cfg, resolved = load_config(Path("examples/configs/grpo_math_tiny.yaml"), [

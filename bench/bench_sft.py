@@ -26,12 +26,12 @@ import time
 
 import torch
 
-from tempering.algorithms.loss_functions import NLLLoss
 from tempering.data.collate import collate_sft, pad_token_id_of
 from tempering.data.gsm8k import gsm8k_sft_message_logs
 from tempering.data.processing import tokenize_message_logs
 from tempering.distributed.batched_data_dict import BatchedDataDict
 from tempering.distributed.virtual_cluster import RayVirtualCluster, init_ray
+from tempering.losses import NLLLoss
 from tempering.models.hf import load_tokenizer
 from tempering.models.policy.lm_policy import build_policy
 from tempering.models.registry import resolve_model_path

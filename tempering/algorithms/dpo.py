@@ -265,7 +265,7 @@ def setup(cfg: DPOMasterConfig, resolved: dict[str, Any]) -> DPORun:
 
 # --------------------------------------------------------------------------- loop
 def make_loss(cfg: DPOMasterConfig) -> Any:
-    from tempering.algorithms.loss_functions import DPOLoss
+    from tempering.losses import DPOLoss
 
     return DPOLoss(
         reference_policy_kl_penalty=cfg.dpo.reference_policy_kl_penalty,

@@ -340,7 +340,7 @@ def build_environments(cfg: GRPOMasterConfig, task_names: set[str]) -> dict[str,
 # --------------------------------------------------------------------------- loop
 def make_loss(cfg: GRPOMasterConfig) -> Any:
     """The run's `ClippedPGLoss`, from ``loss_fn``."""
-    from tempering.algorithms.loss_functions import ClippedPGLoss
+    from tempering.losses import ClippedPGLoss
 
     lf = cfg.loss_fn
     return ClippedPGLoss(

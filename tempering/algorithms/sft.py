@@ -165,7 +165,7 @@ def setup(cfg: SFTMasterConfig, resolved: dict[str, Any]) -> SFTRun:
 # ---------------------------------------------------------------------------- loop
 def train(run: SFTRun) -> dict[str, float]:
     """The SFT loop. Returns the last validation metrics."""
-    from tempering.algorithms.loss_functions import NLLLoss
+    from tempering.losses import NLLLoss
     from tempering.utils.logger import print_step_summary, track
 
     cfg = run.cfg.sft
@@ -235,8 +235,8 @@ def _inside_band(val: dict[str, float], band: tuple[float, float] | None) -> boo
 
 def validate(run: SFTRun, step: int) -> dict[str, float]:
     """Held-out loss (no update) and, where answers are known, greedy accuracy."""
-    from tempering.algorithms.loss_functions import NLLLoss
     from tempering.data.collate import collate_sft, pad_token_id_of
+    from tempering.losses import NLLLoss
 
     cfg = run.cfg.sft
     pad = pad_token_id_of(run.tokenizer)

@@ -135,9 +135,9 @@ def test_rm_learns_held_out_pairs_and_exports(rm_export):
 
 def test_grpo_steps_scored_by_reward_model(rm_export, tmp_path):
     from tempering.algorithms import grpo
-    from tempering.algorithms.loss_functions import ClippedPGLoss
     from tempering.algorithms.sft import decode_generations
     from tempering.environments.reward_model import RewardModelEnvironment
+    from tempering.losses import ClippedPGLoss
 
     cfg, resolved = load_config(
         REPO / "examples/configs/grpo_math_tiny.yaml",

@@ -144,7 +144,7 @@ def test_rollout_logprobs_and_rewards_are_consistent(grpo_run):
 
 def test_train_steps_metrics_and_refit(grpo_run):
     from tempering.algorithms.grpo import grpo_step, rollout_batch
-    from tempering.algorithms.loss_functions import ClippedPGLoss
+    from tempering.losses import ClippedPGLoss
 
     backend, run, atol = grpo_run
     probe = rollout_batch(run, run.val_problems[:2], group_size=2)
@@ -202,7 +202,7 @@ def test_resource_metrics_cover_every_role(grpo_run):
     """logger.monitor_gpus (on by default): a step's resources/* name each process role, with
     the CPU the step kept busy and each role's peak memory."""
     from tempering.algorithms.grpo import grpo_step
-    from tempering.algorithms.loss_functions import ClippedPGLoss
+    from tempering.losses import ClippedPGLoss
 
     backend, run, _ = grpo_run
     run.monitor.sample()  # start the interval here

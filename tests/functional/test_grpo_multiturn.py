@@ -77,8 +77,8 @@ def test_http_transport_serves_the_same_episodes(run):
 
 def test_grpo_steps_over_http_train_and_refit(run):
     from tempering.algorithms.grpo import grpo_step, rollout_batch
-    from tempering.algorithms.loss_functions import ClippedPGLoss
     from tempering.experience.rollouts import HttpTurnClient
+    from tempering.losses import ClippedPGLoss
 
     in_process = run.turns
     run.turns = HttpTurnClient(run.server.base_url, run.chat.settings.model_name)

@@ -65,11 +65,11 @@ def test_resume_continues_the_same_loss_trajectory(ray_session, tmp_path):
 
 def test_smollm2_gsm8k_sft_steps_lower_the_loss(ray_session):
     from tempering.algorithms.common import build_cluster, build_policy_from_config
-    from tempering.algorithms.loss_functions import NLLLoss
     from tempering.data.collate import collate_sft, pad_token_id_of
     from tempering.data.gsm8k import gsm8k_sft_message_logs
     from tempering.data.processing import tokenize_message_logs
     from tempering.distributed.placement import make_plan
+    from tempering.losses import NLLLoss
     from tempering.models.hf import load_tokenizer
     from tempering.models.registry import resolve_model_path
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from tempering.algorithms.loss_functions import NLLLoss
 from tempering.distributed.batched_data_dict import BatchedDataDict
+from tempering.losses import NLLLoss
 from tempering.models.policy.fsdp2_worker import FSDP2PolicyWorker
 from tempering.utils.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
 

@@ -4,7 +4,7 @@ batch-size checks, the likelihood preference metric, DPOLoss micro-batch invaria
 computed before the update, frozen, and the loss going down on a fixed batch).
 
 DPOLoss and BradleyTerryLoss parity with an independent hand computation (loss AND
-gradient, 1e-6) lives in test_loss_functions.py.
+gradient, 1e-6) lives in test_losses.py.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from tempering.algorithms.dpo import (
     load_preference_data,
     preference_batch,
 )
-from tempering.algorithms.loss_functions import DPOLoss, count_valid_pairs, token_logprobs
 from tempering.config.schemas import DataConfig
 from tempering.data.records import DataFormatError
+from tempering.losses import DPOLoss, count_valid_pairs, token_logprobs
 
 
 # ------------------------------------------------------------------------ data

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from tempering.algorithms.loss_functions import NLLLoss
 from tempering.distributed.batched_data_dict import BatchedDataDict
 from tempering.distributed.virtual_cluster import RayVirtualCluster
+from tempering.losses import NLLLoss
 from tempering.models.policy.interfaces import HFExportablePolicy, PolicyInterface, RefittablePolicy
 from tempering.models.policy.lm_policy import Policy, build_policy
 

@@ -15,11 +15,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from tempering.algorithms.loss_functions import NLLLoss
 from tempering.config import ConfigError, SFTMasterConfig, load_config
 from tempering.data.arithmetic import arithmetic_sft_message_logs
 from tempering.data.collate import collate_sft, pad_token_id_of
 from tempering.data.processing import tokenize_message_log
+from tempering.losses import NLLLoss
 from tempering.models.policy.fsdp2_worker import FSDP2PolicyWorker
 from tempering.models.registry import resolve_model_path
 

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from tempering.algorithms.dpo import load_preference_data, preference_batch
-from tempering.algorithms.loss_functions import BradleyTerryLoss
 from tempering.config.schemas import DataConfig
 from tempering.environments.interfaces import EnvironmentInterface
 from tempering.environments.registry import get_environment_class
+from tempering.losses import BradleyTerryLoss
 from tempering.models.policy.fsdp2_worker import FSDP2PolicyWorker
 
 BT = BradleyTerryLoss()

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tempering.algorithms.loss_functions import DPOLoss, NLLLoss
 from tempering.distributed.batched_data_dict import BatchedDataDict
+from tempering.losses import DPOLoss, NLLLoss
 from tempering.models.policy.shared_prefix import attention_cost_ratio, plan_shared_prefix
 
 VOCAB = 100

@@ -55,14 +55,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from tempering.algorithms.loss_functions import (
-    BradleyTerryLoss,
-    DPOLoss,
-    LossFunction,
-    count_valid_pairs,
-    token_logprobs,
-)
 from tempering.distributed.batched_data_dict import BatchedDataDict, PackedBin
+from tempering.losses import LossFunction, count_valid_pairs, token_logprobs
 from tempering.models.policy.optim import build_lr_scheduler, build_optimizer
 from tempering.models.policy.packed_attention import use_packed_sdpa
 from tempering.models.policy.shared_prefix import (
@@ -81,8 +75,6 @@ PRECISIONS = ("float32", "bfloat16")
 HEADS = ("causal_lm", "score")
 SCHEDULER_FILE = "scheduler.pt"
 RNG_FILE = "rng_rank{rank}.pt"
-# Losses whose ``global_valid_seqs`` counts chosen/rejected PAIRS (see loss_functions).
-PAIRWISE_LOSSES = (DPOLoss, BradleyTerryLoss)
 # Loss metrics that are already divided by the global count: summed over micro-batches/ranks.
 _GLOBALLY_NORMALISED = ("loss", "kl_penalty")
 # How a micro-batch runs through the model: packed into one row, as shared-prefix groups, or
@@ -533,7 +525,7 @@ class FSDP2PolicyWorker:
         if self.optimizer is None and not eval_mode:
             raise RuntimeError("FSDP2PolicyWorker.train: built with init_optimizer=False")
         local_gbs = self._local_batch_size(data.size, global_batch_size)
-        pairwise = isinstance(loss_fn, PAIRWISE_LOSSES)
+        pairwise = loss_fn.pairwise
         if pairwise and micro_batch_size is not None and micro_batch_size % 2:
             raise ValueError(
                 f"micro_batch_size={micro_batch_size} must be even for {type(loss_fn).__name__}: "
@@ -716,7 +708,7 @@ class FSDP2PolicyWorker:
             )
 
     def _aggregate_loss_metrics(self, mb_metrics: list[dict[str, float]]) -> dict[str, float]:
-        """Loss metrics over micro-batches and ranks, following loss_functions' conventions:
+        """Loss metrics over micro-batches and ranks, following tempering.losses' conventions:
         ``loss``/``kl_penalty``/``*_loss`` are globally normalised (summed), ``num_*`` are counts
         (summed), the rest are per-micro-batch means (weighted by num_valid_tokens/pairs)."""
         all_mbs = [m for rank_mbs in self._all_gather_object(mb_metrics) for m in rank_mbs]

@@ -13,8 +13,8 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from tempering.algorithms.loss_functions import LossFunction
     from tempering.distributed.batched_data_dict import BatchedDataDict
+    from tempering.losses import LossFunction
 
 
 class PolicyInterface(ABC):

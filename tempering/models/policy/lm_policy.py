@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from tempering.algorithms.loss_functions import LossFunction
 from tempering.distributed.batched_data_dict import BatchedDataDict
 from tempering.distributed.virtual_cluster import RayVirtualCluster
 from tempering.distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup
+from tempering.losses import LossFunction
 from tempering.models.policy.interfaces import PolicyInterface
 
 POLICY_WORKER_FQN = "tempering.models.policy.fsdp2_worker.FSDP2PolicyWorker"

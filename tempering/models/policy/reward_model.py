@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from tempering.algorithms.loss_functions import BradleyTerryLoss
 from tempering.distributed.batched_data_dict import BatchedDataDict
+from tempering.losses import BradleyTerryLoss
 from tempering.models.policy.lm_policy import Policy, build_policy
 
 

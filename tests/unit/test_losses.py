@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from tempering.algorithms.loss_functions import (
+from tempering.losses import (
     BradleyTerryLoss,
     ClippedPGLoss,
     DPOLoss,

@@ -1,5 +1,8 @@
 """Loss functions for SFT, DPO, reward models and GRPO/PPO.
 
+A layer below the models: the policy worker receives a loss object and calls it; it never
+imports the algorithms. Only torch here.
+
 Every loss follows the `LossFunction` contract in docs/CONTRACTS.md:
 
     loss, metrics = loss_fn(logits, data, global_valid_toks, global_valid_seqs)
@@ -49,9 +52,15 @@ __all__ = [
 
 
 class LossFunction(Protocol):
-    """What the policy worker calls on each micro-batch (docs/CONTRACTS.md)."""
+    """What the policy worker calls on each micro-batch (docs/CONTRACTS.md).
+
+    ``pairwise``: the batch interleaves chosen/rejected pairs (``2i`` chosen, ``2i + 1``
+    rejected) and ``global_valid_seqs`` counts PAIRS; the worker then keeps pairs together
+    in one micro-batch. The worker reads only these two attributes and calls the loss.
+    """
 
     loss_type: LossType
+    pairwise: bool
 
     def __call__(
         self,
@@ -211,6 +220,7 @@ class NLLLoss:
     """
 
     loss_type: LossType = "token"
+    pairwise: bool = False
 
     def __call__(
         self,
@@ -259,6 +269,8 @@ class ClippedPGLoss:
     ``exp(|prev - gen|)``; 1.0 means trainer and generator agree), ``is_weight_mean``,
     ``num_valid_tokens``.
     """
+
+    pairwise: bool = False
 
     def __init__(
         self,
@@ -392,6 +404,7 @@ class DPOLoss:
     """
 
     loss_type: LossType = "sequence"
+    pairwise: bool = True
 
     def __init__(
         self,
@@ -465,6 +478,7 @@ class BradleyTerryLoss:
     """
 
     loss_type: LossType = "sequence"
+    pairwise: bool = True
 
     def __call__(
         self,
