@@ -18,11 +18,12 @@ import statistics
 import tempfile
 import time
 
-from tempering.distributed.actor_environments import PY_EXECUTABLES
+from tempering.distributed.actor_environments import PY_EXECUTABLES, register_actor_environment
 from tempering.distributed.virtual_cluster import RayVirtualCluster, init_ray
 from tempering.distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup
 
-ECHO = "tempering.distributed.testing_workers.EchoWorker"
+ECHO = "tests.workers.EchoWorker"  # a test-only worker, registered here by name
+register_actor_environment(ECHO, PY_EXECUTABLES.SYSTEM)
 
 
 def time_group_start(cluster: RayVirtualCluster, executable: str) -> float:

@@ -24,9 +24,17 @@ from tempering.errors import UserInputError
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from tempering.distributed.placement import main_plan
+    """`tempering plan`: load CONFIG with its algorithm's schema, print the plan."""
+    from tempering.config.loader import load_config
+    from tempering.config.schemas import MASTER_CONFIGS
+    from tempering.distributed.placement import make_plan, schema_for
+    from tempering.models.shapes import model_shape
 
-    return main_plan(args.config, args.overrides)
+    cfg, _ = load_config(
+        args.config, args.overrides, schema=MASTER_CONFIGS[schema_for(args.config)]
+    )
+    print(make_plan(cfg, model_shape(cfg.policy.model_name)).table())
+    return 0
 
 
 def _add_plan(subparsers: argparse._SubParsersAction) -> None:
@@ -69,7 +77,7 @@ def _add_plot(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_gym_examples(args: argparse.Namespace) -> int:
-    from tempering.data.nemo_gym import write_gym_examples
+    from tempering.environments.nemo_gym import write_gym_examples
 
     names = [n.strip() for n in args.environments.split(",") if n.strip()]
     n = write_gym_examples(args.out, names)

@@ -12,6 +12,8 @@ this one without touching it. Tests must give back what they reserve (call
 ``make_worker`` builds single-rank `FSDP2PolicyWorker`s in the test process from the
 requesting module's ``tiny_llama_dir`` fixture (one process group at a time).
 
+The test-only worker classes (tests/workers.py) are entered in the actor registry here.
+
 ``worker_venvs_dir`` points ``TEMPERING_VENVS_DIR`` at a session temp folder so isolated
 worker venvs are built there (once per session), never in the repo's ``venvs/``.
 """
@@ -29,6 +31,17 @@ os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import pytest  # noqa: E402
+
+from tempering.distributed.actor_environments import (  # noqa: E402
+    PY_EXECUTABLES,
+    register_actor_environment,
+)
+
+# The test-only worker classes (tests/workers.py), by name: the driver must not import them.
+for _name in ("EchoWorker", "WeightSinkWorker", "AllReduceWorker", "RaisingWorker",
+              "DyingWorker", "HangInInitWorker", "PlacementProbeWorker"):  # fmt: skip
+    register_actor_environment(f"tests.workers.{_name}", PY_EXECUTABLES.SYSTEM)
+register_actor_environment("tests.workers.CowsayWorker", PY_EXECUTABLES.ISOLATION_PROBE)
 
 
 @pytest.fixture(scope="session")

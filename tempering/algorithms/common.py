@@ -61,8 +61,9 @@ def plan_run(cfg: Any) -> Any:
     """The run's placement plan (`tempering plan` prints the same); a config that does not
     fit its cluster fails here, before Ray starts (`PlanError`, a user error)."""
     from tempering.distributed.placement import make_plan
+    from tempering.models.shapes import model_shape
 
-    plan = make_plan(cfg)
+    plan = make_plan(cfg, model_shape(cfg.policy.model_name))
     log.info("placement plan:\n%s", plan.table())
     return plan
 

@@ -91,37 +91,3 @@ def row_prompt_text(row: dict[str, Any]) -> str:
     users = [m for m in value if m.get("role") == "user"]
     content = (users or value)[-1].get("content", "")
     return content if isinstance(content, str) else str(content)
-
-
-def write_gym_examples(out: str | Path, environments: list[str]) -> int:
-    """Write the example rows NeMo Gym ships for `environments` (resources-server names) to
-    `out`, each routed to ``<environment>_simple_agent``; returns the row count. Uses Gym's
-    venv (PY_EXECUTABLES.NEMO_GYM), building it on first use."""
-    import json
-    import subprocess
-
-    from tempering.distributed.actor_environments import get_actor_executable, resolve_python
-    from tempering.environments.nemo_gym import LAUNCHER_FQN
-    from tempering.utils.atomic import atomic_write_text
-
-    python = resolve_python(LAUNCHER_FQN, get_actor_executable(LAUNCHER_FQN))
-    site = Path(
-        subprocess.run(
-            [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-            capture_output=True, text=True, check=True,
-        ).stdout.strip()
-    )  # fmt: skip
-    lines = []
-    for env in environments:
-        path = site / "resources_servers" / env / "data" / "example.jsonl"
-        if not path.is_file():
-            known = sorted(
-                p.parent.parent.name for p in site.glob("resources_servers/*/data/example.jsonl")
-            )
-            raise FileNotFoundError(f"NeMo Gym has no example rows for {env!r}; known: {known}")
-        for row in load_gym_rows(path, default_route=f"{env}_simple_agent"):
-            if not any(row.get(k) for k in ROUTING_FIELDS):
-                row["agent_ref"] = {"name": f"{env}_simple_agent"}
-            lines.append(json.dumps(row))
-    atomic_write_text(Path(out), "\n".join(lines) + "\n")
-    return len(lines)

@@ -114,14 +114,6 @@ ACTOR_ENVIRONMENT_REGISTRY: dict[str, str] = {
     "tempering.models.policy.fsdp2_worker.FSDP2PolicyWorker": PY_EXECUTABLES.SYSTEM,
     "tempering.models.generation.torch_worker.TorchGenerationWorker": PY_EXECUTABLES.SYSTEM,
     "tempering.models.generation.vllm_worker.VllmGenerationWorker": PY_EXECUTABLES.VLLM,
-    "tempering.distributed.testing_workers.EchoWorker": PY_EXECUTABLES.SYSTEM,
-    "tempering.distributed.testing_workers.WeightSinkWorker": PY_EXECUTABLES.SYSTEM,
-    "tempering.distributed.testing_workers.AllReduceWorker": PY_EXECUTABLES.SYSTEM,
-    "tempering.distributed.testing_workers.RaisingWorker": PY_EXECUTABLES.SYSTEM,
-    "tempering.distributed.testing_workers.DyingWorker": PY_EXECUTABLES.SYSTEM,
-    "tempering.distributed.testing_workers.HangInInitWorker": PY_EXECUTABLES.SYSTEM,
-    "tempering.distributed.testing_workers.PlacementProbeWorker": PY_EXECUTABLES.SYSTEM,
-    "tempering.distributed.testing_workers.CowsayWorker": PY_EXECUTABLES.ISOLATION_PROBE,
     "tempering.environments.nemo_gym_launcher.NemoGymLauncher": PY_EXECUTABLES.NEMO_GYM,
 }
 

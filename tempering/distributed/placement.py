@@ -17,14 +17,13 @@ instead of an out-of-memory error after minutes of start-up; they are not a prof
 (``cluster.gpus_per_node=0``) there is no device memory to check: the plan reports the
 per-worker host memory estimate only.
 
-Model sizes come from the model's ``config.json`` when it is on this machine, else from
-`KNOWN_SHAPES` (hub ids the shipped GPU configs name), else the memory check is skipped and
-the plan says so.
+The caller passes the model's size (`tempering.models.shapes.model_shape`: its ``config.json``
+when it is on this machine, else a table of hub ids the shipped GPU configs name); without
+one the memory check is skipped and the plan says so. The planner itself knows no model.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,54 +83,6 @@ class ModelShape:
             head_dim=cfg.get("head_dim"),
             source=source,
         )
-
-
-def _shape(**cfg: Any) -> ModelShape:
-    return ModelShape.from_config(cfg, source="known hub id")
-
-
-# Hub ids the shipped configs name, whose config.json may not be on this machine (published
-# config.json values; `params` reproduces the published counts, tested).
-KNOWN_SHAPES: dict[str, ModelShape] = {
-    "Qwen/Qwen2.5-1.5B": _shape(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
-                                num_key_value_heads=2, intermediate_size=8960, vocab_size=151936,
-                                tie_word_embeddings=True, model_type="qwen2"),
-    "meta-llama/Llama-3.2-1B": _shape(hidden_size=2048, num_hidden_layers=16,
-                                      num_attention_heads=32, num_key_value_heads=8,
-                                      intermediate_size=8192, vocab_size=128256, head_dim=64,
-                                      tie_word_embeddings=True),
-    "meta-llama/Llama-3.1-8B": _shape(hidden_size=4096, num_hidden_layers=32,
-                                      num_attention_heads=32, num_key_value_heads=8,
-                                      intermediate_size=14336, vocab_size=128256),
-    "smollm2-135m-instruct": _shape(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
-                                    num_key_value_heads=3, intermediate_size=1536,
-                                    vocab_size=49152, tie_word_embeddings=True),
-}  # fmt: skip
-KNOWN_SHAPES["meta-llama/Llama-3.2-1B-Instruct"] = KNOWN_SHAPES["meta-llama/Llama-3.2-1B"]
-KNOWN_SHAPES["meta-llama/Llama-3.1-8B-Instruct"] = KNOWN_SHAPES["meta-llama/Llama-3.1-8B"]
-
-
-def model_shape(model_name: str) -> ModelShape | None:
-    """The shape of ``model_name`` without loading (or downloading, or converting) it."""
-    from tempering.models.registry import MODEL_REGISTRY, REPO_ROOT, resolve_model_path
-
-    if model_name in KNOWN_SHAPES:
-        return KNOWN_SHAPES[model_name]
-    folders = [Path(model_name), REPO_ROOT / "models" / model_name]
-    if model_name in MODEL_REGISTRY:  # the project's own small models: cheap to resolve
-        folders.append(Path(resolve_model_path(model_name)))
-    for folder in folders:
-        if (folder / "config.json").is_file():
-            return ModelShape.from_config(json.loads((folder / "config.json").read_text()))
-    try:  # a hub id already in the local cache
-        from huggingface_hub import try_to_load_from_cache
-
-        cached = try_to_load_from_cache(model_name, "config.json")
-    except Exception:  # not a valid repo id
-        return None
-    if isinstance(cached, str):
-        return ModelShape.from_config(json.loads(Path(cached).read_text()), "HF cache")
-    return None
 
 
 # --------------------------------------------------------------------------------- plans
@@ -234,8 +185,11 @@ class Plan:
 
 
 # ---------------------------------------------------------------------------- planning
-def make_plan(cfg: Any) -> Plan:
-    """The plan of a validated master config (GRPO, SFT, DPO or RM); `PlanError` on a misfit."""
+def make_plan(cfg: Any, shape: ModelShape | None) -> Plan:
+    """The plan of a validated master config (GRPO, SFT, DPO or RM); `PlanError` on a misfit.
+
+    ``shape``: the policy model's shape (`tempering.models.shapes.model_shape`), or None when
+    it is unknown here (the plan then says that memory was not checked)."""
     from tempering.config.schemas import DPOMasterConfig, GRPOMasterConfig, RMMasterConfig
 
     cl, pol = cfg.cluster, cfg.policy
@@ -243,7 +197,6 @@ def make_plan(cfg: Any) -> Plan:
     notes: list[str] = []
     on_gpus = cl.gpus_per_node > 0
     tp = pol.dtensor_cfg.tensor_parallel_size
-    shape = model_shape(pol.model_name)
     if shape is None:
         notes.append(f"the size of {pol.model_name!r} is unknown here (no config.json on this "
                      "machine): memory was not checked")  # fmt: skip
@@ -462,17 +415,6 @@ def _check_fit(cfg: Any, memory: MemoryEstimate, problems: list[str]) -> None:
         )
 
 
-def main_plan(config: str, overrides: list[str]) -> int:
-    """`tempering plan`: load CONFIG with its algorithm's schema, print the plan."""
-    from tempering.config.loader import load_config
-    from tempering.config.schemas import MASTER_CONFIGS
-
-    schema = schema_for(config)
-    cfg, _ = load_config(config, overrides, schema=MASTER_CONFIGS[schema])
-    print(make_plan(cfg).table())
-    return 0
-
-
 def schema_for(config: str | Path) -> str:
     """Which algorithm a config file is for, by its top-level section (grpo/sft/dpo/rm)."""
     from tempering.config.loader import load_yaml
@@ -487,4 +429,4 @@ def schema_for(config: str | Path) -> str:
     return found[0]
 
 
-__all__ = ["KNOWN_SHAPES", "ModelShape", "Plan", "PlanError", "make_plan", "model_shape"]
+__all__ = ["ModelShape", "Plan", "PlanError", "make_plan", "schema_for"]

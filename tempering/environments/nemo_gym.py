@@ -36,10 +36,11 @@ import logging
 import random
 from collections import Counter, defaultdict
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Literal
 
-from tempering.data.nemo_gym import ROUTING_FIELDS
-from tempering.experience.rollouts import EpisodeRecord, build_batch
+from tempering.data.episodes import EpisodeRecord, build_batch
+from tempering.data.nemo_gym import ROUTING_FIELDS, load_gym_rows
 from tempering.models.generation.interfaces import SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ __all__ = [
     "NemoGymClient",
     "NemoGymEnvironment",
     "episode_from_result",
+    "write_gym_examples",
 ]
 
 _RUNNABLE = ("environment_servers", "responses_api_agents")
@@ -522,3 +524,35 @@ def build_nemo_gym_environment(
         pad_token_id=pad_token_id,
         launcher=launched,
     )
+
+
+def write_gym_examples(out: str | Path, environments: list[str]) -> int:
+    """Write the example rows NeMo Gym ships for `environments` (resources-server names) to
+    `out`, each routed to ``<environment>_simple_agent``; returns the row count. Uses Gym's
+    venv (PY_EXECUTABLES.NEMO_GYM), building it on first use."""
+    import subprocess
+
+    from tempering.distributed.actor_environments import get_actor_executable, resolve_python
+    from tempering.utils.atomic import atomic_write_text
+
+    python = resolve_python(LAUNCHER_FQN, get_actor_executable(LAUNCHER_FQN))
+    site = Path(
+        subprocess.run(
+            [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()
+    )  # fmt: skip
+    lines = []
+    for env in environments:
+        path = site / "resources_servers" / env / "data" / "example.jsonl"
+        if not path.is_file():
+            known = sorted(
+                p.parent.parent.name for p in site.glob("resources_servers/*/data/example.jsonl")
+            )
+            raise FileNotFoundError(f"NeMo Gym has no example rows for {env!r}; known: {known}")
+        for row in load_gym_rows(path, default_route=f"{env}_simple_agent"):
+            if not any(row.get(k) for k in ROUTING_FIELDS):
+                row["agent_ref"] = {"name": f"{env}_simple_agent"}
+            lines.append(json.dumps(row))
+    atomic_write_text(Path(out), "\n".join(lines) + "\n")
+    return len(lines)

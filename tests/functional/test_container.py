@@ -39,7 +39,7 @@ MAIN_JOB = (
     "logger.log_dir={out}/logs checkpointing.checkpoint_dir={out}/ckpt"
 )
 VLLM = "tempering.models.generation.vllm_worker.VllmGenerationWorker"
-COWSAY = "tempering.distributed.testing_workers.CowsayWorker"
+COWSAY = "tests.workers.CowsayWorker"
 
 
 def _timed(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 900):

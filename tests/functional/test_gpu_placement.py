@@ -7,7 +7,7 @@ and each actor is told which GPU indices it holds. For `grpo_math_1B.yaml` (1 GP
 virtual cluster and its worker group (the real FSDP2 policy worker, on the tiny model: torch
 sees no CUDA, so the workers compute on CPU with gloo) and the colocated vLLM engines'
 placement with `start_colocated_engines`, the function the run uses. The engine is a probe
-(tempering/distributed/testing_workers.py) -- a real vLLM cannot start without a GPU -- that
+(tests/workers.py) -- a real vLLM cannot start without a GPU -- that
 reports where Ray put it. Checked: bundles per node, which policy worker got which GPU index
 (each its own), each engine in the first bundle of its TP group (sharing that worker's GPU)
 and seeing exactly its group's GPUs, every TP group inside one node.
@@ -73,9 +73,10 @@ def _main(config: str, nodes: int, overrides: list[str]) -> None:
     from tempering.distributed.placement import make_plan
     from tempering.distributed.worker_groups import RayWorkerBuilder
     from tempering.models.generation.builders import COLOCATED_GPU_SHARE, start_colocated_engines
+    from tempering.models.shapes import model_shape
 
     cfg, _ = load_config(REPO / "examples" / "configs" / config, overrides, schema=GRPOMasterConfig)
-    plan = make_plan(cfg)  # the real model's plan ...
+    plan = make_plan(cfg, model_shape(cfg.policy.model_name))  # the real model's plan ...
     gpus = cfg.cluster.gpus_per_node
     # ... started with the tiny model, few threads, and a batch the tiny run can hold
     small = cfg.policy.model_copy(update={"model_name": "tiny-arith", "num_threads": 1})
@@ -94,7 +95,7 @@ def _main(config: str, nodes: int, overrides: list[str]) -> None:
         policy = build_policy_from_config(
             small, virtual, total_steps=1, gpu_share=COLOCATED_GPU_SHARE
         )
-        probe = RayWorkerBuilder("tempering.distributed.testing_workers.PlacementProbeWorker")
+        probe = RayWorkerBuilder("tests.workers.PlacementProbeWorker")
         engines = start_colocated_engines(policy, plan.generation, probe)
         placements = engines.get_all_worker_results(
             engines.run_all_workers_single_data("placement")

@@ -28,7 +28,7 @@ from tempering.distributed.actor_environments import (
 
 pytestmark = pytest.mark.timeout(300)
 REPO = Path(__file__).resolve().parents[2]
-COWSAY = "tempering.distributed.testing_workers.CowsayWorker"
+COWSAY = "tests.workers.CowsayWorker"
 
 
 def test_executables_come_from_one_torch_group_switch(monkeypatch):
@@ -211,7 +211,7 @@ def test_launchers_of_same_named_classes_do_not_collide(worker_venvs_dir, tmp_pa
 
 def test_freeze_tool_refuses_a_class_without_a_venv(worker_venvs_dir, tmp_path):
     proc = _freeze(
-        tmp_path / "bin", worker_venvs_dir, "tempering.distributed.testing_workers.EchoWorker"
+        tmp_path / "bin", worker_venvs_dir, "tests.workers.EchoWorker"
     )
     assert proc.returncode == 2
     assert "not a registered worker class with a venv to build" in proc.stderr
@@ -220,7 +220,7 @@ def test_freeze_tool_refuses_a_class_without_a_venv(worker_venvs_dir, tmp_path):
 def test_envs_command_lists_states(worker_venvs_dir):
     proc = subprocess.run(
         [sys.executable, "-m", "tempering.cli", "envs", COWSAY,
-         "tempering.distributed.testing_workers.EchoWorker"],
+         "tests.workers.EchoWorker"],
         env={**os.environ, "TEMPERING_VENVS_DIR": str(worker_venvs_dir)},
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip

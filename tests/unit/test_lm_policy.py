@@ -146,7 +146,7 @@ def test_streamed_refit_sends_layer_aligned_buckets_in_the_engine_dtype(policy) 
     sink_cluster = RayVirtualCluster([2], num_cpus_per_bundle=0.1, name="refit_sinks")
     sinks = RayWorkerGroup(
         sink_cluster,
-        RayWorkerBuilder("tempering.distributed.testing_workers.WeightSinkWorker"),
+        RayWorkerBuilder("tests.workers.WeightSinkWorker"),
         "sink",
     )
     try:

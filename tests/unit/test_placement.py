@@ -12,13 +12,8 @@ import pytest
 
 from tempering.config.loader import load_config
 from tempering.config.schemas import MASTER_CONFIGS
-from tempering.distributed.placement import (
-    KNOWN_SHAPES,
-    PlanError,
-    make_plan,
-    model_shape,
-    schema_for,
-)
+from tempering.distributed.placement import PlanError, make_plan, schema_for
+from tempering.models.shapes import KNOWN_SHAPES, model_shape
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "examples" / "configs").glob("*.yaml"))
@@ -27,7 +22,7 @@ CONFIGS = sorted((REPO / "examples" / "configs").glob("*.yaml"))
 def plan(config: str | Path, *overrides: str):
     path = REPO / "examples" / "configs" / config if isinstance(config, str) else config
     cfg, _ = load_config(path, list(overrides), schema=MASTER_CONFIGS[schema_for(path)])
-    return make_plan(cfg)
+    return make_plan(cfg, model_shape(cfg.policy.model_name))
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])

@@ -140,7 +140,7 @@ def _two_node_main() -> None:
         group = RayWorkerGroup(
             virtual,
             RayWorkerBuilder(
-                "tempering.distributed.testing_workers.EchoWorker",
+                "tests.workers.EchoWorker",
                 py_executable=PY_EXECUTABLES.ISOLATION_PROBE,
             ),
             "two-node",

@@ -18,7 +18,7 @@ from tempering.distributed.worker_groups import (
 )
 
 pytestmark = pytest.mark.timeout(120)
-PKG = "tempering.distributed.testing_workers"
+PKG = "tests.workers"
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def test_raising_worker_reports_rank_node_and_traceback(cluster):
         assert "rank 1 on node" in text and "'boom'" in text
         # The worker's own traceback, down to the raising line.
         assert "ValueError: rank 1: kaput" in text
-        assert "testing_workers.py" in text and "in boom" in text
+        assert "workers.py" in text and "in boom" in text
         # The group still works after a worker raised.
         assert group.get_all_worker_results(group.run_all_workers_single_data("ok")) == [0, 1]
     finally:

@@ -14,7 +14,7 @@ from tempering.distributed.virtual_cluster import RayVirtualCluster
 from tempering.distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup
 
 pytestmark = pytest.mark.timeout(180)
-ECHO = "tempering.distributed.testing_workers.EchoWorker"
+ECHO = "tests.workers.EchoWorker"
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def echo_group(cluster):
 
 
 def test_driver_never_imports_the_worker_class(echo_group):
-    assert "tempering.distributed.testing_workers" not in sys.modules
+    assert "tests.workers" not in sys.modules
 
 
 def test_workers_get_rank_and_rendezvous_env(echo_group):
@@ -92,7 +92,7 @@ def test_gloo_all_reduce_across_two_workers_then_shutdown(cluster, echo_group):
 
     group = RayWorkerGroup(
         cluster,
-        RayWorkerBuilder("tempering.distributed.testing_workers.AllReduceWorker"),
+        RayWorkerBuilder("tests.workers.AllReduceWorker"),
         "allreduce",
         num_cpus_per_worker=0.5,
     )

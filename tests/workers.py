@@ -1,8 +1,9 @@
 """Small worker classes that the distributed-core tests and benchmark build by name.
 
-Each is registered in ``ACTOR_ENVIRONMENT_REGISTRY`` (``actor_environments.py``). None is
-imported by the driver when a worker group builds it: the FQN travels, the class is imported
-inside the worker.
+They are not part of the package: tests/conftest.py (and bench/bench_worker_group.py, for
+EchoWorker) enter them in ``ACTOR_ENVIRONMENT_REGISTRY`` by name. None is imported
+by the driver when a worker group builds it: the FQN travels, and the class is imported inside
+the worker (the checkout's root is on every worker venv's path).
 """
 
 from __future__ import annotations

@@ -1,0 +1,64 @@
+"""A model's shape (layers, widths, vocabulary) without loading it, for the placement planner.
+
+    shape = model_shape("meta-llama/Llama-3.1-8B")   # a `ModelShape`, or None if unknown here
+
+From the model's ``config.json`` when it is on this machine (a folder, one of the project's
+own models, or the HF cache), else from `KNOWN_SHAPES` (hub ids the shipped GPU configs name).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tempering.distributed.placement import ModelShape
+from tempering.models.registry import MODEL_REGISTRY, REPO_ROOT, resolve_model_path
+
+__all__ = ["KNOWN_SHAPES", "model_shape"]
+
+
+def _shape(**cfg: Any) -> ModelShape:
+    return ModelShape.from_config(cfg, source="known hub id")
+
+
+# Hub ids the shipped configs name, whose config.json may not be on this machine (published
+# config.json values; `params` reproduces the published counts, tested).
+KNOWN_SHAPES: dict[str, ModelShape] = {
+    "Qwen/Qwen2.5-1.5B": _shape(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                                num_key_value_heads=2, intermediate_size=8960, vocab_size=151936,
+                                tie_word_embeddings=True, model_type="qwen2"),
+    "meta-llama/Llama-3.2-1B": _shape(hidden_size=2048, num_hidden_layers=16,
+                                      num_attention_heads=32, num_key_value_heads=8,
+                                      intermediate_size=8192, vocab_size=128256, head_dim=64,
+                                      tie_word_embeddings=True),
+    "meta-llama/Llama-3.1-8B": _shape(hidden_size=4096, num_hidden_layers=32,
+                                      num_attention_heads=32, num_key_value_heads=8,
+                                      intermediate_size=14336, vocab_size=128256),
+    "smollm2-135m-instruct": _shape(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                                    num_key_value_heads=3, intermediate_size=1536,
+                                    vocab_size=49152, tie_word_embeddings=True),
+}  # fmt: skip
+KNOWN_SHAPES["meta-llama/Llama-3.2-1B-Instruct"] = KNOWN_SHAPES["meta-llama/Llama-3.2-1B"]
+KNOWN_SHAPES["meta-llama/Llama-3.1-8B-Instruct"] = KNOWN_SHAPES["meta-llama/Llama-3.1-8B"]
+
+
+def model_shape(model_name: str) -> ModelShape | None:
+    """The shape of ``model_name`` without loading (or downloading, or converting) it."""
+    if model_name in KNOWN_SHAPES:
+        return KNOWN_SHAPES[model_name]
+    folders = [Path(model_name), REPO_ROOT / "models" / model_name]
+    if model_name in MODEL_REGISTRY:  # the project's own small models: cheap to resolve
+        folders.append(Path(resolve_model_path(model_name)))
+    for folder in folders:
+        if (folder / "config.json").is_file():
+            return ModelShape.from_config(json.loads((folder / "config.json").read_text()))
+    try:  # a hub id already in the local cache
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(model_name, "config.json")
+    except Exception:  # not a valid repo id
+        return None
+    if isinstance(cached, str):
+        return ModelShape.from_config(json.loads(Path(cached).read_text()), "HF cache")
+    return None
