@@ -7,7 +7,7 @@ library classes never receive a config object. Field descriptions double as ``--
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -562,34 +562,36 @@ def _check_dataset(data: DataConfig, algorithm: str, names: tuple[str, ...]) -> 
         )
 
 
-class SFTMasterConfig(_Master):
+class _DatasetMaster(_Master):
+    """SFT, DPO and RM: training rows come from a dataset of the algorithm's kind, and GRPO's
+    prompt keys are refused."""
+
+    ALGORITHM: ClassVar[str]
+    DATASETS: ClassVar[tuple[str, ...]]
+
+    @model_validator(mode="after")
+    def _unread(self) -> _DatasetMaster:
+        _reject_grpo_data_keys(self.data, self.ALGORITHM)
+        _check_dataset(self.data, self.ALGORITHM, self.DATASETS)
+        return self
+
+
+class SFTMasterConfig(_DatasetMaster):
+    ALGORITHM: ClassVar[str] = "SFT"
+    DATASETS: ClassVar[tuple[str, ...]] = SFT_DATASETS
     sft: SFTConfig = SFTConfig()
 
-    @model_validator(mode="after")
-    def _unread(self) -> SFTMasterConfig:
-        _reject_grpo_data_keys(self.data, "SFT")
-        _check_dataset(self.data, "SFT", SFT_DATASETS)
-        return self
 
-
-class DPOMasterConfig(_Master):
+class DPOMasterConfig(_DatasetMaster):
+    ALGORITHM: ClassVar[str] = "DPO"
+    DATASETS: ClassVar[tuple[str, ...]] = PREFERENCE_DATASETS
     dpo: DPOConfig = DPOConfig()
 
-    @model_validator(mode="after")
-    def _unread(self) -> DPOMasterConfig:
-        _reject_grpo_data_keys(self.data, "DPO")
-        _check_dataset(self.data, "DPO", PREFERENCE_DATASETS)
-        return self
 
-
-class RMMasterConfig(_Master):
+class RMMasterConfig(_DatasetMaster):
+    ALGORITHM: ClassVar[str] = "RM"
+    DATASETS: ClassVar[tuple[str, ...]] = PREFERENCE_DATASETS
     rm: RMConfig = RMConfig()
-
-    @model_validator(mode="after")
-    def _unread(self) -> RMMasterConfig:
-        _reject_grpo_data_keys(self.data, "RM")
-        _check_dataset(self.data, "RM", PREFERENCE_DATASETS)
-        return self
 
 
 class FaultToleranceConfig(Section):

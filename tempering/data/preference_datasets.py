@@ -48,9 +48,8 @@ from tempering.data.records import (
     MessageLog,
     OnBadRow,
     RowError,
-    RowIssues,
     check_message_log,
-    iter_jsonl,
+    load_jsonl,
     require,
     split_off_val,
     split_train_val,
@@ -107,16 +106,6 @@ def _checked_pair(prompt: MessageLog, chosen: MessageLog, rejected: MessageLog) 
     return PreferencePair(prompt, chosen, rejected)
 
 
-def _load(path: str | Path, on_bad_row: OnBadRow, convert) -> LoadedData:
-    issues = RowIssues(str(path), on_bad_row)
-    pairs = [
-        pair
-        for line, row in iter_jsonl(path, issues)
-        if (pair := issues.convert(str(line), row, convert)) is not None
-    ]
-    return issues.finish(Path(path).stem, pairs)
-
-
 # ---------------------------------------------------------------- loaders
 
 
@@ -137,7 +126,7 @@ def load_preference_jsonl(
         rejected = _as_response(require(row, rejected_key, keys, kinds), rejected_key)
         return _checked_pair(prompt, chosen, rejected)
 
-    return _load(path, on_bad_row, convert)
+    return load_jsonl(path, on_bad_row, convert)
 
 
 def load_helpsteer3_jsonl(path: str | Path, on_bad_row: OnBadRow = "error") -> LoadedData:
@@ -157,7 +146,7 @@ def load_helpsteer3_jsonl(path: str | Path, on_bad_row: OnBadRow = "error") -> L
         chosen, rejected = (r1, r2) if preference < 0 else (r2, r1)
         return _checked_pair(prompt, chosen, rejected)
 
-    return _load(path, on_bad_row, convert)
+    return load_jsonl(path, on_bad_row, convert)
 
 
 def load_messages_preference_jsonl(
@@ -186,7 +175,7 @@ def load_messages_preference_jsonl(
             _as_response(rejected[n:], rejected_key),
         )
 
-    return _load(path, on_bad_row, convert)
+    return load_jsonl(path, on_bad_row, convert)
 
 
 # ---------------------------------------------------------------- synthetic pairs

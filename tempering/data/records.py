@@ -112,6 +112,20 @@ def iter_jsonl(path: str | Path, issues: RowIssues) -> Iterator[tuple[int, dict[
             yield line_number, obj
 
 
+def load_jsonl(
+    path: str | Path, on_bad_row: OnBadRow, convert: Callable[[dict[str, Any]], T]
+) -> LoadedData:
+    """Every row of a JSONL file through ``convert``; a row it rejects (`RowError`) is handled
+    as ``on_bad_row`` says. Named after the file's stem."""
+    issues = RowIssues(str(path), on_bad_row)
+    rows = [
+        converted
+        for line, row in iter_jsonl(path, issues)
+        if (converted := issues.convert(str(line), row, convert)) is not None
+    ]
+    return issues.finish(Path(path).stem, rows)
+
+
 def require(row: dict[str, Any], key: str, expected: Sequence[str], kind: type | tuple) -> Any:
     """``row[key]`` checked for presence and type, else a :class:`RowError` naming the field."""
     if key not in row:

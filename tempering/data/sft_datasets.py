@@ -43,7 +43,7 @@ from tempering.data.records import (
     RowError,
     RowIssues,
     check_message_log,
-    iter_jsonl,
+    load_jsonl,
     require,
     split_off_val,
 )
@@ -87,14 +87,7 @@ def load_messages_jsonl(
     path: str | Path, messages_key: str = "messages", on_bad_row: OnBadRow = "error"
 ) -> LoadedData:
     """OpenAI-messages JSONL: one ``{"messages": [...]}`` object per line."""
-    issues = RowIssues(str(path), on_bad_row)
-    convert = _messages_converter(messages_key)
-    logs = [
-        log
-        for line, row in iter_jsonl(path, issues)
-        if (log := issues.convert(str(line), row, convert)) is not None
-    ]
-    return issues.finish(Path(path).stem, logs)
+    return load_jsonl(path, on_bad_row, _messages_converter(messages_key))
 
 
 def load_prompt_response_jsonl(
@@ -104,14 +97,7 @@ def load_prompt_response_jsonl(
     on_bad_row: OnBadRow = "error",
 ) -> LoadedData:
     """Prompt/response JSONL with configurable keys."""
-    issues = RowIssues(str(path), on_bad_row)
-    convert = _prompt_response_converter(prompt_key, response_key)
-    logs = [
-        log
-        for line, row in iter_jsonl(path, issues)
-        if (log := issues.convert(str(line), row, convert)) is not None
-    ]
-    return issues.finish(Path(path).stem, logs)
+    return load_jsonl(path, on_bad_row, _prompt_response_converter(prompt_key, response_key))
 
 
 def _squad_log(qa: Any, context: str) -> MessageLog:

@@ -47,14 +47,14 @@ from typing import Any
 
 import filelock
 
+from tempering.distributed.fingerprint import FORCE_REBUILD_ENV, REPO_ROOT, truthy_env
+
 logger = logging.getLogger(__name__)
 
 TORCH_GROUP_ENV = "TEMPERING_TORCH_GROUP"
 VENVS_DIR_ENV = "TEMPERING_VENVS_DIR"
-FORCE_REBUILD_ENV = "NRL_FORCE_REBUILD_VENVS"
 FROZEN_ENVS_DIR_ENV = "TEMPERING_FROZEN_ENVS_DIR"
 MARKER_FILE = ".tempering-venv.json"
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def torch_group() -> str:
@@ -184,7 +184,7 @@ def venvs_root() -> Path:
 
 def force_rebuild_requested() -> bool:
     """``NRL_FORCE_REBUILD_VENVS`` set to true/1/yes."""
-    return os.environ.get(FORCE_REBUILD_ENV, "").strip().lower() in ("1", "true", "yes")
+    return truthy_env(os.environ, FORCE_REBUILD_ENV)
 
 
 def launcher_name(fqn: str) -> str:

@@ -29,6 +29,12 @@ IGNORE_ENV = "NRL_IGNORE_VERSION_MISMATCH"
 FORCE_REBUILD_ENV = "NRL_FORCE_REBUILD_VENVS"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
+
+def truthy_env(environ: Mapping[str, str], name: str) -> bool:
+    """``name`` set to true/1/yes (any case)."""
+    return environ.get(name, "").strip().lower() in ("1", "true", "yes")
+
+
 REMEDIES = (
     "  (1) rebuild the container to match your code;\n"
     "  (2) set NRL_FORCE_REBUILD_VENVS=true to rebuild the worker venvs from your code's lock;\n"
@@ -148,7 +154,7 @@ def check_container_fingerprint(
     diff = diff_fingerprints(recorded, compute_fingerprint(repo_root))
     if diff:
         print(format_mismatch(diff, path), file=stream)
-        if environ.get(FORCE_REBUILD_ENV, "").strip().lower() in ("1", "true", "yes"):
+        if truthy_env(environ, FORCE_REBUILD_ENV):
             print(
                 f"{FORCE_REBUILD_ENV}=true: continuing; each worker venv is rebuilt from the "
                 "code's lock as its workers start (the image's frozen launchers are bypassed).",

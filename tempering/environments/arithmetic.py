@@ -18,6 +18,7 @@ from tempering.environments.interfaces import (
     EnvironmentReturn,
     MessageLog,
     last_assistant_content,
+    samples,
 )
 
 __all__ = ["ArithmeticEnvironment", "ArithmeticRetryEnvironment", "first_integer"]
@@ -40,13 +41,8 @@ class ArithmeticEnvironment(EnvironmentInterface):
     def step(
         self, message_logs: list[MessageLog], metadata: list[dict[str, Any]]
     ) -> EnvironmentReturn:
-        if len(message_logs) != len(metadata):
-            raise ValueError(
-                f"ArithmeticEnvironment.step got {len(message_logs)} message logs but "
-                f"{len(metadata)} metadata entries; they must match one to one."
-            )
         rewards, answers = [], []
-        for i, (log, meta) in enumerate(zip(message_logs, metadata, strict=True)):
+        for i, log, meta in samples("ArithmeticEnvironment", message_logs, metadata):
             if not meta or "ground_truth" not in meta:
                 raise KeyError(f"Sample {i} has no metadata['ground_truth'] (metadata={meta!r}).")
             value = first_integer(last_assistant_content(log))
@@ -107,7 +103,7 @@ class ArithmeticRetryEnvironment(EnvironmentInterface):
         observations: list[dict[str, Any]] = []
         metas: list[dict[str, Any] | None] = []
         rewards, done, answers = [], [], []
-        for i, (log, meta) in enumerate(zip(message_logs, metadata, strict=True)):
+        for i, log, meta in samples("ArithmeticRetryEnvironment", message_logs, metadata):
             if not meta or "ground_truth" not in meta or "prompt" not in meta:
                 raise KeyError(
                     f"Sample {i} needs metadata['ground_truth'] and metadata['prompt'] "

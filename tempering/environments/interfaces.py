@@ -13,6 +13,7 @@ them as Ray actors (see each module's ``make_*_actor`` / `tempering.environments
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:  # torch stays out of import time: verifier worker processes import this module
@@ -70,6 +71,20 @@ class EnvironmentInterface(ABC):
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Release resources (worker processes). Safe to call twice."""
+
+
+def samples(
+    env: str, message_logs: list[MessageLog], metadata: list[dict[str, Any]]
+) -> Iterator[tuple[int, MessageLog, dict[str, Any]]]:
+    """``(i, message_log, metadata)`` of a `step` call's samples; a ValueError naming ``env``
+    when the two lists do not match one to one."""
+    if len(message_logs) != len(metadata):
+        raise ValueError(
+            f"{env}.step got {len(message_logs)} message logs but "
+            f"{len(metadata)} metadata entries; they must match one to one."
+        )
+    for i, (log, meta) in enumerate(zip(message_logs, metadata, strict=True)):
+        yield i, log, meta
 
 
 def last_assistant_content(message_log: MessageLog) -> str:

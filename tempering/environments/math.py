@@ -36,6 +36,7 @@ from tempering.environments.interfaces import (
     EnvironmentReturn,
     MessageLog,
     last_assistant_content,
+    samples,
 )
 
 __all__ = [
@@ -277,13 +278,8 @@ class MathEnvironment(EnvironmentInterface):
     def step(
         self, message_logs: list[MessageLog], metadata: list[dict[str, Any]]
     ) -> EnvironmentReturn:
-        if len(message_logs) != len(metadata):
-            raise ValueError(
-                f"MathEnvironment.step got {len(message_logs)} message logs but "
-                f"{len(metadata)} metadata entries; they must match one to one."
-            )
         items = []
-        for i, (log, meta) in enumerate(zip(message_logs, metadata, strict=True)):
+        for i, log, meta in samples("MathEnvironment", message_logs, metadata):
             if not meta or "ground_truth" not in meta:
                 raise KeyError(
                     f"Sample {i} has no metadata['ground_truth'] (metadata={meta!r}); the math "

@@ -28,6 +28,7 @@ from tempering.environments.interfaces import (
     MessageLog,
     last_assistant_content,
     prompt_text,
+    samples,
 )
 
 __all__ = ["RewardFn", "RewardFunctionEnvironment", "load_reward_fn"]
@@ -90,13 +91,8 @@ class RewardFunctionEnvironment(EnvironmentInterface):
     def step(
         self, message_logs: list[MessageLog], metadata: list[dict[str, Any]]
     ) -> EnvironmentReturn:
-        if len(message_logs) != len(metadata):
-            raise ValueError(
-                f"RewardFunctionEnvironment.step got {len(message_logs)} message logs but "
-                f"{len(metadata)} metadata entries; they must match one to one."
-            )
         rewards = []
-        for i, (log, meta) in enumerate(zip(message_logs, metadata, strict=True)):
+        for i, log, meta in samples("RewardFunctionEnvironment", message_logs, metadata):
             try:
                 value = float(self._fn(prompt_text(log), last_assistant_content(log), meta or {}))
             except Exception as exc:
