@@ -52,24 +52,29 @@ def _fixes() -> str:
     )
 
 
+def _committed_folder(folder: Path, missing: str) -> Path:
+    """``folder`` when it holds a model (a config.json), else ModelNotFoundError(missing)."""
+    if (folder / "config.json").is_file():
+        return folder
+    raise ModelNotFoundError(missing)
+
+
 def _resolve_tiny_arith() -> Path:
-    if (TINY_ARITH_DIR / "config.json").is_file():
-        return TINY_ARITH_DIR
-    raise ModelNotFoundError(
+    return _committed_folder(
+        TINY_ARITH_DIR,
         f"Model 'tiny-arith' is not built yet: {TINY_ARITH_DIR} has no config.json. Fix: build "
         'an untrained one with `python -c "from tempering.models.tiny_arith import '
         f"build_untrained; build_untrained('{TINY_ARITH_DIR}')\"` and train it with the SFT "
-        "example, or pass another folder as policy.model_name."
+        "example, or pass another folder as policy.model_name.",
     )
 
 
 def _resolve_tiny_arith_chat() -> Path:
-    if (TINY_ARITH_CHAT_DIR / "config.json").is_file():
-        return TINY_ARITH_CHAT_DIR
-    raise ModelNotFoundError(
+    return _committed_folder(
+        TINY_ARITH_CHAT_DIR,
         f"Model 'tiny-arith-chat' is missing: {TINY_ARITH_CHAT_DIR} has no config.json. Fix: "
         "`uv run examples/run_sft.py --config examples/configs/sft_tiny_arith_chat.yaml` and "
-        f"copy results/sft_tiny_arith_chat/final_hf to {TINY_ARITH_CHAT_DIR}."
+        f"copy results/sft_tiny_arith_chat/final_hf to {TINY_ARITH_CHAT_DIR}.",
     )
 
 
