@@ -38,7 +38,11 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from tempering.distributed.batched_data_dict import BatchedDataDict
-from tempering.models.generation.interfaces import SamplingConfig
+from tempering.models.generation.interfaces import (
+    SamplingConfig,
+    check_input_lengths,
+    sampling_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,14 +66,9 @@ class TorchGenerationEngine:
         **sampling_args: Any,
     ) -> None:
         """`config`, or the `SamplingConfig` fields as keywords (not both)."""
-        if config is not None and sampling_args:
-            raise TypeError(
-                "TorchGenerationEngine takes a SamplingConfig or sampling keywords "
-                f"({sorted(sampling_args)}), not both; put them into the SamplingConfig."
-            )
+        self.config = sampling_config(config, sampling_args, "TorchGenerationEngine")
         self.model = model
         self.tokenizer = tokenizer
-        self.config = config if config is not None else SamplingConfig(**sampling_args)
         eos = tokenizer.eos_token_id
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
         if pad is None:
@@ -136,12 +135,8 @@ class TorchGenerationEngine:
         greedy = greedy or cfg.greedy
         input_ids = data["input_ids"].to(self.device).long()  # [B, S] right-padded
         lengths = data["input_lengths"].to(self.device).long()  # [B]
+        check_input_lengths(input_ids, lengths)
         B, S = input_ids.shape
-        if lengths.shape != (B,) or bool((lengths < 1).any()) or bool((lengths > S).any()):
-            raise ValueError(
-                f"input_lengths must be [B]={B} values in [1, {S}] (prompt width); got "
-                f"{lengths.tolist()}."
-            )
         row_caps = torch.full((B,), cfg.max_new_tokens, dtype=torch.long, device=self.device)
         if data.get("max_new_tokens") is not None:
             caps = torch.as_tensor(data["max_new_tokens"]).to(self.device).long()
