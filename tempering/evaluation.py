@@ -181,8 +181,8 @@ def evaluate(
     from tempering.data.prompts import prompt_token_ids
     from tempering.environments.registry import create_environment
     from tempering.experience.rollouts import InProcessTurnClient, RolloutSample, run_rollouts
+    from tempering.models.generation.chat_service import ChatCompletionService, ServerSettings
     from tempering.models.generation.interfaces import SamplingConfig
-    from tempering.models.generation.openai_server import ChatCompletionService, ServerSettings
     from tempering.models.hf import load_tokenizer
     from tempering.utils.logger import track
 

@@ -28,13 +28,13 @@ from typing import Any, Protocol
 
 from tempering.data.episodes import EpisodeRecord, build_batch
 from tempering.distributed.batched_data_dict import BatchedDataDict
-from tempering.models.generation.interfaces import SamplingConfig
-from tempering.models.generation.openai_server import (
+from tempering.models.generation.chat_service import (
     CONTEXT_LENGTH_EXCEEDED,
     ChatRequest,
     ChatResult,
     RequestError,
 )
+from tempering.models.generation.interfaces import SamplingConfig
 
 log = logging.getLogger(__name__)
 

@@ -51,12 +51,9 @@ def test_real_gym_rollouts_score_and_return_contiguous_token_ids(
         NemoGymEnvironment,
         build_nemo_gym_environment,
     )
+    from tempering.models.generation.chat_service import ChatCompletionService, ServerSettings
     from tempering.models.generation.interfaces import SamplingConfig
-    from tempering.models.generation.openai_server import (
-        ChatCompletionService,
-        OpenAIServer,
-        ServerSettings,
-    )
+    from tempering.models.generation.openai_server import OpenAIServer
     from tempering.models.hf import load_tokenizer
     from tests.scripted_backend import ScriptedBackend
 

@@ -186,12 +186,9 @@ def test_data_rows_load_or_name_file_and_line(name):
 # ------------------------------------------------------------------------ HTTP requests
 @pytest.fixture(scope="module")
 def server():
+    from tempering.models.generation.chat_service import ChatCompletionService, ServerSettings
     from tempering.models.generation.interfaces import SamplingConfig
-    from tempering.models.generation.openai_server import (
-        ChatCompletionService,
-        OpenAIServer,
-        ServerSettings,
-    )
+    from tempering.models.generation.openai_server import OpenAIServer
     from tempering.models.hf import load_tokenizer
     from tests.scripted_backend import ScriptedBackend
 

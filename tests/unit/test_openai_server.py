@@ -18,12 +18,9 @@ import pytest
 import torch
 
 from tempering.distributed.batched_data_dict import BatchedDataDict
+from tempering.models.generation.chat_service import ChatCompletionService, ServerSettings
 from tempering.models.generation.interfaces import SamplingConfig
-from tempering.models.generation.openai_server import (
-    ChatCompletionService,
-    OpenAIServer,
-    ServerSettings,
-)
+from tempering.models.generation.openai_server import OpenAIServer
 from tempering.models.generation.torch_engine import TorchGenerationEngine
 from tempering.models.hf import load_causal_lm, load_tokenizer
 from tests.scripted_backend import ScriptedBackend

@@ -15,12 +15,9 @@ from tempering.experience.rollouts import (
     RolloutSample,
     run_rollouts,
 )
+from tempering.models.generation.chat_service import ChatCompletionService, ServerSettings
 from tempering.models.generation.interfaces import SamplingConfig
-from tempering.models.generation.openai_server import (
-    ChatCompletionService,
-    OpenAIServer,
-    ServerSettings,
-)
+from tempering.models.generation.openai_server import OpenAIServer
 from tempering.models.generation.torch_engine import TorchGenerationEngine
 from tempering.models.hf import load_causal_lm, load_tokenizer
 from tempering.models.tiny_arith import make_problems

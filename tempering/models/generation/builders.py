@@ -274,7 +274,7 @@ def build_chat_service(
     chat_template: str | None = None,
 ) -> Any:
     """The chat service (prompts, batching, refit lock) over `generation`; HTTP or not."""
-    from tempering.models.generation.openai_server import ChatCompletionService, ServerSettings
+    from tempering.models.generation.chat_service import ChatCompletionService, ServerSettings
 
     srv = gen.http_server
     settings = ServerSettings(

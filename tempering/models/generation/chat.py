@@ -1,8 +1,9 @@
 """Chat prompts as token ids: chat template, tools, tool-call parsing, and the on-policy splice.
 
-Used by the OpenAI-compatible server (`openai_server.py`) and by the multi-turn rollout loop
-(`tempering/experience/rollouts.py`): both turn OpenAI-style messages into the exact token ids
-the backend continues, so a conversation trains on the tokens the model really produced.
+Used by the chat service (`chat_service.py`, behind the OpenAI-compatible server) and by the
+multi-turn rollout loop (`tempering/experience/rollouts.py`): both turn OpenAI-style messages
+into the exact token ids the backend continues, so a conversation trains on the tokens the
+model really produced.
 
 ## The re-tokenization problem and the splice
 

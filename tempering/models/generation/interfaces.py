@@ -96,3 +96,26 @@ class GenerationInterface(Protocol):
         """Refit: load new weights in place, by parameter name (a full or partial state dict;
         remote backends may accept handles such as Ray object refs to one)."""
         ...
+
+
+def sampling_config(
+    config: SamplingConfig | None, sampling_args: Mapping[str, Any], owner: str
+) -> SamplingConfig:
+    """A backend's settings from its constructor: `config`, or the `SamplingConfig` fields as
+    keywords (`sampling_args`), not both (`owner` names the backend in the error)."""
+    if config is not None and sampling_args:
+        raise TypeError(
+            f"{owner} takes a SamplingConfig or sampling keywords "
+            f"({sorted(sampling_args)}), not both; put them into the SamplingConfig."
+        )
+    return config if config is not None else SamplingConfig(**sampling_args)
+
+
+def check_input_lengths(input_ids: Any, lengths: Any) -> None:
+    """ValueError unless ``input_lengths`` [B] fit the right-padded ``input_ids`` [B, S]."""
+    B, S = input_ids.shape
+    if lengths.shape != (B,) or bool((lengths < 1).any()) or bool((lengths > S).any()):
+        raise ValueError(
+            f"input_lengths must be [B]={B} values in [1, {S}] (prompt width); got "
+            f"{lengths.tolist()}."
+        )

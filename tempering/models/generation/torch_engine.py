@@ -31,14 +31,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from tempering.distributed.batched_data_dict import BatchedDataDict
-from tempering.models.generation.interfaces import SamplingConfig
+from tempering.models.generation.interfaces import (
+    SamplingConfig,
+    check_input_lengths,
+    sampling_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,14 +66,9 @@ class TorchGenerationEngine:
         **sampling_args: Any,
     ) -> None:
         """`config`, or the `SamplingConfig` fields as keywords (not both)."""
-        if config is not None and sampling_args:
-            raise TypeError(
-                "TorchGenerationEngine takes a SamplingConfig or sampling keywords "
-                f"({sorted(sampling_args)}), not both; put them into the SamplingConfig."
-            )
+        self.config = sampling_config(config, sampling_args, "TorchGenerationEngine")
         self.model = model
         self.tokenizer = tokenizer
-        self.config = config if config is not None else SamplingConfig(**sampling_args)
         eos = tokenizer.eos_token_id
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
         if pad is None:
@@ -136,12 +135,8 @@ class TorchGenerationEngine:
         greedy = greedy or cfg.greedy
         input_ids = data["input_ids"].to(self.device).long()  # [B, S] right-padded
         lengths = data["input_lengths"].to(self.device).long()  # [B]
+        check_input_lengths(input_ids, lengths)
         B, S = input_ids.shape
-        if lengths.shape != (B,) or bool((lengths < 1).any()) or bool((lengths > S).any()):
-            raise ValueError(
-                f"input_lengths must be [B]={B} values in [1, {S}] (prompt width); got "
-                f"{lengths.tolist()}."
-            )
         row_caps = torch.full((B,), cfg.max_new_tokens, dtype=torch.long, device=self.device)
         if data.get("max_new_tokens") is not None:
             caps = torch.as_tensor(data["max_new_tokens"]).to(self.device).long()
@@ -190,6 +185,43 @@ class TorchGenerationEngine:
     # ---- internals -------------------------------------------------------------------------
 
 
+class _Decoded(NamedTuple):
+    """What one `generate` call decoded, T columns per row (T <= the call's max_new_tokens)."""
+
+    generated: torch.Tensor  # [B, T] token ids, pad after a row's end
+    logprobs: torch.Tensor  # [B, T] float32, 0 after a row's end
+    lengths: torch.Tensor  # [B] tokens generated per row
+    stopped: torch.Tensor  # [B] bool: ended by a stop token or string (else by its cap)
+    top_ids: torch.Tensor | None  # [B, T, k] (None unless top_logprobs = k > 0)
+    top_values: torch.Tensor | None  # [B, T, k]
+
+    @staticmethod
+    def empty(B: int, T: int, k: int, pad: int, like: torch.Tensor) -> _Decoded:
+        """Buffers for T steps of B rows on `like`'s device."""
+        dev = like.device
+        return _Decoded(
+            generated=torch.full((B, T), pad, dtype=torch.long, device=dev),
+            logprobs=torch.zeros((B, T), dtype=torch.float32, device=dev),
+            top_ids=torch.zeros((B, T, k), dtype=torch.long, device=dev) if k else None,
+            top_values=torch.zeros((B, T, k), device=dev) if k else None,
+            lengths=torch.zeros(B, dtype=torch.long, device=dev),
+            stopped=torch.zeros(B, dtype=torch.bool, device=dev),
+        )
+
+    def first(self, steps: int) -> _Decoded:
+        """The first `steps` columns (the steps the loop took)."""
+        cut = slice(0, steps)
+        top_ids, top_values = self.top_ids, self.top_values
+        return _Decoded(
+            self.generated[:, cut],
+            self.logprobs[:, cut],
+            self.lengths,
+            self.stopped,
+            None if top_ids is None else top_ids[:, cut],
+            None if top_values is None else top_values[:, cut],
+        )
+
+
 class _Decode:
     """One `generate` call's decoding: prefill, then one forward per step over the batch."""
 
@@ -213,20 +245,29 @@ class _Decode:
 
     def run(
         self, input_ids: torch.Tensor, lengths: torch.Tensor, row_caps: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        """Returns generated [B, T], logprobs [B, T], lengths [B], stopped [B] (bool), and the
-        top-k ids/log-probs [B, T, k] (None unless cfg.top_logprobs); T <= max(row_caps)."""
+    ) -> _Decoded:
+        """Decode right-padded prompts [B, S] of `lengths` [B], at most `row_caps` [B] new
+        tokens per row; the result's T <= max(row_caps)."""
+        max_new = int(row_caps.max())
+        cache = _preallocated_cache(self.model.config, capacity=input_ids.shape[1] + max_new)
+        logits, attention_mask = self._prefill(input_ids, lengths, cache)
+        decoded = _Decoded.empty(len(lengths), max_new, self.cfg.top_logprobs, self.pad, input_ids)
+        steps = self._decode(logits, attention_mask, cache, lengths, row_caps, decoded)
+        return decoded.first(steps)
+
+    def _prefill(
+        self, input_ids: torch.Tensor, lengths: torch.Tensor, cache: DynamicCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fill `cache` with the left-padded prompts; returns each row's next-token logits
+        [B, V] and the left-padded attention mask [B, S]."""
         B, S = input_ids.shape
         dev = input_ids.device
-        max_new = int(row_caps.max())
-        k = self.cfg.top_logprobs
         # Left-pad: row b's L_b tokens move to the last L_b columns.
         src = torch.arange(S, device=dev)[None, :] - (S - lengths)[:, None]  # [B, S]
         real = src >= 0
         left_ids = torch.where(real, input_ids.gather(1, src.clamp(min=0)), self.pad)
         attention_mask = real.long()
         position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-        cache = _preallocated_cache(self.model.config, capacity=S + max_new)
         # Rows with the same prompt (a GRPO group's G samples) are prefilled once, then the
         # cache and the last logits are copied out to every row of the group.
         key = torch.cat([left_ids, lengths[:, None]], dim=1)  # a padding token may be real
@@ -243,17 +284,27 @@ class _Decode:
         )
         logits = out.logits[:, -1, :][group_of_row]  # [B, V]
         cache.batch_select_indices(group_of_row)
-        generated = torch.full((B, max_new), self.pad, dtype=torch.long, device=dev)
-        gen_logprobs = torch.zeros((B, max_new), dtype=torch.float32, device=dev)
-        top_ids = torch.zeros((B, max_new, k), dtype=torch.long, device=dev) if k else None
-        top_values = torch.zeros((B, max_new, k), device=dev) if k else None
-        gen_lengths = torch.zeros(B, dtype=torch.long, device=dev)
-        finished = torch.zeros(B, dtype=torch.bool, device=dev)
-        stopped = torch.zeros(B, dtype=torch.bool, device=dev)
+        return logits, attention_mask
+
+    def _decode(
+        self,
+        logits: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: DynamicCache,
+        lengths: torch.Tensor,
+        row_caps: torch.Tensor,
+        decoded: _Decoded,
+    ) -> int:
+        """One forward per new token over the rows still live, writing into `decoded`;
+        returns the number of steps taken."""
+        generated, gen_logprobs, gen_lengths, stopped, top_ids, top_values = decoded
+        k = self.cfg.top_logprobs
+        B = len(lengths)
+        finished = torch.zeros(B, dtype=torch.bool, device=lengths.device)
         next_position = lengths.clone()  # position id of each row's next token
-        rows = torch.arange(B, device=dev)  # rows still in the decode batch (and the cache)
+        rows = torch.arange(B, device=lengths.device)  # rows still in the batch (and the cache)
         steps = 0
-        for step in range(max_new):
+        for step in range(generated.shape[1]):
             logp = torch.log_softmax(logits.float() / self.cfg.temperature, dim=-1)
             tokens = self._sample(logp)  # [b], b = len(rows)
             active = ~finished[rows]
@@ -292,15 +343,7 @@ class _Decode:
             )
             logits = out.logits[:, -1, :]
             next_position[rows] += 1
-        cut = slice(0, steps)
-        return (
-            generated[:, cut],
-            gen_logprobs[:, cut],
-            gen_lengths,
-            stopped,
-            None if top_ids is None else top_ids[:, cut],
-            None if top_values is None else top_values[:, cut],
-        )
+        return steps
 
     def _sample(self, logp: torch.Tensor) -> torch.Tensor:
         """Next tokens [B] from log-probs at temperature [B, V] (top-k/top-p filter the draw

@@ -42,7 +42,11 @@ from typing import Any
 import torch
 
 from tempering.distributed.batched_data_dict import BatchedDataDict
-from tempering.models.generation.interfaces import SamplingConfig
+from tempering.models.generation.interfaces import (
+    SamplingConfig,
+    check_input_lengths,
+    sampling_config,
+)
 from tempering.models.generation.vllm_extension import EXTENSION_FQN
 
 logger = logging.getLogger(__name__)
@@ -74,12 +78,7 @@ class VllmGenerationWorker:
         "bfloat16", "float16" or "float32". `enable_sleep_mode=True` (GPU only) lets
         `finish_generation` free the GPU for training in colocated mode.
         """
-        if config is not None and sampling_args:
-            raise TypeError(
-                "VllmGenerationWorker takes a SamplingConfig or sampling keywords "
-                f"({sorted(sampling_args)}), not both; put them into the SamplingConfig."
-            )
-        self.config = config if config is not None else SamplingConfig(**sampling_args)
+        self.config = sampling_config(config, sampling_args, "VllmGenerationWorker")
         _check_filters(self.config)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         import vllm  # deferred: only this worker's venv has vLLM
@@ -163,12 +162,8 @@ class VllmGenerationWorker:
         greedy = greedy or cfg.greedy
         input_ids = data["input_ids"].long().cpu()  # [B, S] right-padded
         lengths = data["input_lengths"].long().cpu()  # [B]
-        B, S = input_ids.shape
-        if lengths.shape != (B,) or bool((lengths < 1).any()) or bool((lengths > S).any()):
-            raise ValueError(
-                f"input_lengths must be [B]={B} values in [1, {S}] (prompt width); got "
-                f"{lengths.tolist()}."
-            )
+        check_input_lengths(input_ids, lengths)
+        B = len(lengths)
         caps = [cfg.max_new_tokens] * B
         if data.get("max_new_tokens") is not None:
             caps = [min(cfg.max_new_tokens, int(c)) for c in data["max_new_tokens"]]
@@ -182,25 +177,58 @@ class VllmGenerationWorker:
             self._vllm.TokensPrompt(prompt_token_ids=input_ids[b, : lengths[b]].tolist())
             for b in range(B)
         ]
-        # A per-call seed seeds each request of the call; after `reseed` (GRPO: every step)
-        # request i gets its own seed from the step's stream, so samples of one prompt differ
-        # and a resumed run draws what an uninterrupted one would. Otherwise the engine's own
-        # seed (set at start-up) governs.
-        seed = sampling.seed if sampling is not None else None
-        if seed is None and self._next_seed is not None and not greedy:
-            seeds: list[int | None] = [self._next_seed + i for i in range(B)]
-            self._next_seed += B
-        else:
-            seeds = [seed] * B
+        seeds = self._request_seeds(sampling, greedy, B)
         params = [
             self._sampling_params(cfg, greedy, cap, s) for cap, s in zip(caps, seeds, strict=True)
         ]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
-
         completions = [out.outputs[0] for out in outputs]
+        return self._contract_output(input_ids, lengths, completions, cfg.top_logprobs)
+
+    # ---- extras ----------------------------------------------------------------------------
+
+    def engine_info(self) -> dict[str, Any]:
+        """Identity of the running engine: this process's pid, the LLM object's id, and each
+        vLLM worker's pid/model id (tests use it to prove a refit did not restart anything)."""
+        return {
+            "pid": os.getpid(),
+            "llm_id": id(self.llm),
+            "workers": self.llm.collective_rpc("tempering_worker_info"),
+        }
+
+    def shutdown(self) -> None:
+        """Stop the engine and free its memory; the worker is unusable afterwards."""
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        engine_core = getattr(llm.llm_engine, "engine_core", None)
+        if engine_core is not None:
+            engine_core.shutdown()
+        self.llm = None
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _request_seeds(
+        self, sampling: SamplingConfig | None, greedy: bool, n: int
+    ) -> list[int | None]:
+        """One seed per request of a call. A per-call seed seeds each request of the call;
+        after `reseed` (GRPO: every step) request i gets its own seed from the step's stream,
+        so samples of one prompt differ and a resumed run draws what an uninterrupted one
+        would. Otherwise the engine's own seed (set at start-up) governs."""
+        seed = sampling.seed if sampling is not None else None
+        if seed is None and self._next_seed is not None and not greedy:
+            seeds: list[int | None] = [self._next_seed + i for i in range(n)]
+            self._next_seed += n
+            return seeds
+        return [seed] * n
+
+    def _contract_output(
+        self, input_ids: torch.Tensor, lengths: torch.Tensor, completions: list[Any], k: int
+    ) -> BatchedDataDict:
+        """vLLM's completions laid out as docs/CONTRACTS.md's right-padded tensors."""
+        B, S = input_ids.shape
         gen_lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.long)
         T = int(gen_lengths.max()) if B else 0
-        k = cfg.top_logprobs
         # Right-padded output: prompt, then generated tokens, then padding.  [B, S + T]
         output_ids = torch.full((B, S + T), self.pad_token_id, dtype=torch.long)
         logprobs = torch.zeros((B, S + T), dtype=torch.float32)
@@ -233,29 +261,6 @@ class VllmGenerationWorker:
         if k:
             out["top_logprob_ids"], out["top_logprobs"] = top_ids, top_values
         return out
-
-    # ---- extras ----------------------------------------------------------------------------
-
-    def engine_info(self) -> dict[str, Any]:
-        """Identity of the running engine: this process's pid, the LLM object's id, and each
-        vLLM worker's pid/model id (tests use it to prove a refit did not restart anything)."""
-        return {
-            "pid": os.getpid(),
-            "llm_id": id(self.llm),
-            "workers": self.llm.collective_rpc("tempering_worker_info"),
-        }
-
-    def shutdown(self) -> None:
-        """Stop the engine and free its memory; the worker is unusable afterwards."""
-        llm = getattr(self, "llm", None)
-        if llm is None:
-            return
-        engine_core = getattr(llm.llm_engine, "engine_core", None)
-        if engine_core is not None:
-            engine_core.shutdown()
-        self.llm = None
-
-    # ---- internals -------------------------------------------------------------------------
 
     def _sampling_params(
         self, cfg: SamplingConfig, greedy: bool, max_tokens: int, seed: int | None
