@@ -430,9 +430,10 @@ def exported_greedy_accuracy(policy: Any, problems: list[dict[str, str]]) -> flo
     return tiny_arith.greedy_accuracy(model, tokenizer, problems)
 
 
-def report(summary: dict[str, Any], cfg: DPOMasterConfig) -> str:
-    """What a DPO run shows: preference figures next to the reference's, and (tiny-arith data)
-    held-out task accuracy before and after through `tempering eval`."""
+def report(summary: dict[str, Any], cfg: DPOMasterConfig, task_accuracy: str | None = None) -> str:
+    """What a DPO run shows: preference figures next to the reference's and, when the caller
+    measured it (``examples/run_dpo.py``: tiny-arith data, through `tempering eval`), the
+    held-out task accuracy before and after (``task_accuracy``, printed as given)."""
     start, end = summary["start"], summary["end"]
 
     def fig(key: str) -> str:
@@ -447,16 +448,7 @@ def report(summary: dict[str, Any], cfg: DPOMasterConfig) -> str:
         f"  implicit-reward preference accuracy: {fig('preference_accuracy')} (0 at the start by "
         "construction: the policy is the reference)",
     ]
-    if cfg.data.dataset_name in ("arithmetic", "arithmetic_parity"):
-        from tempering.evaluation import evaluate
-        from tempering.evaluation import report as eval_report
-
-        n = cfg.data.num_val_samples
-        kwargs = {"samples": n, "seed": cfg.data.seed, "progress": False,
-                  "max_new_tokens": cfg.policy.generation.max_new_tokens}  # fmt: skip
-        after = evaluate(summary["final_model"], "arithmetic", **kwargs)
-        before = evaluate(cfg.policy.model_name, "arithmetic", **kwargs)
-        lines.append("  held-out task accuracy, before (baseline) and after (model):")
-        lines.append(eval_report(after, before, None))
+    if task_accuracy is not None:
+        lines.append(task_accuracy)
     lines.append(f"  final model (HF folder): {summary['final_model']}")
     return "\n".join(lines)
