@@ -118,7 +118,8 @@ def workload(scale: str, n_pairs: int) -> list:
 
 def bench_tempering(model: str, pairs: list, args: argparse.Namespace) -> tuple[list, float]:
     """Seconds per step and tokens per step (chosen + rejected rows, after truncation)."""
-    from tempering.algorithms.dpo import dpo_step, preference_loader
+    from tempering.algorithms.dpo import dpo_step
+    from tempering.algorithms.preference import preference_loader
     from tempering.distributed.virtual_cluster import cluster_from_config, init_ray
     from tempering.losses import DPOLoss
     from tempering.models.hf import load_tokenizer

@@ -137,7 +137,7 @@ def sft_batches(model: str, rows: int, max_len: int, count: int) -> list:
 
 
 def dpo_batches(model: str, pairs: int, max_len: int, count: int) -> list:
-    from tempering.algorithms.dpo import preference_batch
+    from tempering.algorithms.preference import preference_batch
     from tempering.data.preference_datasets import (
         arithmetic_preference_pairs,
         gsm8k_preference_pairs,

@@ -12,6 +12,7 @@ after, measured by `tempering eval` on the same problems (with its 95% interval)
 
 import sys
 from pathlib import Path
+from typing import Any
 
 from tempering.config import DPOMasterConfig, parse_args_and_load
 from tempering.errors import exit_on_user_error
@@ -29,7 +30,25 @@ def main() -> None:
         summary = dpo.train(run)
     finally:
         run.close()
-    print(dpo.report(summary, cfg))
+    print(dpo.report(summary, cfg, held_out_task_accuracy(summary, cfg)))
+
+
+def held_out_task_accuracy(summary: dict[str, Any], cfg: DPOMasterConfig) -> str | None:
+    """tiny-arith data: held-out task accuracy before (the base model) and after (the final
+    model), measured by `tempering eval` on the same problems; None for other data. Here, in
+    the entry point, because evaluation sits above the algorithms."""
+    if cfg.data.dataset_name not in ("arithmetic", "arithmetic_parity"):
+        return None
+    from tempering.evaluation import evaluate, report
+
+    n = cfg.data.num_val_samples
+    kwargs = {"samples": n, "seed": cfg.data.seed, "progress": False,
+              "max_new_tokens": cfg.policy.generation.max_new_tokens}  # fmt: skip
+    after = evaluate(summary["final_model"], "arithmetic", **kwargs)
+    before = evaluate(cfg.policy.model_name, "arithmetic", **kwargs)
+    return "  held-out task accuracy, before (baseline) and after (model):\n" + report(
+        after, before, None
+    )
 
 
 if __name__ == "__main__":

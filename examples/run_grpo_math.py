@@ -9,7 +9,7 @@ addition with exact-answer rewards, on CPU, in a few minutes.
 import sys
 from pathlib import Path
 
-from tempering.algorithms.common import run_grpo_example
+from tempering.algorithms.launch import run_grpo_example
 
 DEFAULT = Path(__file__).parent / "configs" / "grpo_math_tiny.yaml"
 

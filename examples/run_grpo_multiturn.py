@@ -11,7 +11,7 @@ environment and `grpo.max_rollout_turns` differ.
 import sys
 from pathlib import Path
 
-from tempering.algorithms.common import run_grpo_example
+from tempering.algorithms.launch import run_grpo_example
 
 DEFAULT = Path(__file__).parent / "configs" / "grpo_multiturn_tiny.yaml"
 

@@ -12,7 +12,7 @@ workplace_assistant, example_single_tool_call). See docs/nemo_gym.md.
 import sys
 from pathlib import Path
 
-from tempering.algorithms.common import run_grpo_example
+from tempering.algorithms.launch import run_grpo_example
 
 DEFAULT = Path(__file__).parent / "configs" / "grpo_nemo_gym_tiny.yaml"
 

@@ -27,7 +27,7 @@ import math
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = ["EvalResult", "evaluate", "paired_difference", "wilson_interval"]
 
@@ -177,89 +177,37 @@ def evaluate(
     answer_key: str = "expected_answer",
     progress: bool | None = None,
 ) -> EvalResult:
-    """Score `model` on `task` as GRPO validation does (see the module docstring)."""
-    from tempering.data.prompts import prompt_token_ids
-    from tempering.environments.registry import create_environment
-    from tempering.experience.rollouts import InProcessTurnClient, RolloutSample, run_rollouts
-    from tempering.models.generation.chat_service import ChatCompletionService, ServerSettings
+    """Score `model` on `task` as GRPO validation does (see the module docstring): the
+    problems -> the model (a checkpoint exported) -> its settings -> a generation backend ->
+    greedy rollouts, scored -> pass@k with sampling -> the result with its interval."""
     from tempering.models.generation.interfaces import SamplingConfig
     from tempering.models.hf import load_tokenizer
-    from tempering.utils.logger import track
 
     problems = task_problems(task, split=split, samples=samples, seed=seed, data=data,
                              problem_key=problem_key, answer_key=answer_key)  # fmt: skip
+    multi_turn = task == "arithmetic_retry"
+    threshold = 0.0 if multi_turn else 0.5  # solved (any turn) / correct
     with tempfile.TemporaryDirectory(prefix="tempering_eval_") as scratch:
         path, run_cfg = resolve_model(model, Path(scratch))
-        run_cfg = run_cfg or {}
-        gen_cfg = (run_cfg.get("policy") or {}).get("generation") or {}
-        multi_turn = task == "arithmetic_retry"
-        turns = max_turns or (3 if multi_turn else 1)
-        chat = use_chat_template
-        if chat is None:
-            chat = (run_cfg.get("data") or {}).get("use_chat_template", task not in (
-                "arithmetic", "arithmetic_retry"))  # fmt: skip
-        new_tokens = max_new_tokens or gen_cfg.get("max_new_tokens") or (
-            6 if task.startswith("arithmetic") else 256)  # fmt: skip
-        sampling = SamplingConfig(max_new_tokens=new_tokens, temperature=temperature)
+        settings = eval_settings(task, run_cfg or {}, max_new_tokens, use_chat_template, max_turns)
+        sampling = SamplingConfig(max_new_tokens=settings.max_new_tokens, temperature=temperature)
         tokenizer = load_tokenizer(path)
         generation, close = _backend(path, backend, sampling)
         try:
-            max_len = int((run_cfg.get("policy") or {}).get("max_total_sequence_length") or 4096)
-            service = ChatCompletionService(generation, tokenizer, ServerSettings(
-                model_name="eval", max_model_len=max_len, default_sampling=sampling))  # fmt: skip
-            client = InProcessTurnClient(service)
-            env_kwargs = {"arithmetic_retry": {"max_attempts": turns}}
-            envs: dict[str, Any] = {}
-
-            def run(chunk: list[Any], greedy: bool, repeat: int = 1) -> Any:
-                for p in chunk:
-                    if p.task_name not in envs:
-                        envs[p.task_name] = create_environment(
-                            p.task_name, **env_kwargs.get(p.task_name, {})
-                        )
-                samples_ = [
-                    RolloutSample(
-                        [{"role": "user", "content": p.prompt}],
-                        {"ground_truth": p.answer, "prompt": p.prompt},
-                        p.task_name,
-                        prompt_token_ids(p.prompt, tokenizer, chat),
-                    )
-                    for p in chunk for _ in range(repeat)
-                ]  # fmt: skip
-                return run_rollouts(client, samples_, envs, sampling=sampling, max_turns=turns,
-                                    max_seq_len=max_len, greedy=greedy)  # fmt: skip
-
-            threshold = 0.0 if multi_turn else 0.5  # solved (any turn) / correct
-            correct: list[bool] = []
-            examples: list[dict[str, Any]] = []
+            rollouts = EvalRollouts(generation, tokenizer, sampling, settings)
             chunks = [problems[i : i + batch_size] for i in range(0, len(problems), batch_size)]
-            with track(chunks, len(chunks), f"eval {task}", enabled=progress) as bar:
-                for chunk in bar:
-                    batch = run(chunk, greedy=True)
-                    for p, reward, log in zip(chunk, batch["rewards"].tolist(),
-                                              batch["message_logs"], strict=True):  # fmt: skip
-                        correct.append(reward > threshold)
-                        said = [m.get("content") for m in log if m["role"] == "assistant"]
-                        examples.append({"prompt": p.prompt, "answer": p.answer,
-                                         "completions": said, "reward": reward})  # fmt: skip
+            correct, examples = score_greedy(rollouts, chunks, threshold, f"eval {task}", progress)
             passk = None
             if pass_at_k:
-                hits = []
-                for chunk in chunks:
-                    rewards = run(chunk, greedy=False, repeat=pass_at_k)["rewards"]
-                    hits += (rewards.view(-1, pass_at_k) > threshold).any(dim=1).tolist()
-                n_hit = sum(hits)
-                passk = {"k": pass_at_k, "temperature": temperature, "value": n_hit / len(hits),
-                         "ci95": wilson_interval(n_hit, len(hits))}  # fmt: skip
-            for env in envs.values():
-                env.shutdown()
+                passk = score_pass_at_k(rollouts, chunks, pass_at_k, temperature, threshold)
+            rollouts.shutdown()
         finally:
             close()
     k = sum(correct)
     return EvalResult(
         model=model,
         task=task,
-        metric=f"solved within {turns} turns" if multi_turn else "accuracy",
+        metric=f"solved within {settings.max_turns} turns" if multi_turn else "accuracy",
         samples=len(correct),
         correct=correct,
         accuracy=k / len(correct),
@@ -268,14 +216,126 @@ def evaluate(
         settings={
             "split": split,
             "seed": seed,
-            "max_new_tokens": new_tokens,
-            "use_chat_template": chat,
-            "max_turns": turns,
+            "max_new_tokens": settings.max_new_tokens,
+            "use_chat_template": settings.use_chat_template,
+            "max_turns": settings.max_turns,
             "backend": backend,
             "greedy": True,
-        },  # fmt: skip
+        },
         examples=examples,
     )
+
+
+class EvalSettings(NamedTuple):
+    max_new_tokens: int
+    use_chat_template: bool
+    max_turns: int
+    max_len: int  # the run's policy.max_total_sequence_length (4096 without a run config)
+
+
+def eval_settings(
+    task: str,
+    run_cfg: dict[str, Any],
+    max_new_tokens: int | None,
+    use_chat_template: bool | None,
+    max_turns: int | None,
+) -> EvalSettings:
+    """Each setting from its argument, else the run's config (a checkpoint's), else the
+    task's default."""
+    policy_cfg = run_cfg.get("policy") or {}
+    gen_cfg = policy_cfg.get("generation") or {}
+    turns = max_turns or (3 if task == "arithmetic_retry" else 1)
+    chat = use_chat_template
+    if chat is None:
+        chat = (run_cfg.get("data") or {}).get("use_chat_template", task not in (
+            "arithmetic", "arithmetic_retry"))  # fmt: skip
+    new_tokens = max_new_tokens or gen_cfg.get("max_new_tokens") or (
+        6 if task.startswith("arithmetic") else 256)  # fmt: skip
+    max_len = int(policy_cfg.get("max_total_sequence_length") or 4096)
+    return EvalSettings(new_tokens, chat, turns, max_len)
+
+
+class EvalRollouts:
+    """GRPO's rollout loop over one generation backend: an in-process chat service, the
+    tasks' environments (created on first use), prompts encoded as GRPO encodes them."""
+
+    def __init__(
+        self, generation: Any, tokenizer: Any, sampling: Any, settings: EvalSettings
+    ) -> None:
+        from tempering.experience.rollouts import InProcessTurnClient
+        from tempering.models.generation.chat_service import ChatCompletionService, ServerSettings
+
+        service = ChatCompletionService(generation, tokenizer, ServerSettings(
+            model_name="eval", max_model_len=settings.max_len, default_sampling=sampling))  # fmt: skip
+        self.client = InProcessTurnClient(service)
+        self.tokenizer, self.sampling, self.settings = tokenizer, sampling, settings
+        self.env_kwargs = {"arithmetic_retry": {"max_attempts": settings.max_turns}}
+        self.envs: dict[str, Any] = {}
+
+    def __call__(self, chunk: list[Any], greedy: bool, repeat: int = 1) -> Any:
+        """``repeat`` episodes per problem of ``chunk``, scored (a rollout batch)."""
+        from tempering.data.prompts import prompt_token_ids
+        from tempering.environments.registry import create_environment
+        from tempering.experience.rollouts import RolloutSample, run_rollouts
+
+        for p in chunk:
+            if p.task_name not in self.envs:
+                self.envs[p.task_name] = create_environment(
+                    p.task_name, **self.env_kwargs.get(p.task_name, {})
+                )
+        samples = [
+            RolloutSample(
+                [{"role": "user", "content": p.prompt}],
+                {"ground_truth": p.answer, "prompt": p.prompt},
+                p.task_name,
+                prompt_token_ids(p.prompt, self.tokenizer, self.settings.use_chat_template),
+            )
+            for p in chunk for _ in range(repeat)
+        ]  # fmt: skip
+        return run_rollouts(self.client, samples, self.envs, sampling=self.sampling,
+                            max_turns=self.settings.max_turns, max_seq_len=self.settings.max_len,
+                            greedy=greedy)  # fmt: skip
+
+    def shutdown(self) -> None:
+        for env in self.envs.values():
+            env.shutdown()
+
+
+def score_greedy(
+    rollouts: EvalRollouts,
+    chunks: list[list[Any]],
+    threshold: float,
+    description: str,
+    progress: bool | None,
+) -> tuple[list[bool], list[dict[str, Any]]]:
+    """One greedy episode per problem: (solved or not, the example records)."""
+    from tempering.utils.logger import track
+
+    correct: list[bool] = []
+    examples: list[dict[str, Any]] = []
+    with track(chunks, len(chunks), description, enabled=progress) as bar:
+        for chunk in bar:
+            batch = rollouts(chunk, greedy=True)
+            for p, reward, log in zip(chunk, batch["rewards"].tolist(),
+                                      batch["message_logs"], strict=True):  # fmt: skip
+                correct.append(reward > threshold)
+                said = [m.get("content") for m in log if m["role"] == "assistant"]
+                examples.append({"prompt": p.prompt, "answer": p.answer,
+                                 "completions": said, "reward": reward})  # fmt: skip
+    return correct, examples
+
+
+def score_pass_at_k(
+    rollouts: EvalRollouts, chunks: list[list[Any]], k: int, temperature: float, threshold: float
+) -> dict[str, Any]:
+    """pass@k: the share of problems solved by any of k sampled episodes, with its interval."""
+    hits = []
+    for chunk in chunks:
+        rewards = rollouts(chunk, greedy=False, repeat=k)["rewards"]
+        hits += (rewards.view(-1, k) > threshold).any(dim=1).tolist()
+    n_hit = sum(hits)
+    return {"k": k, "temperature": temperature, "value": n_hit / len(hits),
+            "ci95": wilson_interval(n_hit, len(hits))}  # fmt: skip
 
 
 def report(result: EvalResult, baseline: EvalResult | None, path: str | None) -> str:

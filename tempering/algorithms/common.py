@@ -264,58 +264,6 @@ class Deadline:
         return self.seconds is not None and self.elapsed >= self.seconds
 
 
-def run_grpo_example(argv: list[str], default_config: Path) -> None:
-    """What every GRPO example script does: load and validate the config (failing fast,
-    before any heavy import), set up, train, free everything, print the summary."""
-    from tempering.config import GRPOMasterConfig, parse_args_and_load
-    from tempering.errors import exit_on_user_error
-
-    cfg, resolved = parse_args_and_load(argv, default_config, GRPOMasterConfig)
-    from tempering.algorithms import grpo  # heavy imports only after the config is valid
-    from tempering.distributed.deadlines import DeadlineExceeded
-    from tempering.distributed.worker_groups import WorkerDiedError
-
-    restarts: list[dict[str, Any]] = []
-    while True:
-        start = time.perf_counter()
-        with exit_on_user_error():  # a missing model or a bad data row: one message, exit 2
-            run = grpo.setup(cfg, resolved)
-        if restarts:
-            restarts[-1].update(setup_s=time.perf_counter() - start, resumed_at=run.start_step)
-        try:
-            summary = grpo.train(run)
-            break
-        except (WorkerDiedError, DeadlineExceeded) as exc:
-            if len(restarts) >= cfg.fault_tolerance.max_restarts:
-                raise
-            restarts.append(
-                {"error": str(exc).splitlines()[0], "failed_after_step": last_logged_step(cfg)}
-            )
-            log.warning(
-                "restart %d of fault_tolerance.max_restarts=%d after: %s",
-                len(restarts), cfg.fault_tolerance.max_restarts, restarts[-1]["error"],
-            )  # fmt: skip
-        finally:
-            run.close()
-    summary["restarts"] = restarts
-    print(grpo.summary_text(summary, cfg))
-
-
-def last_logged_step(cfg: Any) -> int:
-    """The newest step in ``<log_dir>/metrics.jsonl`` (0 when none)."""
-    import json
-
-    path = Path(cfg.logger.log_dir) / "metrics.jsonl"
-    last = 0
-    if path.is_file():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                last = max(last, int(json.loads(line).get("step", 0)))
-            except (ValueError, AttributeError):
-                continue
-    return last
-
-
 def export_final_model(policy: Any, checkpointing: CheckpointingConfig) -> Path:
     """The usable model every run ends with: ``<checkpoint_dir>/final_hf`` (atomic)."""
     path = Path(checkpointing.checkpoint_dir) / "final_hf"

@@ -3,7 +3,8 @@
     uv run examples/run_dpo.py [--config FILE] [dotted.key=value ...]
 
 `setup()` builds the pieces (preference data, Ray cluster, policy with a frozen reference
-copy, logger, checkpoints) from the config; `train()` is the loop:
+copy, logger, checkpoints) from the config; `train()` is the loop, the one the reward model
+runs too (`tempering.algorithms.preference`, with the pair data and the run both use):
 
   batch of pairs (chosen 2i / rejected 2i+1 interleaved, ONE forward batch)
   -> policy.train(DPOLoss, with_reference=True): per micro-batch, the frozen reference's
@@ -36,32 +37,16 @@ the count is logged as `data/num_skipped`).
 
 from __future__ import annotations
 
-import copy
 import logging
 import tempfile
-import time
-from dataclasses import dataclass, field
 from typing import Any
 
-from tempering.algorithms import common
-from tempering.config.schemas import DataConfig, DPOMasterConfig
+from tempering.algorithms import common, preference
+from tempering.algorithms.preference import PreferenceRun, preference_batch
+from tempering.config.schemas import DPOMasterConfig
 
 log = logging.getLogger(__name__)
 
-TRAIN_METRICS = (
-    "reference_logprob_accuracy",
-    "loss",
-    "preference_loss",
-    "sft_loss",
-    "preference_accuracy",
-    "reward_margin",
-    "rewards_chosen_mean",
-    "rewards_rejected_mean",
-    "grad_norm",
-    "lr",
-    "tokens_per_s",
-    "num_nonfinite_skipped",
-)
 VAL_METRICS = (
     "loss",
     "preference_loss",
@@ -71,196 +56,35 @@ VAL_METRICS = (
     "rewards_chosen_mean",
     "rewards_rejected_mean",
 )
-
-
-# --------------------------------------------------------------------------- data
-@dataclass
-class PreferenceData:
-    train: list[Any]  # PreferencePair
-    val: list[Any]
-    num_skipped: int = 0  # bad rows skipped with data.on_bad_row=skip
-    skipped_reasons: list[str] = field(default_factory=list)  # "file:line: why"
-    val_problems: list[dict[str, str]] = field(default_factory=list)  # {"prompt", "answer"}
-
-
-def load_preference_data(data_cfg: DataConfig) -> PreferenceData:
-    """Train/held-out preference pairs for `data.dataset_name` (shared by DPO and RM).
-
-    Synthetic "arithmetic" (default) and "gsm8k", or a local file format; a bad row raises
-    `DataFormatError` naming file and line, or is skipped and counted (`data.on_bad_row`).
-    """
-    from tempering.data import preference_datasets as pd
-    from tempering.data.records import split_off_val
-
-    name = data_cfg.dataset_name
-    if name in ("arithmetic", "arithmetic_parity"):
-        from tempering.models.tiny_arith import make_problems
-
-        make = (
-            pd.arithmetic_preference_pairs if name == "arithmetic" else pd.arithmetic_parity_pairs
-        )
-        return PreferenceData(
-            make(data_cfg.num_train_samples, data_cfg.seed).examples,
-            make(data_cfg.num_val_samples, data_cfg.seed, "test").examples,
-            val_problems=make_problems(data_cfg.num_val_samples, data_cfg.seed, "test"),
-        )
-    if name == "gsm8k":
-        train, val = pd.load_preference_splits("gsm8k", num_val=data_cfg.num_val_samples)
-        return PreferenceData(train, val)
-    if name not in pd.PREFERENCE_LOADERS:
-        raise ValueError(
-            f"data.dataset_name={name!r} is not a preference dataset; use arithmetic, "
-            "arithmetic_parity, gsm8k or "
-            f"one of {sorted(pd.PREFERENCE_LOADERS)} with data.train_data_path"
-        )
-    if not data_cfg.train_data_path:
-        raise ValueError(f"data.dataset_name={name!r} needs data.train_data_path=<jsonl file>")
-    load = pd.PREFERENCE_LOADERS[name]
-    loaded = [load(data_cfg.train_data_path, data_cfg.on_bad_row)]
-    if data_cfg.val_data_path:
-        loaded.append(load(data_cfg.val_data_path, data_cfg.on_bad_row))
-        train, val = loaded[0].examples, loaded[1].examples
-    else:
-        held = min(data_cfg.num_val_samples, len(loaded[0]) // 2)
-        train, val = split_off_val(loaded[0].examples, held, data_cfg.seed)
-    reasons = [r for d in loaded for r in d.skipped_reasons]
-    if not train or not val:
-        raise ValueError(
-            f"{data_cfg.train_data_path}: {len(train)} train / {len(val)} validation pairs left "
-            f"after skipping {len(reasons)} bad row(s); DPO/RM need both"
-        )
-    return PreferenceData(train, val, sum(d.num_skipped for d in loaded), reasons)
-
-
-def preference_batch(pairs: list[Any], tokenizer: Any, max_seq_len: int) -> Any:
-    """Tokenized, interleaved batch (`collate_preference`) of `len(pairs) * 2` rows."""
-    from tempering.data.collate import collate_preference
-
-    return collate_preference(pairs, tokenizer, max_seq_len)
-
-
-def preference_loader(
-    pairs: Any,
-    batch_rows: int,
-    tokenizer: Any,
-    max_seq_len: int,
-    *,
-    seed: int = 0,
-    shuffle: bool = True,
-) -> Any:
-    """A `StatefulDataLoader` of `preference_batch`es, ``batch_rows // 2`` pairs each (the
-    policy counts rows), that tokenizes the next batch in a background thread while the
-    workers train. The thread gets its own copy of ``tokenizer``: HF fast tokenizers are not
-    safe to call from two threads, and the caller keeps using its own."""
-    from tempering.data.dataloader import StatefulDataLoader
-
-    own = copy.deepcopy(tokenizer)
-    return StatefulDataLoader(
-        pairs,
-        batch_rows // 2,
-        shuffle=shuffle,
-        seed=seed,
-        collate_fn=lambda chunk: preference_batch(chunk, own, max_seq_len),
-        prefetch=True,
-    )
-
-
-def check_pair_batch_sizes(
-    global_batch_size: int, micro_batch_size: int, dp: int, what: str
-) -> None:
-    """Rows = 2 x pairs: every rank's share and every micro-batch must hold whole pairs."""
-    if global_batch_size % (2 * dp) or micro_batch_size % 2:
-        raise ValueError(
-            f"{what}: global batch {global_batch_size} rows must be a multiple of 2 x "
-            f"data-parallel size ({2 * dp}) and micro batch {micro_batch_size} even; batches "
-            "count rows and each chosen/rejected pair is two rows"
-        )
+TRAIN_METRICS = (
+    "reference_logprob_accuracy",
+    *VAL_METRICS,
+    "grad_norm",
+    "lr",
+    "tokens_per_s",
+    "num_nonfinite_skipped",
+)
 
 
 # -------------------------------------------------------------------------- setup
-@dataclass
-class DPORun:
-    cfg: DPOMasterConfig
-    resolved: dict[str, Any]
-    tokenizer: Any
-    data: PreferenceData
-    dataloader: Any
-    policy: Any
-    cluster: Any
-    logger: Any
-    checkpointer: Any
-    start_step: int
-    final_step: int = 0
-    generation: Any = None  # colocated greedy generation for validation, built on first use
-    monitor: Any = None  # per-role resource metrics (logger.monitor_gpus)
-
-    def close(self) -> None:
-        """Free what the run started: logger, policy workers, placement groups."""
-        self.logger.close()
-        self.policy.shutdown()
-        self.cluster.shutdown()
-
-
-def setup(cfg: DPOMasterConfig, resolved: dict[str, Any]) -> DPORun:
-    pol = cfg.policy
-    dp = cfg.cluster.num_nodes * (cfg.cluster.gpus_per_node or cfg.cluster.workers_per_node)
-    check_pair_batch_sizes(
-        pol.train_global_batch_size,
-        pol.train_micro_batch_size,
-        dp,
-        "policy.train_global_batch_size / train_micro_batch_size",
-    )
-    check_pair_batch_sizes(
-        cfg.dpo.val_global_batch_size,
-        cfg.dpo.val_micro_batch_size,
-        dp,
-        "dpo.val_global_batch_size / val_micro_batch_size",
-    )
-    common.prepare_run(cfg.deadlines, cfg.logger.log_dir)
-    plan = common.plan_run(cfg)
-    tokenizer = common.load_run_tokenizer(pol)
-    data = load_preference_data(cfg.data)
-    dataloader = preference_loader(
-        data.train,
-        pol.train_global_batch_size,
-        tokenizer,
-        pol.max_total_sequence_length,
-        seed=cfg.dpo.seed,
-    )
-    common.start_ray(cfg.cluster)  # the inputs are good: now the workers
-    cluster = common.build_cluster(plan.policy, cfg.cluster, "dpo")
-    policy = common.build_policy_from_config(
-        pol,
-        cluster,
+def setup(cfg: DPOMasterConfig, resolved: dict[str, Any]) -> PreferenceRun:
+    """Pairs, tokenizer and cluster (`preference.prepare`), the policy with its frozen
+    reference, then checkpoints, logger and monitor (`preference.resume`)."""
+    run = preference.prepare(cfg, resolved, "dpo")
+    run.model = common.build_policy_from_config(
+        cfg.policy,
+        run.cluster,
         total_steps=cfg.dpo.max_num_steps,
         init_reference_model=True,
         seed=cfg.dpo.seed,
     )
-    checkpointer = common.build_checkpointer(cfg.checkpointing)
-    start_step, _ = common.maybe_resume(checkpointer, policy, dataloader)
-    logger = common.build_logger(cfg.logger, resolved, start_step)
-    logger.log_metrics(
-        {
-            "num_skipped": float(data.num_skipped),
-            "num_train_pairs": float(len(data.train)),
-            "num_val_pairs": float(len(data.val)),
-        },
-        start_step,
-        prefix="data",
-    )
-    return DPORun(
-        cfg,
-        resolved,
-        tokenizer,
-        data,
-        dataloader,
-        policy,
-        cluster,
-        logger,
-        checkpointer,
-        start_step,
-        monitor=common.build_resource_monitor(cfg.logger, policy=policy),
-    )
+    data_metrics = {
+        "num_skipped": float(run.data.num_skipped),
+        "num_train_pairs": float(len(run.data.train)),
+        "num_val_pairs": float(len(run.data.val)),
+    }
+    preference.resume(run, data_metrics, monitored_policy=run.model)
+    return run
 
 
 # --------------------------------------------------------------------------- loop
@@ -280,54 +104,18 @@ def dpo_step(policy: Any, batch: Any, loss_fn: Any, **train_kwargs: Any) -> dict
     return policy.train(batch, loss_fn, with_reference=True, **train_kwargs)
 
 
-def train(run: DPORun) -> dict[str, Any]:
-    """The DPO loop. Returns {"steps", "start": first val metrics, "end": last val metrics}."""
-    from tempering.utils.logger import print_step_summary, track
-
-    cfg = run.cfg.dpo
+def train(run: PreferenceRun) -> dict[str, Any]:
+    """The DPO loop (`preference.train_loop` with `dpo_step`), then the final model.
+    Returns {"steps", "start": first val metrics, "end": last val metrics, "final_model"}."""
     loss_fn = make_loss(run.cfg)
-    first: dict[str, float] = {}
-    val: dict[str, float] = {}
-    if cfg.val_at_start and cfg.val_period and run.start_step == 0:
-        first = val = validate(run, step=0)
-    step = run.start_step
-    steps = range(run.start_step, cfg.max_num_steps)
-    with track(steps, len(steps), "dpo") as progress:
-        for _ in progress:
-            if run.dataloader.epoch >= cfg.max_num_epochs:
-                break
-            t0 = time.perf_counter()
-            batch = run.dataloader.next_batch()
-            metrics = dpo_step(run.policy, batch, loss_fn)
-            step += 1
-            step_s = time.perf_counter() - t0
-            run.logger.log_metrics(
-                {k: metrics[k] for k in TRAIN_METRICS if k in metrics}, step, prefix="train"
-            )
-            run.logger.log_metrics({"step_s": step_s}, step, prefix="timing")
-            common.log_resources(run.monitor, run.logger, step)
-            is_last = step == cfg.max_num_steps
-            if cfg.val_period and (step % cfg.val_period == 0 or is_last):
-                val = validate(run, step)
-            print_step_summary(
-                step, cfg.max_num_steps, {**metrics, **{f"val/{k}": v for k, v in val.items()}}
-            )
-            if run.checkpointer and run.checkpointer.should_save(step, is_last_step=is_last):
-                common.save_checkpoint(
-                    run.checkpointer,
-                    run.policy,
-                    step,
-                    metrics={f"val/{k}": v for k, v in val.items()},
-                    dataloader=run.dataloader,
-                    config=run.resolved,
-                )
-    run.final_step = step
-    final = common.export_final_model(run.policy, run.cfg.checkpointing)
-    first = first or common.first_logged(run.cfg.logger.log_dir, "val/")  # resumed: records
+    step, first, val = preference.train_loop(
+        run, lambda batch: dpo_step(run.model, batch, loss_fn), validate, TRAIN_METRICS
+    )
+    final = common.export_final_model(run.model, run.cfg.checkpointing)
     return {"steps": step, "start": first, "end": val, "final_model": str(final)}
 
 
-def validate(run: DPORun, step: int) -> dict[str, float]:
+def validate(run: PreferenceRun, step: int) -> dict[str, float]:
     """Held-out DPO loss and preference accuracy (no update) and, where answers are known
     (arithmetic), greedy accuracy."""
     cfg = run.cfg.dpo
@@ -339,7 +127,7 @@ def validate(run: DPORun, step: int) -> dict[str, float]:
             run.data.val[:n_pairs], run.tokenizer, run.cfg.policy.max_total_sequence_length
         )
         m = dpo_step(
-            run.policy,
+            run.model,
             batch,
             make_loss(run.cfg),
             eval_mode=True,
@@ -347,7 +135,7 @@ def validate(run: DPORun, step: int) -> dict[str, float]:
             micro_batch_size=cfg.val_micro_batch_size,
         )
         out.update({k: m[k] for k in VAL_METRICS if k in m})
-        logprobs = run.policy.get_logprobs(batch)["logprobs"]
+        logprobs = run.model.get_logprobs(batch)["logprobs"]
         out["logprob_accuracy"] = likelihood_preference_accuracy(
             logprobs, batch, cfg.preference_average_log_probs
         )
@@ -381,15 +169,15 @@ def likelihood_preference_accuracy(logprobs: Any, batch: Any, average: bool) -> 
     return float((wins * valid).sum() / valid.sum().clamp(min=1))
 
 
-def greedy_accuracy(run: DPORun) -> dict[str, float]:
+def greedy_accuracy(run: PreferenceRun) -> dict[str, float]:
     """tiny-arith greedy exact-match accuracy on the held-out problems.
 
     In the policy workers (a colocated torch engine, refitted with the current weights) when
     the policy supports it; otherwise through an exported HF copy."""
     problems = run.data.val_problems
-    if not hasattr(run.policy, "init_colocated_generation"):
+    if not hasattr(run.model, "init_colocated_generation"):
         return {
-            "greedy_accuracy": exported_greedy_accuracy(run.policy, problems),
+            "greedy_accuracy": exported_greedy_accuracy(run.model, problems),
             "greedy_via_export": 1.0,
         }
     from tempering.algorithms import sft
@@ -398,9 +186,9 @@ def greedy_accuracy(run: DPORun) -> dict[str, float]:
 
     if run.generation is None:  # built on first use; later calls copy the new weights in
         sampling = sampling_from_config(run.cfg.policy.generation, run.tokenizer)
-        run.generation = ColocatedGeneration(run.policy, sampling)
+        run.generation = ColocatedGeneration(run.model, sampling)
     else:
-        run.generation.refit(run.policy)
+        run.generation.refit(run.model)
 
     def checker(completion: str, answer: str) -> bool:
         got = first_integer(completion)
@@ -430,9 +218,10 @@ def exported_greedy_accuracy(policy: Any, problems: list[dict[str, str]]) -> flo
     return tiny_arith.greedy_accuracy(model, tokenizer, problems)
 
 
-def report(summary: dict[str, Any], cfg: DPOMasterConfig) -> str:
-    """What a DPO run shows: preference figures next to the reference's, and (tiny-arith data)
-    held-out task accuracy before and after through `tempering eval`."""
+def report(summary: dict[str, Any], cfg: DPOMasterConfig, task_accuracy: str | None = None) -> str:
+    """What a DPO run shows: preference figures next to the reference's and, when the caller
+    measured it (``examples/run_dpo.py``: tiny-arith data, through `tempering eval`), the
+    held-out task accuracy before and after (``task_accuracy``, printed as given)."""
     start, end = summary["start"], summary["end"]
 
     def fig(key: str) -> str:
@@ -447,16 +236,7 @@ def report(summary: dict[str, Any], cfg: DPOMasterConfig) -> str:
         f"  implicit-reward preference accuracy: {fig('preference_accuracy')} (0 at the start by "
         "construction: the policy is the reference)",
     ]
-    if cfg.data.dataset_name in ("arithmetic", "arithmetic_parity"):
-        from tempering.evaluation import evaluate
-        from tempering.evaluation import report as eval_report
-
-        n = cfg.data.num_val_samples
-        kwargs = {"samples": n, "seed": cfg.data.seed, "progress": False,
-                  "max_new_tokens": cfg.policy.generation.max_new_tokens}  # fmt: skip
-        after = evaluate(summary["final_model"], "arithmetic", **kwargs)
-        before = evaluate(cfg.policy.model_name, "arithmetic", **kwargs)
-        lines.append("  held-out task accuracy, before (baseline) and after (model):")
-        lines.append(eval_report(after, before, None))
+    if task_accuracy is not None:
+        lines.append(task_accuracy)
     lines.append(f"  final model (HF folder): {summary['final_model']}")
     return "\n".join(lines)

@@ -16,10 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tempering.algorithms.dpo import (
+from tempering.algorithms.dpo import dpo_step, likelihood_preference_accuracy
+from tempering.algorithms.preference import (
     check_pair_batch_sizes,
-    dpo_step,
-    likelihood_preference_accuracy,
     load_preference_data,
     preference_batch,
 )

@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from tempering.algorithms.dpo import load_preference_data, preference_batch
+from tempering.algorithms.preference import load_preference_data, preference_batch
 from tempering.config.schemas import DataConfig
 from tempering.environments.interfaces import EnvironmentInterface
 from tempering.environments.registry import get_environment_class

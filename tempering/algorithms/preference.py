@@ -1,0 +1,254 @@
+"""What DPO and the reward model share: preference pairs, the run they build and the
+training loop both call.
+
+    pairs (chosen 2i / rejected 2i+1 interleaved) -> prepare() -> the algorithm builds its
+    model -> resume() -> train_loop(step, validate) -> the algorithm's own ending
+
+`algorithms/dpo.py` and `algorithms/rm.py` keep what differs -- which model trains, its step,
+its validation and what a run ends with; this module holds the mechanism they run the same
+way: the data (`load_preference_data`, `preference_batch`, `preference_loader`, the
+batch-size rule), the `PreferenceRun` they hold and the step loop (validate at start, train,
+log, validate every `val_period` steps, checkpoint).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tempering.algorithms import common
+from tempering.config.schemas import DataConfig
+
+
+# --------------------------------------------------------------------------- data
+@dataclass
+class PreferenceData:
+    train: list[Any]  # PreferencePair
+    val: list[Any]
+    num_skipped: int = 0  # bad rows skipped with data.on_bad_row=skip
+    skipped_reasons: list[str] = field(default_factory=list)  # "file:line: why"
+    val_problems: list[dict[str, str]] = field(default_factory=list)  # {"prompt", "answer"}
+
+
+def load_preference_data(data_cfg: DataConfig) -> PreferenceData:
+    """Train/held-out preference pairs for `data.dataset_name` (shared by DPO and RM).
+
+    Synthetic "arithmetic" (default) and "gsm8k", or a local file format; a bad row raises
+    `DataFormatError` naming file and line, or is skipped and counted (`data.on_bad_row`).
+    """
+    from tempering.data import preference_datasets as pd
+    from tempering.data.records import split_off_val
+
+    name = data_cfg.dataset_name
+    if name in ("arithmetic", "arithmetic_parity"):
+        from tempering.models.tiny_arith import make_problems
+
+        make = (
+            pd.arithmetic_preference_pairs if name == "arithmetic" else pd.arithmetic_parity_pairs
+        )
+        return PreferenceData(
+            make(data_cfg.num_train_samples, data_cfg.seed).examples,
+            make(data_cfg.num_val_samples, data_cfg.seed, "test").examples,
+            val_problems=make_problems(data_cfg.num_val_samples, data_cfg.seed, "test"),
+        )
+    if name == "gsm8k":
+        train, val = pd.load_preference_splits("gsm8k", num_val=data_cfg.num_val_samples)
+        return PreferenceData(train, val)
+    if name not in pd.PREFERENCE_LOADERS:
+        raise ValueError(
+            f"data.dataset_name={name!r} is not a preference dataset; use arithmetic, "
+            "arithmetic_parity, gsm8k or "
+            f"one of {sorted(pd.PREFERENCE_LOADERS)} with data.train_data_path"
+        )
+    if not data_cfg.train_data_path:
+        raise ValueError(f"data.dataset_name={name!r} needs data.train_data_path=<jsonl file>")
+    load = pd.PREFERENCE_LOADERS[name]
+    loaded = [load(data_cfg.train_data_path, data_cfg.on_bad_row)]
+    if data_cfg.val_data_path:
+        loaded.append(load(data_cfg.val_data_path, data_cfg.on_bad_row))
+        train, val = loaded[0].examples, loaded[1].examples
+    else:
+        held = min(data_cfg.num_val_samples, len(loaded[0]) // 2)
+        train, val = split_off_val(loaded[0].examples, held, data_cfg.seed)
+    reasons = [r for d in loaded for r in d.skipped_reasons]
+    if not train or not val:
+        raise ValueError(
+            f"{data_cfg.train_data_path}: {len(train)} train / {len(val)} validation pairs left "
+            f"after skipping {len(reasons)} bad row(s); DPO/RM need both"
+        )
+    return PreferenceData(train, val, sum(d.num_skipped for d in loaded), reasons)
+
+
+def preference_batch(pairs: list[Any], tokenizer: Any, max_seq_len: int) -> Any:
+    """Tokenized, interleaved batch (`collate_preference`) of `len(pairs) * 2` rows."""
+    from tempering.data.collate import collate_preference
+
+    return collate_preference(pairs, tokenizer, max_seq_len)
+
+
+def preference_loader(
+    pairs: Any,
+    batch_rows: int,
+    tokenizer: Any,
+    max_seq_len: int,
+    *,
+    seed: int = 0,
+    shuffle: bool = True,
+) -> Any:
+    """A `StatefulDataLoader` of `preference_batch`es, ``batch_rows // 2`` pairs each (the
+    policy counts rows), that tokenizes the next batch in a background thread while the
+    workers train. The thread gets its own copy of ``tokenizer``: HF fast tokenizers are not
+    safe to call from two threads, and the caller keeps using its own."""
+    from tempering.data.dataloader import StatefulDataLoader
+
+    own = copy.deepcopy(tokenizer)
+    return StatefulDataLoader(
+        pairs,
+        batch_rows // 2,
+        shuffle=shuffle,
+        seed=seed,
+        collate_fn=lambda chunk: preference_batch(chunk, own, max_seq_len),
+        prefetch=True,
+    )
+
+
+def check_pair_batch_sizes(
+    global_batch_size: int, micro_batch_size: int, dp: int, what: str
+) -> None:
+    """Rows = 2 x pairs: every rank's share and every micro-batch must hold whole pairs."""
+    if global_batch_size % (2 * dp) or micro_batch_size % 2:
+        raise ValueError(
+            f"{what}: global batch {global_batch_size} rows must be a multiple of 2 x "
+            f"data-parallel size ({2 * dp}) and micro batch {micro_batch_size} even; batches "
+            "count rows and each chosen/rejected pair is two rows"
+        )
+
+
+# --------------------------------------------------------------------------- run
+@dataclass
+class PreferenceRun:
+    """A DPO or reward-model run: ``model`` is the `Policy` (DPO, with its frozen reference)
+    or the `RewardModel` (RM) that trains, is checkpointed and is freed by `close`."""
+
+    cfg: Any  # DPOMasterConfig | RMMasterConfig
+    resolved: dict[str, Any]
+    name: str  # "dpo" | "rm": the config section, the cluster's and the progress bar's name
+    tokenizer: Any
+    data: PreferenceData
+    dataloader: Any
+    cluster: Any
+    model: Any = None  # built by the algorithm's setup() between prepare() and resume()
+    logger: Any = None
+    checkpointer: Any = None
+    start_step: int = 0
+    final_step: int = 0
+    monitor: Any = None  # per-role resource metrics (logger.monitor_gpus)
+    generation: Any = None  # DPO: colocated greedy generation for validation, built on first use
+
+    @property
+    def section(self) -> Any:
+        """This algorithm's config section: ``cfg.dpo`` or ``cfg.rm``."""
+        return getattr(self.cfg, self.name)
+
+    def close(self) -> None:
+        """Free what the run started: logger, model workers, placement groups."""
+        self.logger.close()
+        self.model.shutdown()
+        self.cluster.shutdown()
+
+
+def prepare(cfg: Any, resolved: dict[str, Any], name: str) -> PreferenceRun:
+    """Everything before the model: batch-size checks, the pairs, the tokenizer, the
+    prefetching loader, then Ray and the cluster (the inputs are good: now the workers)."""
+    pol, section = cfg.policy, getattr(cfg, name)  # cfg.dpo | cfg.rm
+    dp = cfg.cluster.num_nodes * (cfg.cluster.gpus_per_node or cfg.cluster.workers_per_node)
+    check_pair_batch_sizes(
+        pol.train_global_batch_size,
+        pol.train_micro_batch_size,
+        dp,
+        "policy.train_global_batch_size / train_micro_batch_size",
+    )
+    check_pair_batch_sizes(
+        section.val_global_batch_size,
+        section.val_micro_batch_size,
+        dp,
+        f"{name}.val_global_batch_size / val_micro_batch_size",
+    )
+    common.prepare_run(cfg.deadlines, cfg.logger.log_dir)
+    plan = common.plan_run(cfg)
+    tokenizer = common.load_run_tokenizer(pol)
+    data = load_preference_data(cfg.data)
+    dataloader = preference_loader(
+        data.train,
+        pol.train_global_batch_size,
+        tokenizer,
+        pol.max_total_sequence_length,
+        seed=section.seed,
+    )
+    common.start_ray(cfg.cluster)
+    cluster = common.build_cluster(plan.policy, cfg.cluster, name)
+    return PreferenceRun(cfg, resolved, name, tokenizer, data, dataloader, cluster)
+
+
+def resume(run: PreferenceRun, data_metrics: dict[str, float], monitored_policy: Any) -> None:
+    """Once ``run.model`` is built: checkpoints (resuming from the newest), the logger, the
+    ``data/*`` figures and the resource monitor of ``monitored_policy``'s workers."""
+    run.checkpointer = common.build_checkpointer(run.cfg.checkpointing)
+    run.start_step, _ = common.maybe_resume(run.checkpointer, run.model, run.dataloader)
+    run.logger = common.build_logger(run.cfg.logger, run.resolved, run.start_step)
+    run.logger.log_metrics(data_metrics, run.start_step, prefix="data")
+    run.monitor = common.build_resource_monitor(run.cfg.logger, policy=monitored_policy)
+
+
+# -------------------------------------------------------------------------- loop
+def train_loop(
+    run: PreferenceRun,
+    train_step: Callable[[Any], dict[str, float]],
+    validate: Callable[[PreferenceRun, int], dict[str, float]],
+    train_metrics: tuple[str, ...],
+) -> tuple[int, dict[str, float], dict[str, float]]:
+    """The loop DPO and RM share: batch of pairs -> ``train_step`` -> log ``train_metrics`` ->
+    validate every ``val_period`` steps -> checkpoint. Returns (last step, first validation
+    metrics, last validation metrics); a resumed run's first ones come from its records."""
+    from tempering.utils.logger import print_step_summary, track
+
+    cfg = run.section
+    first: dict[str, float] = {}
+    val: dict[str, float] = {}
+    if cfg.val_at_start and cfg.val_period and run.start_step == 0:
+        first = val = validate(run, 0)
+    step = run.start_step
+    steps = range(run.start_step, cfg.max_num_steps)
+    with track(steps, len(steps), run.name) as progress:
+        for _ in progress:
+            if run.dataloader.epoch >= cfg.max_num_epochs:
+                break
+            t0 = time.perf_counter()
+            metrics = train_step(run.dataloader.next_batch())
+            step += 1
+            step_s = time.perf_counter() - t0
+            run.logger.log_metrics(
+                {k: metrics[k] for k in train_metrics if k in metrics}, step, prefix="train"
+            )
+            run.logger.log_metrics({"step_s": step_s}, step, prefix="timing")
+            common.log_resources(run.monitor, run.logger, step)
+            is_last = step == cfg.max_num_steps
+            if cfg.val_period and (step % cfg.val_period == 0 or is_last):
+                val = validate(run, step)
+            val_metrics = {f"val/{k}": v for k, v in val.items()}
+            print_step_summary(step, cfg.max_num_steps, {**metrics, **val_metrics})
+            if run.checkpointer and run.checkpointer.should_save(step, is_last_step=is_last):
+                common.save_checkpoint(
+                    run.checkpointer,
+                    run.model,
+                    step,
+                    metrics=val_metrics,
+                    dataloader=run.dataloader,
+                    config=run.resolved,
+                )
+    run.final_step = step
+    first = first or common.first_logged(run.cfg.logger.log_dir, "val/")  # resumed: records
+    return step, first, val
