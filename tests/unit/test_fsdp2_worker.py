@@ -99,12 +99,12 @@ def test_get_logprobs_matches_unsharded_forward(make_worker, tiny_llama_dir, mb_
 def _weights(worker: FSDP2PolicyWorker) -> dict[str, torch.Tensor]:
     """Copies of the full weights: on CPU the gathered state dict can alias the parameters,
     so a dict taken before a step would change with it."""
-    return {k: v.clone() for k, v in worker.state_dict_for_refit().items()}
+    return {k: v.clone() for k, v in worker.refit.state_dict().items()}
 
 
 def _params_after_one_step(worker: FSDP2PolicyWorker, data: BatchedDataDict, **kw) -> dict:
     metrics = worker.train(data, NLLLoss(), global_batch_size=data.size, **kw)
-    return {"metrics": metrics, "params": worker.state_dict_for_refit()}
+    return {"metrics": metrics, "params": worker.refit.state_dict()}
 
 
 def test_micro_batching_equals_one_big_batch(make_worker) -> None:
@@ -228,7 +228,7 @@ class _PoisonedNLL(NLLLoss):
 
 
 def test_non_finite_steps_are_skipped_counted_and_stop_the_run(make_worker) -> None:
-    from tempering.models.policy.fsdp2_worker import NonFiniteTrainingError
+    from tempering.models.policy.training import NonFiniteTrainingError
 
     worker = make_worker(learning_rate=1e-2, max_consecutive_nonfinite=3)
     data = make_batch(LENGTHS)
