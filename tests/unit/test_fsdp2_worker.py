@@ -119,7 +119,7 @@ def test_micro_batching_equals_one_big_batch(make_worker) -> None:
     }.items():
         worker = make_worker(optimizer="sgd", learning_rate=1.0, max_grad_norm=None)
         runs[name] = _params_after_one_step(worker, data, **kw)
-    initial = AutoModelForCausalLM.from_pretrained(worker.model_path).state_dict()
+    initial = AutoModelForCausalLM.from_pretrained(worker.state.source.model_path).state_dict()
     base = runs["one"]
     # The step moved the weights (so the comparison below is not vacuous).
     moved = max((base["params"][k] - initial[k]).abs().max().item() for k in initial)
@@ -233,15 +233,15 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(make_worker) -> N
     worker = make_worker(learning_rate=1e-2, max_consecutive_nonfinite=3)
     data = make_batch(LENGTHS)
     before = _weights(worker)
-    lr_before = worker.scheduler.last_epoch
+    lr_before = worker.state.scheduler.last_epoch
     for where in ("loss", "grad"):
         m = worker.train(data, _PoisonedNLL(where), global_batch_size=data.size)
         assert m["num_nonfinite_skipped"] == 1.0, where
         assert not math.isfinite(m["loss"] if where == "loss" else m["grad_norm"])
     after = _weights(worker)
     assert all(torch.equal(before[k], after[k]) for k in before)  # no update at all
-    assert worker.scheduler.last_epoch == lr_before  # nor a schedule step
-    assert not worker.optimizer.state  # AdamW moments untouched (no step ever taken)
+    assert worker.state.scheduler.last_epoch == lr_before  # nor a schedule step
+    assert not worker.state.optimizer.state  # AdamW moments untouched (no step ever taken)
 
     good = worker.train(data, _PoisonedNLL(None), global_batch_size=data.size)
     assert good["num_nonfinite_skipped"] == 0.0 and math.isfinite(good["loss"])

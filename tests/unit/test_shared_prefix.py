@@ -151,7 +151,7 @@ def test_dpo_reference_inside_the_train_call_equals_the_separate_call(make_worke
         "reference_policy_logprobs"
     ]
     with torch.no_grad():  # move the policy away from its reference
-        for p in worker.model.parameters():
+        for p in worker.state.model.parameters():
             p.add_(0.01 * torch.randn_like(p))
     two_calls = worker.train(
         BatchedDataDict(separate), loss_fn, global_batch_size=12, micro_batch_size=4,

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from tempering.models.policy.model_setup import PolicyState
 from tempering.models.policy.weight_streaming import full_state_dict
 from tempering.utils import faults
 
@@ -36,52 +37,32 @@ RNG_FILE = "rng_rank{rank}.pt"
 
 
 class CheckpointIO:
-    """Save, load and export ``model`` (with ``optimizer`` and ``scheduler`` when it trains).
+    """Save, load and export the policy (with its optimizer and scheduler when it trains).
+    Rank 0 writes the scheduler state and the HF folder; ``export_dtype`` is the dtype the HF
+    weights are written in (the configured precision)."""
 
-    Args:
-        model: the sharded policy.
-        optimizer, scheduler: None for an inference-only policy.
-        rank: this rank (rank 0 writes the scheduler and the HF folder).
-        model_path: the source model (its tokenizer and generation config are exported).
-        export_dtype: the dtype the HF weights are written in (the configured precision).
-        head: "causal_lm" or "score" (the exported model class).
-    """
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None,
-        scheduler: torch.optim.lr_scheduler.LambdaLR | None,
-        *,
-        rank: int,
-        model_path: str,
-        export_dtype: torch.dtype,
-        head: str,
-    ) -> None:
-        self.model = model
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.rank = rank
-        self.model_path = model_path
+    def __init__(self, state: PolicyState, export_dtype: torch.dtype) -> None:
+        self.state = state
         self.export_dtype = export_dtype
-        self.head = head
 
     def save(self, path: str) -> None:
         """Sharded model + optimizer state (DCP) under `path`, scheduler state beside it."""
         faults.maybe_fault("policy", "checkpoint")
+        model, optimizer, scheduler = self.state.model, self.state.optimizer, self.state.scheduler
+        rank = self.state.topo.rank
         Path(path).mkdir(parents=True, exist_ok=True)
         dist.barrier()
         state: dict[str, Any] = {}
-        if self.optimizer is not None:
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        if optimizer is not None:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
             state = {"model": model_sd, "optim": optim_sd}
         else:
-            state = {"model": get_model_state_dict(self.model)}
+            state = {"model": get_model_state_dict(model)}
         dcp.save(state, checkpoint_id=path)
-        if self.rank == 0 and self.scheduler is not None:
-            torch.save(self.scheduler.state_dict(), Path(path) / SCHEDULER_FILE)
+        if rank == 0 and scheduler is not None:
+            torch.save(scheduler.state_dict(), Path(path) / SCHEDULER_FILE)
         # This rank's torch RNG (dropout and other training-side draws), for exact resume.
-        torch.save({"torch": torch.get_rng_state()}, Path(path) / RNG_FILE.format(rank=self.rank))
+        torch.save({"torch": torch.get_rng_state()}, Path(path) / RNG_FILE.format(rank=rank))
         dist.barrier()
 
     def load(self, path: str) -> None:
@@ -91,38 +72,39 @@ class CheckpointIO:
                 f"load_checkpoint: {path} holds no DCP checkpoint (.metadata missing); pass the "
                 "'policy' folder of a complete step_N checkpoint"
             )
-        if self.optimizer is not None:
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model, optimizer, scheduler = self.state.model, self.state.optimizer, self.state.scheduler
+        rank = self.state.topo.rank
+        if optimizer is not None:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
             state = {"model": model_sd, "optim": optim_sd}
             dcp.load(state, checkpoint_id=path)
             set_state_dict(
-                self.model,
-                self.optimizer,
-                model_state_dict=state["model"],
-                optim_state_dict=state["optim"],
+                model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
             )
         else:
-            state = {"model": get_model_state_dict(self.model)}
+            state = {"model": get_model_state_dict(model)}
             dcp.load(state, checkpoint_id=path)
-            set_model_state_dict(self.model, state["model"])
+            set_model_state_dict(model, state["model"])
         sched_file = Path(path) / SCHEDULER_FILE
-        if self.scheduler is not None and sched_file.exists():
-            self.scheduler.load_state_dict(torch.load(sched_file, weights_only=True))
-        rng_file = Path(path) / RNG_FILE.format(rank=self.rank)
+        if scheduler is not None and sched_file.exists():
+            scheduler.load_state_dict(torch.load(sched_file, weights_only=True))
+        rng_file = Path(path) / RNG_FILE.format(rank=rank)
         if rng_file.exists():
             torch.set_rng_state(torch.load(rng_file, weights_only=True)["torch"])
         else:  # saved with another world size: this rank's stream starts afresh
-            logger.warning("%s missing: rank %d keeps its own RNG state", rng_file, self.rank)
+            logger.warning("%s missing: rank %d keeps its own RNG state", rng_file, rank)
         dist.barrier()
 
     def export_hf(self, path: str) -> None:
         """Write an HF folder atomically (weights in `precision`, config, generation config,
         tokenizer with its chat template); see `tempering.models.export`. Collective."""
-        sd = full_state_dict(self.model)
-        if self.rank == 0:
+        sd = full_state_dict(self.state.model)
+        if self.state.topo.rank == 0:
             from tempering.models.export import save_hf_folder
 
+            source = self.state.source
             save_hf_folder(
-                path, sd, self.model.config, self.model_path, self.export_dtype, head=self.head
-            )
+                path, sd, self.state.model.config, source.model_path, self.export_dtype,
+                head=source.head,
+            )  # fmt: skip
         dist.barrier()

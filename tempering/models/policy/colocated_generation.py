@@ -16,28 +16,17 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from tempering.distributed.batched_data_dict import BatchedDataDict
-from tempering.models.policy.model_setup import require_head
+from tempering.models.policy.model_setup import PolicyState, require_head
 from tempering.utils import faults
 
 
 class ColocatedGenerationView:
-    """This rank's colocated torch generation engine over ``model``'s weights.
+    """This rank's colocated torch generation engine over the policy's weights: a copy read
+    from the policy's source (only a "causal_lm" head generates), on this rank's device, its
+    sampling seeds offset by rank."""
 
-    Args:
-        model: the (sharded) policy whose weights `refit` copies in.
-        model_path: where the engine's copy and the tokenizer are read from.
-        head: the worker's head (only "causal_lm" generates).
-        device, rank: this rank's (the engine runs there; seeds are offset by rank).
-    """
-
-    def __init__(
-        self, model: torch.nn.Module, model_path: str, head: str, device: torch.device, rank: int
-    ) -> None:
-        self.model = model
-        self.model_path = model_path
-        self.head = head
-        self.device = device
-        self.rank = rank
+    def __init__(self, state: PolicyState) -> None:
+        self.state = state
         self._engine: Any = None
 
     def init(self, sampling: dict[str, Any]) -> None:
@@ -49,13 +38,14 @@ class ColocatedGenerationView:
         )
         from tempering.models.hf import load_causal_lm, load_tokenizer
 
-        require_head(self.head, "causal_lm", "init_colocated_generation")
+        source, topo = self.state.source, self.state.topo
+        require_head(source.head, "causal_lm", "init_colocated_generation")
         args = dict(sampling)
         if args.get("seed") is None:  # distinct, reproducible streams per rank
-            args["seed"] = int(torch.initial_seed()) + 1000 * self.rank
-        model = load_causal_lm(self.model_path).to(self.device).eval()
+            args["seed"] = int(torch.initial_seed()) + 1000 * topo.rank
+        model = load_causal_lm(source.model_path).to(topo.device).eval()
         optimize_for_cpu_inference(model)  # this copy only generates
-        tokenizer = load_tokenizer(self.model_path)
+        tokenizer = load_tokenizer(source.model_path)
         self._engine = TorchGenerationEngine(model, tokenizer, SamplingConfig(**args))
         self.refit()
 
@@ -63,13 +53,13 @@ class ColocatedGenerationView:
         """Restart the colocated engine's sampling stream from the controller's step seed."""
         if self._engine is None:
             raise RuntimeError("reseed_generation: call init_colocated_generation first")
-        self._engine.reseed(seed + 1000 * self.rank)
+        self._engine.reseed(seed + 1000 * self.state.topo.rank)
 
     def refit(self) -> None:
         """Copy the current (sharded) policy weights into the generation copy. Collective."""
         faults.maybe_fault("generation", "refit")
         opts = StateDictOptions(full_state_dict=True, cpu_offload=False, broadcast_from_rank0=False)
-        full = get_model_state_dict(self.model, options=opts)
+        full = get_model_state_dict(self.state.model, options=opts)
         self._engine.update_weights(full)
 
     def generate(
@@ -83,4 +73,5 @@ class ColocatedGenerationView:
                 "FSDP2PolicyWorker.generate: call init_colocated_generation first "
                 "(policy.generation.colocated.enabled=true builds it)"
             )
-        return self._engine.generate(data.to(self.device), greedy, sampling).to("cpu")
+        device = self.state.topo.device
+        return self._engine.generate(data.to(device), greedy, sampling).to("cpu")

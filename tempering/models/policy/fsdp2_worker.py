@@ -5,8 +5,9 @@ A plain class. A Ray worker group builds one per bundle by its FQN
 MASTER_PORT come from the environment); a test may also construct it directly in its own
 process (without those variables it runs as a single rank on a free local port).
 
-What it does, and where each part lives (the worker is composed of small pieces that share
-its model and optimizer; no mixins):
+What it does, and where each part lives (composition, no mixins: the worker and its small
+components share one `model_setup.PolicyState` holding the model, its reference copy, the
+optimizer and the rank's topology):
 - set-up (`model_setup`): joins ``torch.distributed`` (gloo on CPU; ``cpu:gloo,cuda:nccl`` on
   GPU), loads the HF causal LM (a registry name or a local folder), and shards it with
   ``fully_shard`` per decoder layer and at the root (bf16 `MixedPrecisionPolicy` when
@@ -45,6 +46,8 @@ from tempering.models.policy.colocated_generation import ColocatedGenerationView
 from tempering.models.policy.microbatching import ForwardPass, Layout, computed_tokens
 from tempering.models.policy.model_setup import (
     ModelSource,
+    PolicyState,
+    Topology,
     check_options,
     init_topology,
     load_sharded,
@@ -57,7 +60,9 @@ from tempering.models.policy.training import (
     NonFiniteTrainingError,
     OptimizerStep,
     aggregate_loss_metrics,
+    check_pairwise_batching,
     combine_steps,
+    local_batch_size,
 )
 from tempering.models.policy.weight_streaming import WeightStreamer
 from tempering.utils import faults
@@ -124,80 +129,67 @@ class FSDP2PolicyWorker:
         shared_prefix: bool = True,
     ) -> None:
         check_options(precision, head, pad_token_id)
-        self.head = head
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         torch.manual_seed(seed)
-        self.model_path = str(model_path)
-        self.topo = init_topology(tensor_parallel_size)
-        source = ModelSource(self.model_path, head, pad_token_id)
-        self._load_models(
-            source, mixed_precision(precision), activation_checkpointing, lean_loading,
-            init_reference_model,
-        )  # fmt: skip
+        source = ModelSource(str(model_path), head, pad_token_id)
+        topo = init_topology(tensor_parallel_size)
+        mp_policy = mixed_precision(precision)
+        self.state = self._load_models(
+            source, topo, mp_policy, activation_checkpointing, lean_loading, init_reference_model
+        )
         self.forward_pass = ForwardPass(
             head,
-            self.topo.device,
-            shared_prefix_ratio(self.model, head) if shared_prefix else None,
+            topo.device,
+            shared_prefix_ratio(self.state.model, head) if shared_prefix else None,
             pad_token_id,
         )
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.optimizer_step: OptimizerStep | None = None
         if init_optimizer:
-            self.optimizer = build_optimizer(
-                self.model.parameters(), name=optimizer, lr=learning_rate,
+            self.state.optimizer = build_optimizer(
+                self.state.model.parameters(), name=optimizer, lr=learning_rate,
                 weight_decay=weight_decay, betas=tuple(betas), eps=eps,
             )  # fmt: skip
-            self.scheduler = build_lr_scheduler(
-                self.optimizer, schedule=lr_schedule, warmup_steps=warmup_steps,
+            self.state.scheduler = build_lr_scheduler(
+                self.state.optimizer, schedule=lr_schedule, warmup_steps=warmup_steps,
                 total_steps=total_steps, min_lr_ratio=min_lr_ratio,
             )  # fmt: skip
             self.optimizer_step = OptimizerStep(
-                self.model, self.optimizer, self.scheduler, self.topo,
-                max_grad_norm, max_consecutive_nonfinite,
-            )  # fmt: skip
+                self.state, max_grad_norm, max_consecutive_nonfinite
+            )
         self._optimizer_offloaded = False
-        self._build_components(getattr(torch, precision))
+        # the parts the controller calls by dotted name (see the module docstring)
+        self.checkpoint = CheckpointIO(self.state, export_dtype=getattr(torch, precision))
+        self.refit = WeightStreamer(self.state)
+        self.generation = ColocatedGenerationView(self.state)
 
     def _load_models(
         self,
         source: ModelSource,
+        topo: Topology,
         mp_policy: Any,
         activation_checkpointing: bool,
         lean_loading: bool,
         init_reference_model: bool,
-    ) -> None:
+    ) -> PolicyState:
         """The policy (measuring what loading it cost this rank) and its frozen reference."""
         from tempering.utils.resources import current_rss_gb, process_usage
 
         rss_before = current_rss_gb()
-        self.model = load_sharded(
-            source, self.topo, mp_policy,
+        model = load_sharded(
+            source, topo, mp_policy,
             activation_checkpointing=activation_checkpointing, lean_loading=lean_loading,
         )  # fmt: skip
         # what loading cost this rank at its peak (lean loading: a shard plus one tensor)
         self._load_peak_gb = process_usage()["peak_rss_gb"] - rss_before
-        self.reference_model: torch.nn.Module | None = None
+        reference_model = None
         if init_reference_model:
-            self.reference_model = load_sharded(
-                source, self.topo, mp_policy,
-                activation_checkpointing=False, lean_loading=lean_loading,
-            )  # fmt: skip
-            self.reference_model.requires_grad_(False)
-            self.reference_model.eval()
-
-    def _build_components(self, export_dtype: torch.dtype) -> None:
-        """The parts the controller calls by dotted name (see the module docstring)."""
-        rank = self.topo.rank
-        self.checkpoint = CheckpointIO(
-            self.model, self.optimizer, self.scheduler, rank=rank,
-            model_path=self.model_path, export_dtype=export_dtype, head=self.head,
-        )  # fmt: skip
-        self.refit = WeightStreamer(self.model, rank)
-        self.generation = ColocatedGenerationView(
-            self.model, self.model_path, self.head, self.topo.device, rank
-        )
+            reference_model = load_sharded(
+                source, topo, mp_policy, activation_checkpointing=False, lean_loading=lean_loading
+            )
+            reference_model.requires_grad_(False)
+            reference_model.eval()
+        return PolicyState(topo, source, model, reference_model)
 
     # ---------------------------------------------------------------- train
     def train(
@@ -224,96 +216,58 @@ class FSDP2PolicyWorker:
         tokens_per_s, num_steps, and the loss function's metrics.
         """
         faults.maybe_fault("policy", "train")
-        if self.optimizer is None and not eval_mode:
+        if self.state.optimizer is None and not eval_mode:
             raise RuntimeError("FSDP2PolicyWorker.train: built with init_optimizer=False")
-        local_gbs = self._local_batch_size(data.size, global_batch_size)
-        pairwise = loss_fn.pairwise
-        self._check_train_call(loss_fn, micro_batch_size, max_tokens_per_microbatch)
-        if with_reference and self.reference_model is None:
+        local_gbs = local_batch_size(data.size, global_batch_size, self.state.topo.dp_size)
+        check_pairwise_batching(loss_fn, micro_batch_size, max_tokens_per_microbatch)
+        if with_reference and self.state.reference_model is None:
             raise RuntimeError(
                 "FSDP2PolicyWorker.train(with_reference=True): this worker has no reference "
                 "model; build the policy with init_reference_model=True"
             )
         batching = (micro_batch_size, max_tokens_per_microbatch, pack_sequences)
-        self.model.train(not eval_mode)
+        self.state.model.train(not eval_mode)
         steps: list[dict[str, float]] = []
         for start in range(0, data.size, local_gbs):
             batch = data.slice(start, start + local_gbs)
             with torch.set_grad_enabled(not eval_mode):
                 steps.append(
-                    self._run_global_batch(
-                        batch, loss_fn, pairwise, batching, not eval_mode, with_reference
-                    )
+                    self._run_global_batch(batch, loss_fn, batching, not eval_mode, with_reference)
                 )
         return combine_steps(steps)
-
-    @staticmethod
-    def _check_train_call(
-        loss_fn: LossFunction, micro_batch_size: int | None, max_tokens: int | None
-    ) -> None:
-        """A pairwise loss (chosen/rejected rows interleaved) needs its pairs kept together."""
-        if loss_fn.pairwise and micro_batch_size is not None and micro_batch_size % 2:
-            raise ValueError(
-                f"micro_batch_size={micro_batch_size} must be even for {type(loss_fn).__name__}: "
-                "its batches interleave chosen/rejected pairs"
-            )
-        if loss_fn.pairwise and max_tokens is not None:
-            raise ValueError(
-                f"{type(loss_fn).__name__} needs chosen/rejected pairs kept together; dynamic "
-                "or packed micro-batches (max_tokens_per_microbatch) reorder rows: use "
-                "micro_batch_size"
-            )
-
-    def _local_batch_size(self, shard_size: int, global_batch_size: int | None) -> int:
-        if global_batch_size is None:
-            if shard_size == 0:
-                raise ValueError("FSDP2PolicyWorker.train got an empty batch")
-            return shard_size
-        dp_size = self.topo.dp_size
-        if global_batch_size % dp_size:
-            raise ValueError(
-                f"global_batch_size={global_batch_size} is not divisible by the data-parallel "
-                f"size {dp_size}; pick a multiple of {dp_size}"
-            )
-        local = global_batch_size // dp_size
-        if shard_size == 0 or shard_size % local:
-            raise ValueError(
-                f"this rank got {shard_size} samples, not a positive multiple of "
-                f"global_batch_size/dp_size={local}; the data size must be a multiple of "
-                f"global_batch_size={global_batch_size}"
-            )
-        return local
 
     def _run_global_batch(
         self,
         batch: BatchedDataDict,
         loss_fn: LossFunction,
-        pairwise: bool,
         batching: Batching,
         do_step: bool,
         with_reference: bool,
     ) -> dict[str, float]:
         """One global batch: the global counts, the micro-batches by ``batching``, an optimizer
         step when ``do_step``, and the batch's global metrics."""
+        topo = self.state.topo
         t0 = time.perf_counter()
-        g_toks, g_seqs, g_tokens = self._global_counts(batch, pairwise)
+        g_toks, g_seqs, g_tokens = self._global_counts(batch, loss_fn.pairwise)
         mbs, layouts, _ = self.forward_pass.split(batch, *batching)
         computed = float(
             sum(computed_tokens(mb, lay) for mb, lay in zip(mbs, layouts, strict=True))
         )
-        device = self.topo.device
-        normalisers = (torch.tensor(g_toks, device=device), torch.tensor(g_seqs, device=device))
+        normalisers = (
+            torch.tensor(g_toks, device=topo.device),
+            torch.tensor(g_seqs, device=topo.device),
+        )
         loss_sum, mb_metrics = self._forward_backward(
             mbs, layouts, loss_fn, normalisers, do_step, with_reference
         )
-        global_loss, g_computed = self.topo.all_reduce([loss_sum, computed])
+        global_loss, g_computed = topo.all_reduce([loss_sum, computed])
         result: dict[str, float] = {}
         if do_step:
             assert self.optimizer_step is not None
             result.update(self.optimizer_step(global_loss))
         elapsed = time.perf_counter() - t0
-        (elapsed,) = self.topo.all_reduce([elapsed], op=dist.ReduceOp.MAX)
-        gathered = self.topo.all_gather_object(mb_metrics)
+        (elapsed,) = topo.all_reduce([elapsed], op=dist.ReduceOp.MAX)
+        gathered = topo.all_gather_object(mb_metrics)
         result.update(aggregate_loss_metrics([m for rank_mbs in gathered for m in rank_mbs]))
         result.update(
             loss=global_loss,
@@ -339,7 +293,7 @@ class FSDP2PolicyWorker:
         valid_toks = float((batch["token_mask"].float() * sample_mask[:, None]).sum())
         valid_seqs = float(count_valid_pairs(sample_mask) if pairwise else sample_mask.sum())
         num_tokens = float(batch["input_lengths"].sum())
-        return self.topo.all_reduce([valid_toks, valid_seqs, num_tokens])
+        return self.state.topo.all_reduce([valid_toks, valid_seqs, num_tokens])
 
     def _forward_backward(
         self,
@@ -352,24 +306,25 @@ class FSDP2PolicyWorker:
     ) -> tuple[float, list[dict[str, float]]]:
         """Every micro-batch's loss (and its backward when ``do_step``); ranks with fewer
         micro-batches run padding passes. Returns the loss sum and per-micro-batch metrics."""
+        model, reference, topo = self.state.model, self.state.reference_model, self.state.topo
         loss_sum = 0.0
         mb_metrics: list[dict[str, float]] = []
-        for i in range(self.topo.equalise(len(mbs))):
+        for i in range(topo.equalise(len(mbs))):
             if i < len(mbs):
-                mb = mbs[i].to(self.topo.device)
+                mb = mbs[i].to(topo.device)
                 if with_reference:
                     with torch.no_grad():
-                        ref = self.forward_pass.logits(self.reference_model, mb, layouts[i])
+                        ref = self.forward_pass.logits(reference, mb, layouts[i])
                         mb["reference_policy_logprobs"] = token_logprobs(ref, mb["input_ids"])
-                logits = self.forward_pass.logits(self.model, mb, layouts[i])
+                logits = self.forward_pass.logits(model, mb, layouts[i])
                 loss, metrics = loss_fn(logits, mb, *normalisers)
                 loss_sum += float(loss.detach())
                 mb_metrics.append(metrics)
             else:  # padding pass so every rank joins the same FSDP2 collectives
-                loss = self.forward_pass.padding(self.model).sum() * 0.0
+                loss = self.forward_pass.padding(model).sum() * 0.0
             if do_step:
                 # FSDP2 averages gradients over DP ranks; the loss is already a global sum.
-                (loss * self.topo.dp_size).backward()
+                (loss * topo.dp_size).backward()
         return loss_sum, mb_metrics
 
     # ------------------------------------------------------------- logprobs
@@ -383,9 +338,11 @@ class FSDP2PolicyWorker:
     ) -> BatchedDataDict:
         """``{"logprobs": [B, S]}`` (CPU float32) in the contract layout; 0 at t=0 and padding."""
         faults.maybe_fault("policy", "logprobs")
-        require_head(self.head, "causal_lm", "get_logprobs")
+        require_head(self.state.source.head, "causal_lm", "get_logprobs")
         batching = (micro_batch_size, max_tokens_per_microbatch, pack_sequences)
-        return BatchedDataDict(logprobs=self._logprobs(self.model, data, batching, temperature))
+        return BatchedDataDict(
+            logprobs=self._logprobs(self.state.model, data, batching, temperature)
+        )
 
     def get_reference_policy_logprobs(
         self, data: BatchedDataDict, *args: Any, **kwargs: Any
@@ -393,7 +350,7 @@ class FSDP2PolicyWorker:
         """``{"reference_policy_logprobs": [B, S]}`` from the frozen initial weights; the same
         arguments as `get_logprobs`."""
         faults.maybe_fault("policy", "logprobs")
-        if self.reference_model is None:
+        if self.state.reference_model is None:
             raise RuntimeError(
                 "get_reference_policy_logprobs: the worker was built without a reference model; "
                 "pass init_reference_model=True"
@@ -401,25 +358,26 @@ class FSDP2PolicyWorker:
         batching, temperature = _logprob_args(*args, **kwargs)
         return BatchedDataDict(
             reference_policy_logprobs=self._logprobs(
-                self.reference_model, data, batching, temperature
+                self.state.reference_model, data, batching, temperature
             )
         )
 
     @torch.no_grad()
     def score(self, data: BatchedDataDict, micro_batch_size: int) -> BatchedDataDict:
         """``{"scores": [B]}`` (CPU float32) of a reward model (``head="score"``), in order."""
-        require_head(self.head, "score", "score")
-        self.model.eval()
+        require_head(self.state.source.head, "score", "score")
+        model, topo = self.state.model, self.state.topo
+        model.eval()
         view = BatchedDataDict(input_ids=data["input_ids"], input_lengths=data["input_lengths"])
         mbs, _, _ = (
             self.forward_pass.split(view, micro_batch_size, None) if view.size else ([], [], None)
         )
         out = [torch.zeros(0)]
-        for i in range(self.topo.equalise(len(mbs))):
+        for i in range(self.state.topo.equalise(len(mbs))):
             if i < len(mbs):
-                out.append(self.forward_pass.logits(self.model, mbs[i].to(self.topo.device)).cpu())
+                out.append(self.forward_pass.logits(model, mbs[i].to(topo.device)).cpu())
             else:  # padding pass, result dropped
-                self.forward_pass.padding(self.model)
+                self.forward_pass.padding(model)
         return BatchedDataDict(scores=torch.cat(out))
 
     @torch.no_grad()
@@ -438,11 +396,11 @@ class FSDP2PolicyWorker:
             self.forward_pass.split(view, *batching) if view.size else ([], [], None)
         )
         pieces: list[torch.Tensor] = []
-        for i in range(self.topo.equalise(len(mbs))):
+        for i in range(self.state.topo.equalise(len(mbs))):
             if i >= len(mbs):  # padding pass, result dropped
                 self.forward_pass.padding(model)
                 continue
-            mb = mbs[i].to(self.topo.device)
+            mb = mbs[i].to(self.state.topo.device)
             logits = self.forward_pass.logits(model, mb, layouts[i])
             if temperature != 1.0:
                 logits = logits / temperature
@@ -461,15 +419,17 @@ class FSDP2PolicyWorker:
     # ------------------------------------------------- colocation with generation
     def prepare_for_generation(self) -> None:
         """On GPU, move optimizer state to CPU to make room for a colocated generator."""
-        if self.topo.device.type == "cuda" and self.optimizer is not None:
-            _move_optimizer_state(self.optimizer, torch.device("cpu"))
+        optimizer = self.state.optimizer
+        if self.state.topo.device.type == "cuda" and optimizer is not None:
+            _move_optimizer_state(optimizer, torch.device("cpu"))
             self._optimizer_offloaded = True
             torch.cuda.empty_cache()
 
     def prepare_for_training(self) -> None:
         """Undo `prepare_for_generation`."""
-        if self._optimizer_offloaded and self.optimizer is not None:
-            _move_optimizer_state(self.optimizer, self.topo.device)
+        optimizer = self.state.optimizer
+        if self._optimizer_offloaded and optimizer is not None:
+            _move_optimizer_state(optimizer, self.state.topo.device)
             self._optimizer_offloaded = False
 
     # ------------------------------------------------------------------ misc
@@ -478,7 +438,7 @@ class FSDP2PolicyWorker:
         return self._load_peak_gb
 
     def get_rank_info(self) -> dict[str, Any]:
-        return self.topo.info()
+        return self.state.topo.info()
 
     def shutdown(self) -> None:
         """Leave the process group (for workers built directly in a test process)."""

@@ -10,7 +10,8 @@ responsibilities are split out too; see `tempering.models.policy.fsdp2_worker`):
   and shards it with ``fully_shard`` per decoder layer and at the root, after splitting each
   layer over the tensor-parallel ranks (`TP_PLAN`). Memory-lean with several ranks: only rank 0
   reads the checkpoint, the others build the model on the meta device and receive their shards;
-- `shared_prefix_ratio` decides whether rows that start alike may share their prefix's compute.
+- `shared_prefix_ratio` decides whether rows that start alike may share their prefix's compute;
+- `PolicyState` holds what set-up produced, shared by the worker's components.
 """
 
 from __future__ import annotations
@@ -215,6 +216,20 @@ class ModelSource:
             auto = AutoModelForSequenceClassification
         with torch.device("meta"):
             return auto.from_config(config, dtype=torch.float32).eval()
+
+
+@dataclass
+class PolicyState:
+    """What the worker and its components share (one holder, built once by
+    `FSDP2PolicyWorker.__init__`): this rank's place, the model, its frozen reference copy,
+    and the optimizer with its LR schedule (None for an inference-only policy)."""
+
+    topo: Topology
+    source: ModelSource
+    model: torch.nn.Module
+    reference_model: torch.nn.Module | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
 
 
 def load_sharded(

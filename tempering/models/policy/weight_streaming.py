@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from tempering.models.policy.model_setup import full_tensor
+from tempering.models.policy.model_setup import PolicyState, full_tensor
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -25,16 +25,15 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 class WeightStreamer:
-    """The weights of ``model`` (this rank's shard of them) as rank 0 hands them out."""
+    """The policy's weights (this rank's shard of them) as rank 0 hands them out."""
 
-    def __init__(self, model: torch.nn.Module, rank: int) -> None:
-        self.model = model
-        self.rank = rank
+    def __init__(self, state: PolicyState) -> None:
+        self.state = state
 
     def state_dict(self, dtype: str | None = None) -> dict[str, torch.Tensor] | None:
         """Full CPU tensors by HF name on rank 0 (None elsewhere), optionally cast to `dtype`."""
-        sd = full_state_dict(self.model)
-        if self.rank != 0:
+        sd = full_state_dict(self.state.model)
+        if self.state.topo.rank != 0:
             return None
         return {k: _in_dtype(v, dtype) for k, v in sd.items()}
 
@@ -46,7 +45,7 @@ class WeightStreamer:
         size, layer = 0, None
         # A tied lm_head is sent too: vLLM on CPU repacks it apart from embed_tokens, so
         # loading embed_tokens alone left it stale (log-probs off by 3e-3, test_grpo).
-        for name, tensor in self.model.state_dict().items():
+        for name, tensor in self.state.model.state_dict().items():
             this_layer = _layer_of(name)
             nbytes = tensor.numel() * 4
             if current and this_layer != layer and size + nbytes > bucket_bytes:
@@ -60,13 +59,13 @@ class WeightStreamer:
     def bucket(self, names: list[str], dtype: str | None) -> tuple[Any, int] | None:
         """Gather the full tensors of ``names`` (collective), cast to ``dtype``; rank 0 puts
         them into Ray's object store and returns ``(ref, bytes)``, the others None."""
-        state = self.model.state_dict()
+        state, rank = self.state.model.state_dict(), self.state.topo.rank
         out: dict[str, torch.Tensor] = {}
         for name in names:
             full = full_tensor(state[name])  # every rank joins each all-gather, in the same order
-            if self.rank == 0:
+            if rank == 0:
                 out[name] = _in_dtype(full.detach().to("cpu", copy=True), dtype)
-        if self.rank != 0:
+        if rank != 0:
             return None
         import ray
 
