@@ -49,7 +49,10 @@ def sampling_from_config(
 class _ReplicaGeneration:
     """What both shapes share: prompts sharded over a worker group's data-parallel replicas, or
     all of them sent to one replica. ``generate_method`` names the workers' method: the
-    generation workers' ``"generate"``, or the policy workers' ``"generation.generate"``."""
+    generation workers' ``"generate"``, or the policy workers' ``"generation.generate"``.
+
+    One concrete level, no hooks to override: the two shapes below differ only in their refit
+    life cycle (refit, reseed, finish_generation, shutdown), which each states in full."""
 
     worker_group: Any
     generate_method: str
