@@ -80,7 +80,7 @@ def bench_model(name: str, bucket_mb: int, repeats: int) -> dict[str, dict[str, 
                 seconds[way].append(time.perf_counter() - start)
         for way, (dtype, mb) in ways.items():
             scale = torch.finfo(getattr(torch, dtype)).bits / 32
-            buckets = policy.refit_buckets(mb * 2**20)
+            buckets = policy.refit.buckets(mb * 2**20)
             largest = max(sum(sizes.get(n, 0) for n in b) for b in buckets) * scale
             figures[way] = {
                 "bytes": moved[way],

@@ -74,15 +74,21 @@ def deadline_s(phase: str) -> float:
 
 
 def phase_of(method: str) -> str:
-    """The phase a worker method belongs to (by its name)."""
+    """The phase a worker method belongs to (by its name). A dotted name is a method of one of
+    the worker's components (``"refit.bucket"``, see `IsolatedWorkerInitializer.execute`):
+    the policy worker's ``refit.*`` are refit, ``checkpoint.*`` checkpoint, and its colocated
+    ``generation.init`` / ``generation.generate`` generation (``generation.refit`` is refit,
+    ``generation.reseed`` a plain call, as their undotted forms were)."""
     name = method.lower()
     if "logprob" in name:
         return "logprobs"
     if "refit" in name or "state_dict" in name or "update_weights" in name or "reload" in name:
         return "refit"
-    if name.startswith(("generate", "init_colocated_generation")):
+    if name.startswith(
+        ("generate", "init_colocated_generation", "generation.init", "generation.generate")
+    ):
         return "generation"
-    if name.startswith(("save", "load_checkpoint", "export")):
+    if name.startswith(("save", "load_checkpoint", "export", "checkpoint.")):
         return "checkpoint"
     if name.startswith("train"):
         return "train"

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import operator
 import os
 import sys
 import time
@@ -138,7 +139,8 @@ class RayWorkerBuilder:
 class IsolatedWorkerInitializer:
     """The Ray actor every worker is: imports and builds the worker class in its own interpreter.
 
-    Controller calls arrive as ``execute(method_name, *args, **kwargs)``.
+    Controller calls arrive as ``execute(method_name, *args, **kwargs)``; ``method_name`` may
+    be dotted (``"component.method"``, see `execute`).
     """
 
     def __init__(self, fqn: str, args: tuple, kwargs: dict) -> None:
@@ -168,8 +170,17 @@ class IsolatedWorkerInitializer:
         }
 
     def execute(self, _method_name: str, *args: Any, **kwargs: Any) -> Any:
-        """Run ``worker.<_method_name>(*args, **kwargs)``."""
-        method = getattr(self._worker, _method_name, None)
+        """Run ``worker.<_method_name>(*args, **kwargs)``.
+
+        A dotted name reaches a method of one of the worker's components: ``"refit.bucket"``
+        runs ``worker.refit.bucket`` (`operator.attrgetter`). A worker with many duties keeps
+        a small class that way (`FSDP2PolicyWorker`'s ``checkpoint``, ``refit`` and
+        ``generation``), while every remote call still names its target in full, greppable
+        at the call site."""
+        try:
+            method = operator.attrgetter(_method_name)(self._worker)
+        except AttributeError:
+            method = None
         if method is None or not callable(method):
             raise AttributeError(f"worker class {self._fqn} has no method {_method_name!r}")
         return method(*args, **kwargs)

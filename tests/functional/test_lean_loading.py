@@ -25,7 +25,7 @@ def _load_on_two_ranks(path: str, lean: bool) -> tuple[list[float], dict[str, to
     try:
         peaks = group.get_all_worker_results(group.run_all_workers_single_data("load_peak_gb"))
         weights = group.get_all_worker_results(
-            group.run_all_workers_single_data("state_dict_for_refit")
+            group.run_all_workers_single_data("refit.state_dict")
         )[0]
     finally:
         group.shutdown()

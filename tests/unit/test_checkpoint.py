@@ -190,12 +190,12 @@ def test_worker_resume_matches_uninterrupted_run(worker_factory, tmp_path) -> No
         worker.train(b, loss_fn, micro_batch_size=2)
     mgr = CheckpointManager(tmp_path / "ckpt", save_period=1)
     with mgr.save(2, {}) as folder:
-        worker.save_checkpoint(str(folder / "policy"))
+        worker.checkpoint.save(str(folder / "policy"))
     uninterrupted = [worker.train(b, loss_fn, micro_batch_size=2) for b in batches[2:]]
 
     fresh = worker_factory()
     step, _ = mgr.maybe_resume()
-    fresh.load_checkpoint(str(mgr.policy_dir(step)))
+    fresh.checkpoint.load(str(mgr.policy_dir(step)))
     resumed = [fresh.train(b, loss_fn, micro_batch_size=2) for b in batches[2:]]
     for a, b in zip(uninterrupted, resumed, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
@@ -208,14 +208,14 @@ def test_worker_resume_matches_uninterrupted_run(worker_factory, tmp_path) -> No
 def test_load_checkpoint_names_missing_folder(worker_factory, tmp_path) -> None:
     worker = worker_factory()
     with pytest.raises(FileNotFoundError, match="no DCP checkpoint"):
-        worker.load_checkpoint(str(tmp_path / "nothing"))
+        worker.checkpoint.load(str(tmp_path / "nothing"))
 
 
 def test_export_hf_loads_with_from_pretrained(worker_factory, tmp_path) -> None:
     worker = worker_factory()
     data = _batch(0)
     worker.train(data, NLLLoss())
-    worker.export_hf(str(tmp_path / "hf"))
+    worker.checkpoint.export_hf(str(tmp_path / "hf"))
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     mask = (torch.arange(10)[None] < data["input_lengths"][:, None]).long()
     with torch.no_grad():

@@ -99,12 +99,12 @@ def test_get_logprobs_matches_unsharded_forward(make_worker, tiny_llama_dir, mb_
 def _weights(worker: FSDP2PolicyWorker) -> dict[str, torch.Tensor]:
     """Copies of the full weights: on CPU the gathered state dict can alias the parameters,
     so a dict taken before a step would change with it."""
-    return {k: v.clone() for k, v in worker.state_dict_for_refit().items()}
+    return {k: v.clone() for k, v in worker.refit.state_dict().items()}
 
 
 def _params_after_one_step(worker: FSDP2PolicyWorker, data: BatchedDataDict, **kw) -> dict:
     metrics = worker.train(data, NLLLoss(), global_batch_size=data.size, **kw)
-    return {"metrics": metrics, "params": worker.state_dict_for_refit()}
+    return {"metrics": metrics, "params": worker.refit.state_dict()}
 
 
 def test_micro_batching_equals_one_big_batch(make_worker) -> None:
@@ -119,7 +119,7 @@ def test_micro_batching_equals_one_big_batch(make_worker) -> None:
     }.items():
         worker = make_worker(optimizer="sgd", learning_rate=1.0, max_grad_norm=None)
         runs[name] = _params_after_one_step(worker, data, **kw)
-    initial = AutoModelForCausalLM.from_pretrained(worker.model_path).state_dict()
+    initial = AutoModelForCausalLM.from_pretrained(worker.state.source.model_path).state_dict()
     base = runs["one"]
     # The step moved the weights (so the comparison below is not vacuous).
     moved = max((base["params"][k] - initial[k]).abs().max().item() for k in initial)
@@ -228,20 +228,20 @@ class _PoisonedNLL(NLLLoss):
 
 
 def test_non_finite_steps_are_skipped_counted_and_stop_the_run(make_worker) -> None:
-    from tempering.models.policy.fsdp2_worker import NonFiniteTrainingError
+    from tempering.models.policy.training import NonFiniteTrainingError
 
     worker = make_worker(learning_rate=1e-2, max_consecutive_nonfinite=3)
     data = make_batch(LENGTHS)
     before = _weights(worker)
-    lr_before = worker.scheduler.last_epoch
+    lr_before = worker.state.scheduler.last_epoch
     for where in ("loss", "grad"):
         m = worker.train(data, _PoisonedNLL(where), global_batch_size=data.size)
         assert m["num_nonfinite_skipped"] == 1.0, where
         assert not math.isfinite(m["loss"] if where == "loss" else m["grad_norm"])
     after = _weights(worker)
     assert all(torch.equal(before[k], after[k]) for k in before)  # no update at all
-    assert worker.scheduler.last_epoch == lr_before  # nor a schedule step
-    assert not worker.optimizer.state  # AdamW moments untouched (no step ever taken)
+    assert worker.state.scheduler.last_epoch == lr_before  # nor a schedule step
+    assert not worker.state.optimizer.state  # AdamW moments untouched (no step ever taken)
 
     good = worker.train(data, _PoisonedNLL(None), global_batch_size=data.size)
     assert good["num_nonfinite_skipped"] == 0.0 and math.isfinite(good["loss"])

@@ -108,10 +108,10 @@ def test_sharded_checkpoint_resumes_exactly_and_exports(policy, model_dir, tmp_p
     torch.testing.assert_close(_plain_logprobs(exported, data), live, atol=1e-5, rtol=0)
     assert (live - ref).abs().max() > 1e-2  # the policy moved away from the reference
 
-    refit = policy.state_dict_for_refit()
+    refit = policy.refit.state_dict()
     for name, tensor in exported.state_dict().items():
         torch.testing.assert_close(refit[name], tensor, atol=0, rtol=0, msg=name)
-    half = policy.state_dict_for_refit(dtype="bfloat16")
+    half = policy.refit.state_dict(dtype="bfloat16")
     assert half["model.embed_tokens.weight"].dtype == torch.bfloat16
 
     policy.prepare_for_generation()  # CPU: no-op, but must leave training intact
@@ -138,7 +138,7 @@ def test_streamed_refit_sends_layer_aligned_buckets_in_the_engine_dtype(policy) 
     from tempering.distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup
     from tempering.models.generation.refit import stream_weights
 
-    full = {k: v.clone() for k, v in policy.state_dict_for_refit().items()}
+    full = {k: v.clone() for k, v in policy.refit.state_dict().items()}
     assert "lm_head.weight" in full  # tied: the state dict names it twice
     layer_mb = (
         sum(t.numel() * 4 for k, t in full.items() if k.startswith("model.layers.0.")) / 2**20

@@ -46,8 +46,8 @@ def test_bf16_sft_tracks_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
     for precision in ("float32", "bfloat16"):
         curves[precision], worker = _sft_curve(path, precision, batches)
         if precision == "bfloat16":  # fp32 master weights and optimizer state
-            assert {p.dtype for p in worker.model.parameters()} == {torch.float32}
-            states = [s for s in worker.optimizer.state.values() if "exp_avg" in s]
+            assert {p.dtype for p in worker.state.model.parameters()} == {torch.float32}
+            states = [s for s in worker.state.optimizer.state.values() if "exp_avg" in s]
             assert states and all(s["exp_avg"].dtype == torch.float32 for s in states)
         worker.shutdown()
 

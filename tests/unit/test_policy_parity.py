@@ -87,7 +87,7 @@ def two_worker_result(request, ray_session, model_dir, batch):
         odd = batch.slice(0, 7)  # not divisible by 2 ranks: exercises padding of the shards
         logprobs = policy.get_logprobs(odd)["logprobs"]
         metrics = policy.train(batch, NLLLoss())
-        params = policy.state_dict_for_refit()
+        params = policy.refit.state_dict()
     finally:
         policy.shutdown()
         cluster.shutdown()
@@ -123,7 +123,7 @@ def test_two_workers_two_microbatches_equal_one_batch(
         single_metrics = single.train(
             batch, NLLLoss(), global_batch_size=len(LENGTHS), micro_batch_size=len(LENGTHS)
         )
-        single_params = single.state_dict_for_refit()
+        single_params = single.refit.state_dict()
     finally:
         single.shutdown()
 
@@ -162,7 +162,7 @@ def test_tensor_parallel_adamw_step_with_clipping_equals_one_worker(
                           train_micro_batch_size=4, tensor_parallel_size=2, **kwargs)  # fmt: skip
     try:
         tp_metrics = policy.train(batch, NLLLoss())
-        tp_params = policy.state_dict_for_refit()
+        tp_params = policy.refit.state_dict()
     finally:
         policy.shutdown()
         cluster.shutdown()
@@ -172,7 +172,7 @@ def test_tensor_parallel_adamw_step_with_clipping_equals_one_worker(
     single = FSDP2PolicyWorker(model_dir, **kwargs)
     try:
         metrics = single.train(batch, NLLLoss(), global_batch_size=len(LENGTHS))
-        params = single.state_dict_for_refit()
+        params = single.refit.state_dict()
     finally:
         single.shutdown()
     assert metrics["grad_norm"] > 0.5  # clipping was active

@@ -94,7 +94,7 @@ def test_microbatches_sum_to_the_full_batch_gradient(make_worker, tokenizer, pai
     for mbs in (16, 2):
         worker = make_worker(optimizer="sgd", learning_rate=0.5, max_grad_norm=None)
         m = worker.train(batch, BT, global_batch_size=16, micro_batch_size=mbs)
-        sd = {k: v.clone() for k, v in worker.state_dict_for_refit().items()}
+        sd = {k: v.clone() for k, v in worker.refit.state_dict().items()}
         params.append((m, sd))
     (m_full, sd_full), (m_mb, sd_mb) = params
     assert m_full["loss"] == pytest.approx(m_mb["loss"], abs=1e-6)
@@ -126,7 +126,7 @@ def trained_export(tiny_arith_dir, tokenizer, pairs, tmp_path_factory):
         ]
         last = worker.train(batch, BT, global_batch_size=32, micro_batch_size=16, eval_mode=True)
         path = tmp_path_factory.mktemp("rm_export") / "final_hf"
-        worker.export_hf(str(path))
+        worker.checkpoint.export_hf(str(path))
         scores = worker.score(batch, 16)["scores"]
     finally:
         worker.shutdown()

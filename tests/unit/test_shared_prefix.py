@@ -132,7 +132,7 @@ def test_worker_shared_prefix_matches_whole_rows_and_counts_tokens(make_worker) 
         worker = make_worker(shared_prefix=shared, optimizer="sgd", learning_rate=1.0)
         logprobs = worker.get_logprobs(data, micro_batch_size=6)["logprobs"]
         metrics = worker.train(data, NLLLoss(), global_batch_size=12, micro_batch_size=6)
-        runs[shared] = (logprobs, metrics, worker.state_dict_for_refit())
+        runs[shared] = (logprobs, metrics, worker.refit.state_dict())
     (lp0, m0, p0), (lp1, m1, p1) = runs[False], runs[True]
     torch.testing.assert_close(lp1, lp0, atol=1e-5, rtol=0)
     assert m1["loss"] == pytest.approx(m0["loss"], abs=1e-6)
@@ -151,7 +151,7 @@ def test_dpo_reference_inside_the_train_call_equals_the_separate_call(make_worke
         "reference_policy_logprobs"
     ]
     with torch.no_grad():  # move the policy away from its reference
-        for p in worker.model.parameters():
+        for p in worker.state.model.parameters():
             p.add_(0.01 * torch.randn_like(p))
     two_calls = worker.train(
         BatchedDataDict(separate), loss_fn, global_batch_size=12, micro_batch_size=4,

@@ -128,8 +128,12 @@ def test_startup_hang_ends_at_its_deadline_with_stack_dumps(cluster, tmp_path, m
 def test_phases_of_worker_methods():
     expected = {
         "train": "train", "get_logprobs": "logprobs", "get_reference_policy_logprobs": "logprobs",
-        "generate": "generation", "refit_colocated_generation": "refit",
-        "refit_bucket": "refit", "save_checkpoint": "checkpoint",
-        "load_checkpoint": "checkpoint", "export_hf": "checkpoint", "whoami": "call",
+        "generate": "generation", "update_weights": "refit", "whoami": "call",
+        # the policy worker's components, by dotted name (IsolatedWorkerInitializer.execute)
+        "generation.init": "generation", "generation.generate": "generation",
+        "generation.refit": "refit", "generation.reseed": "call",
+        "refit.state_dict": "refit", "refit.buckets": "refit", "refit.bucket": "refit",
+        "checkpoint.save": "checkpoint", "checkpoint.load": "checkpoint",
+        "checkpoint.export_hf": "checkpoint", "prepare_for_generation": "call",
     }  # fmt: skip
     assert {m: deadlines.phase_of(m) for m in expected} == expected

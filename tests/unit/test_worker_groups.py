@@ -123,3 +123,20 @@ def test_wait_timeout_names_ranks_and_method(echo_group):
         echo_group.get_all_worker_results(futures, timeout_s=0.5)
     assert time.monotonic() - start < 2.5
     assert echo_group.get_all_worker_results(futures, timeout_s=60) == [None, None]
+
+
+def test_execute_resolves_dotted_names_to_components(monkeypatch):
+    """``"refit.bucket"`` runs ``worker.refit.bucket`` (how the policy worker's components are
+    called); a name that reaches nothing callable names the worker class and the name."""
+    from types import SimpleNamespace
+
+    from tempering.distributed.worker_groups import IsolatedWorkerInitializer
+
+    monkeypatch.delenv("TEMPERING_STACK_DUMP_DIR", raising=False)
+    parts = {"refit": SimpleNamespace(bucket=lambda n: 2 * n, size=3), "ok": lambda: "plain"}
+    actor = IsolatedWorkerInitializer("types.SimpleNamespace", (), parts)
+    assert actor.execute("refit.bucket", 4) == 8
+    assert actor.execute("ok") == "plain"
+    for name in ("refit.missing", "missing.bucket", "refit.size", "missing"):
+        with pytest.raises(AttributeError, match=f"types.SimpleNamespace has no method '{name}'"):
+            actor.execute(name)

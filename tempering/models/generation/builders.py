@@ -46,66 +46,23 @@ def sampling_from_config(
     )
 
 
-class ColocatedGeneration:
-    """Generation inside the policy's own workers (torch engine); refit in place."""
+class _ReplicaGeneration:
+    """What both shapes share: prompts sharded over a worker group's data-parallel replicas, or
+    all of them sent to one replica. ``generate_method`` names the workers' method: the
+    generation workers' ``"generate"``, or the policy workers' ``"generation.generate"``.
 
-    def __init__(self, policy: Any, sampling: SamplingConfig) -> None:
-        self.policy = policy
-        self.sampling = sampling
-        policy.init_colocated_generation(dataclasses.asdict(sampling))
+    One concrete level, no hooks to override: the two shapes below differ only in their refit
+    life cycle (refit, reseed, finish_generation, shutdown), which each states in full."""
 
-    def generate(
-        self, data: BatchedDataDict, greedy: bool = False, sampling: SamplingConfig | None = None
-    ) -> BatchedDataDict:
-        return self.policy.generate(data, greedy=greedy, sampling=sampling)
-
-    @property
-    def num_replicas(self) -> int:
-        return int(self.policy.worker_group.dp_size)
-
-    def generate_on(
-        self,
-        replica: int,
-        data: BatchedDataDict,
-        greedy: bool = False,
-        sampling: SamplingConfig | None = None,
-    ) -> BatchedDataDict:
-        return replica_generate(self.policy.worker_group, replica, data, greedy, sampling)
-
-    def refit(self, policy: Any) -> None:
-        policy.refit_colocated_generation()
-
-    def reseed(self, seed: int) -> None:
-        """Every worker's sampling stream restarts from ``seed`` (offset by rank)."""
-        self.policy.reseed_generation(seed)
-
-    def finish_generation(self) -> None:
-        """Nothing to free: the engine's copy lives in the policy worker."""
-
-    def shutdown(self) -> None:
-        """The engine lives and dies with the policy workers."""
-
-
-class SplitGeneration:
-    """A worker group of generation workers fed new weights through the object store.
-
-    ``sleeps``: colocated vLLM (GPU): the engines sleep after generating and the refit wakes
-    them, with the policy's optimizer state off the GPU in between (see module docstring)."""
-
-    def __init__(
-        self, worker_group: Any, cluster: Any, sleeps: bool = False, refit_dtype: str | None = None
-    ) -> None:
-        self.worker_group = worker_group
-        self.cluster = cluster  # None when it shares the policy's (colocated)
-        self.sleeps = sleeps
-        self.refit_dtype = refit_dtype
-        self.last_refit_bytes = 0  # what the last refit put into the object store
-        self._policy: Any = None
+    worker_group: Any
+    generate_method: str
 
     def generate(
         self, data: BatchedDataDict, greedy: bool = False, sampling: SamplingConfig | None = None
     ) -> BatchedDataDict:
-        return data_parallel_generate(self.worker_group, data, greedy=greedy, sampling=sampling)
+        return data_parallel_generate(
+            self.worker_group, data, self.generate_method, greedy=greedy, sampling=sampling
+        )
 
     @property
     def num_replicas(self) -> int:
@@ -118,12 +75,61 @@ class SplitGeneration:
         greedy: bool = False,
         sampling: SamplingConfig | None = None,
     ) -> BatchedDataDict:
-        return replica_generate(self.worker_group, replica, data, greedy, sampling)
+        return replica_generate(
+            self.worker_group, replica, data, greedy, sampling, self.generate_method
+        )
+
+
+class ColocatedGeneration(_ReplicaGeneration):
+    """Generation inside the policy's own workers (torch engine); refit in place.
+
+    Drives the policy workers' ``generation`` component
+    (`tempering.models.policy.colocated_generation`) by its dotted method names."""
+
+    generate_method = "generation.generate"
+
+    def __init__(self, policy: Any, sampling: SamplingConfig) -> None:
+        self.policy = policy
+        self.worker_group = policy.worker_group
+        self.sampling = sampling
+        policy.init_colocated_generation(dataclasses.asdict(sampling))
+
+    def refit(self, policy: Any) -> None:
+        """Every policy worker copies its trained weights into its engine."""
+        _run_all(policy.worker_group, "generation.refit")
 
     def reseed(self, seed: int) -> None:
         """Every worker's sampling stream restarts from ``seed`` (offset by rank)."""
-        futures = self.worker_group.run_all_workers_single_data("reseed", seed)
-        self.worker_group.get_all_worker_results(futures)
+        _run_all(self.worker_group, "generation.reseed", seed)
+
+    def finish_generation(self) -> None:
+        """Nothing to free: the engine's copy lives in the policy worker."""
+
+    def shutdown(self) -> None:
+        """The engine lives and dies with the policy workers."""
+
+
+class SplitGeneration(_ReplicaGeneration):
+    """A worker group of generation workers fed new weights through the object store.
+
+    ``sleeps``: colocated vLLM (GPU): the engines sleep after generating and the refit wakes
+    them, with the policy's optimizer state off the GPU in between (see module docstring)."""
+
+    generate_method = "generate"
+
+    def __init__(
+        self, worker_group: Any, cluster: Any, sleeps: bool = False, refit_dtype: str | None = None
+    ) -> None:
+        self.worker_group = worker_group
+        self.cluster = cluster  # None when it shares the policy's (colocated)
+        self.sleeps = sleeps
+        self.refit_dtype = refit_dtype
+        self.last_refit_bytes = 0  # what the last refit put into the object store
+        self._policy: Any = None
+
+    def reseed(self, seed: int) -> None:
+        """Every worker's sampling stream restarts from ``seed`` (offset by rank)."""
+        _run_all(self.worker_group, "reseed", seed)
 
     def refit(self, policy: Any) -> None:
         """The policy's current weights into every engine (`refit.stream_weights`)."""
@@ -132,24 +138,25 @@ class SplitGeneration:
         if self.sleeps:  # colocated: optimizer state off the GPU, engines awake to load
             self._policy = policy
             policy.prepare_for_generation()
-            self._all("prepare_for_generation")
+            _run_all(self.worker_group, "prepare_for_generation")
         self.last_refit_bytes = stream_weights(policy, self.worker_group, self.refit_dtype)
 
     def finish_generation(self) -> None:
         """Colocated vLLM: the engines sleep, the policy's optimizer state comes back."""
         if self.sleeps:
-            self._all("finish_generation")
+            _run_all(self.worker_group, "finish_generation")
             if self._policy is not None:
                 self._policy.prepare_for_training()
-
-    def _all(self, method: str) -> None:
-        futures = self.worker_group.run_all_workers_single_data(method)
-        self.worker_group.get_all_worker_results(futures)
 
     def shutdown(self) -> None:
         self.worker_group.shutdown()
         if self.cluster is not None:
             self.cluster.shutdown()
+
+
+def _run_all(worker_group: Any, method: str, *args: Any) -> None:
+    futures = worker_group.run_all_workers_single_data(method, *args)
+    worker_group.get_all_worker_results(futures)
 
 
 _GENERATE_KEYS = ("input_ids", "input_lengths", "max_new_tokens")
@@ -165,22 +172,25 @@ def replica_generate(
     data: BatchedDataDict,
     greedy: bool,
     sampling: SamplingConfig | None,
+    method: str = "generate",
 ) -> BatchedDataDict:
-    """All of `data` on one worker (rank `replica`)."""
+    """All of `data` on one worker (rank `replica`), by its ``method``."""
     future = worker_group.run_single_worker(
-        replica, "generate", _generate_view(data), greedy=greedy, sampling=sampling
+        replica, method, _generate_view(data), greedy=greedy, sampling=sampling
     )
     return worker_group.get_all_worker_results([future])[0]
 
 
-def data_parallel_generate(worker_group: Any, data: BatchedDataDict, **kw: Any) -> BatchedDataDict:
+def data_parallel_generate(
+    worker_group: Any, data: BatchedDataDict, method: str = "generate", **kw: Any
+) -> BatchedDataDict:
     """Shard prompts over the workers (padding to equal shards), gather in order."""
     n, dp = data.size, worker_group.dp_size
     view = _generate_view(data)
     pad = (-n) % dp
     if pad:
         view = BatchedDataDict.from_batches([view, view.select_indices([0] * pad)])
-    futures = worker_group.run_all_workers_sharded_data("generate", view, **kw)
+    futures = worker_group.run_all_workers_sharded_data(method, view, **kw)
     out = BatchedDataDict.from_batches(worker_group.get_dp_results(futures))
     return out.slice(0, n) if pad else out
 

@@ -3,8 +3,11 @@
 The controller holds a policy and never touches its model: it sends token batches
 (`BatchedDataDict`, layout in docs/CONTRACTS.md) and gets back metrics or per-token log-probs.
 `tempering.models.policy.lm_policy.Policy` implements it over a Ray worker group of FSDP2
-workers. Capabilities that not every policy has live in extra protocols
-(`RefittablePolicy`, `HFExportablePolicy`) so the base stays small.
+workers. The base holds what every algorithm needs (train, log-probs, checkpoints);
+capabilities that not every policy has live in extra protocols, so the base stays small:
+`ColocatablePolicy` (frees accelerator memory for a generation engine on its devices),
+`RefittablePolicy` (hands its weights to generation engines, whole or in buckets) and
+`HFExportablePolicy` (writes a Hugging Face folder).
 """
 
 from __future__ import annotations
@@ -44,20 +47,42 @@ class PolicyInterface(ABC):
     def load_checkpoint(self, path: str) -> None:
         """Restore what `save_checkpoint(path)` wrote."""
 
-    def prepare_for_generation(self) -> None:  # noqa: B027 - optional hook, default no-op
-        """Free accelerator memory for a colocated generator (optimizer state off the GPU)."""
 
-    def prepare_for_training(self) -> None:  # noqa: B027 - optional hook, default no-op
+@runtime_checkable
+class ColocatablePolicy(Protocol):
+    """A policy that can share its accelerators with a generation engine (colocated vLLM)."""
+
+    def prepare_for_generation(self) -> None:
+        """Free accelerator memory for a colocated generator (optimizer state off the GPU)."""
+        ...
+
+    def prepare_for_training(self) -> None:
         """Undo `prepare_for_generation`."""
+        ...
+
+
+@runtime_checkable
+class WeightSource(Protocol):
+    """The weights of a policy as generation engines take them (`RefittablePolicy.refit`)."""
+
+    def state_dict(self, dtype: str | None = None) -> dict[str, Any]:
+        """Full (gathered, unsharded) parameters by HF name, as CPU tensors."""
+        ...
+
+    def buckets(self, bucket_bytes: int) -> list[list[str]]:
+        """State-dict names in layer-aligned buckets of at most ``bucket_bytes`` (fp32)."""
+        ...
+
+    def bucket(self, names: list[str], dtype: str | None) -> tuple[Any, int]:
+        """``(object ref, bytes)``: one bucket's full tensors in ``dtype``, in Ray's store."""
+        ...
 
 
 @runtime_checkable
 class RefittablePolicy(Protocol):
     """A policy whose weights can be handed to a generation engine (refit)."""
 
-    def state_dict_for_refit(self, dtype: str | None = None) -> dict[str, Any]:
-        """Full (gathered, unsharded) parameters by HF name, as CPU tensors."""
-        ...
+    refit: WeightSource
 
 
 @runtime_checkable

@@ -1,8 +1,13 @@
 """`Policy`: the controller's handle on a causal LM trained by a Ray worker group.
 
-It implements `PolicyInterface` (plus `RefittablePolicy` and `HFExportablePolicy`) over a
-`RayWorkerGroup` of `FSDP2PolicyWorker`s, one per bundle of a `RayVirtualCluster`. Each call
-names the worker method and how the data is split, and gathers results in rank order:
+It implements `PolicyInterface` (plus the optional `ColocatablePolicy`, `RefittablePolicy`
+and `HFExportablePolicy`) over a `RayWorkerGroup` of `FSDP2PolicyWorker`s, one per bundle of a
+`RayVirtualCluster`. Each call names the worker method and how the data is split, and gathers
+results in rank order. Like the worker, the facade keeps a small surface: the weights for
+generation engines are a handle of their own (``policy.refit``: `PolicyWeights`, over the
+workers' ``refit`` component), and colocated generation is driven by
+`tempering.models.generation.builders.ColocatedGeneration` over the workers' ``generation``
+component once `init_colocated_generation` has built it:
 
     cluster = RayVirtualCluster([2], num_cpus_per_bundle=1)
     policy = build_policy(cluster, "tiny-arith", train_global_batch_size=32,
@@ -15,6 +20,7 @@ names the worker method and how the data is split, and gathers results in rank o
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from tempering.distributed.batched_data_dict import BatchedDataDict
@@ -77,6 +83,7 @@ class Policy(PolicyInterface):
             logprob_max_tokens_per_microbatch or max_tokens_per_microbatch
         )
         self.sequence_packing = sequence_packing
+        self.refit = PolicyWeights(worker_group)  # the weights, whole or in refit buckets
 
     @property
     def dp_size(self) -> int:
@@ -152,150 +159,109 @@ class Policy(PolicyInterface):
     # ------------------------------------------------------------- checkpoints
     def save_checkpoint(self, path: str) -> None:
         """Every worker writes its shard of model + optimizer state under `path` (DCP)."""
-        self._all("save_checkpoint", str(path))
+        _run_all(self.worker_group, "checkpoint.save", str(path))
 
     def load_checkpoint(self, path: str) -> None:
-        self._all("load_checkpoint", str(path))
+        _run_all(self.worker_group, "checkpoint.load", str(path))
 
     def export_hf(self, path: str) -> None:
         """Gather the full weights and write an HF folder (rank 0) that ``from_pretrained`` loads."""
-        self._all("export_hf", str(path))
-
-    def state_dict_for_refit(self, dtype: str | None = None) -> dict[str, Any]:
-        """Full (gathered) CPU tensors by HF parameter name, for the generation workers."""
-        return self._all("state_dict_for_refit", dtype)[0]
+        _run_all(self.worker_group, "checkpoint.export_hf", str(path))
 
     # ------------------------------------------------- colocated generation
     def init_colocated_generation(self, sampling: dict[str, Any]) -> None:
-        """Give every worker a torch generation engine over its own weights."""
-        self._all("init_colocated_generation", sampling)
-
-    def refit_colocated_generation(self) -> None:
-        self._all("refit_colocated_generation")
-
-    def reseed_generation(self, seed: int) -> None:
-        self._all("reseed_generation", seed)
-
-    def generate(
-        self, data: BatchedDataDict, greedy: bool = False, sampling: Any = None
-    ) -> BatchedDataDict:
-        """Generate in the policy workers, prompts split over DP ranks, rows in input order
-        (`sampling`: a SamplingConfig for this call, see GenerationInterface)."""
-        from tempering.models.generation.builders import data_parallel_generate
-
-        return data_parallel_generate(self.worker_group, data, greedy=greedy, sampling=sampling)
-
-    def refit_buckets(self, bucket_bytes: int) -> list[list[str]]:
-        """State-dict names in layer-aligned buckets (see `tempering.models.generation.refit`)."""
-        return self._all("refit_buckets", bucket_bytes)[0]
-
-    def refit_bucket(self, names: list[str], dtype: str | None) -> tuple[Any, int]:
-        """``(object ref, bytes)`` of one bucket in ``dtype``, put by rank 0 (never fetched here)."""
-        return self._all("refit_bucket", names, dtype)[0]
+        """Give every worker a torch generation engine over its own weights; then
+        `tempering.models.generation.builders.ColocatedGeneration` drives them."""
+        _run_all(self.worker_group, "generation.init", sampling)
 
     # ---------------------------------------------------------- colocation
     def prepare_for_generation(self) -> None:
-        self._all("prepare_for_generation")
+        _run_all(self.worker_group, "prepare_for_generation")
 
     def prepare_for_training(self) -> None:
-        self._all("prepare_for_training")
+        _run_all(self.worker_group, "prepare_for_training")
 
     def shutdown(self) -> None:
         self.worker_group.shutdown()
 
-    def _all(self, method: str, *args: Any) -> list[Any]:
-        futures = self.worker_group.run_all_workers_single_data(method, *args)
-        return self.worker_group.get_all_worker_results(futures)
+
+class PolicyWeights:
+    """`Policy.refit`: the policy's weights for generation engines, from the workers' ``refit``
+    component (`tempering.models.policy.weight_streaming`). A handle of its own, so the
+    facade keeps a small surface and the refit calls read ``policy.refit.bucket(...)``."""
+
+    def __init__(self, worker_group: RayWorkerGroup) -> None:
+        self.worker_group = worker_group
+
+    def state_dict(self, dtype: str | None = None) -> dict[str, Any]:
+        """Full (gathered) CPU tensors by HF parameter name, for the generation workers."""
+        return _run_all(self.worker_group, "refit.state_dict", dtype)[0]
+
+    def buckets(self, bucket_bytes: int) -> list[list[str]]:
+        """State-dict names in layer-aligned buckets (see `tempering.models.generation.refit`)."""
+        return _run_all(self.worker_group, "refit.buckets", bucket_bytes)[0]
+
+    def bucket(self, names: list[str], dtype: str | None) -> tuple[Any, int]:
+        """``(object ref, bytes)`` of one bucket in ``dtype``, put by rank 0 (never fetched here)."""
+        return _run_all(self.worker_group, "refit.bucket", names, dtype)[0]
+
+
+def _run_all(worker_group: RayWorkerGroup, method: str, *args: Any) -> list[Any]:
+    """``method`` (a worker's, or ``"component.method"``) on every worker, in rank order."""
+    futures = worker_group.run_all_workers_single_data(method, *args)
+    return worker_group.get_all_worker_results(futures)
 
 
 def build_policy(
     cluster: RayVirtualCluster,
     model_path: str,
     *,
-    train_global_batch_size: int,
-    train_micro_batch_size: int,
-    logprob_micro_batch_size: int | None = None,
-    max_tokens_per_microbatch: int | None = None,
-    sequence_packing: bool = False,
-    logprob_max_tokens_per_microbatch: int | None = None,
-    learning_rate: float = 1e-5,
-    weight_decay: float = 0.0,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    optimizer: str = "adamw",
-    max_grad_norm: float | None = 1.0,
-    max_consecutive_nonfinite: int = 3,
-    lr_schedule: str = "constant",
-    warmup_steps: int = 0,
-    total_steps: int | None = None,
-    min_lr_ratio: float = 0.0,
-    precision: str = "float32",
-    activation_checkpointing: bool = False,
-    init_optimizer: bool = True,
-    init_reference_model: bool = False,
-    seed: int = 42,
-    num_threads: int | None = None,
     name_prefix: str = "policy",
     env_vars: dict[str, str] | None = None,
-    head: str = "causal_lm",
-    pad_token_id: int | None = None,
     tensor_parallel_size: int = 1,
     gpu_share: float | None = None,
-    shared_prefix: bool = True,
+    **kwargs: Any,
 ) -> Policy:
     """Start one `FSDP2PolicyWorker` per bundle of `cluster` and wrap them in a `Policy`.
 
-    Plain arguments only (the algorithm's builder reads them from the config); see
-    `FSDP2PolicyWorker` for the worker-side ones. ``gpu_share``: the share of its bundle's
-    GPU each worker takes in Ray's accounting (colocated vLLM takes the rest).
+    Plain arguments only (the algorithm's builder reads them from the config). ``kwargs`` are
+    `Policy`'s batch settings (``train_global_batch_size`` and ``train_micro_batch_size``
+    required, ``logprob_micro_batch_size``, ``max_tokens_per_microbatch``,
+    ``sequence_packing``, ``logprob_max_tokens_per_microbatch``) and, all the others,
+    `FSDP2PolicyWorker`'s keyword arguments (``learning_rate``, ``precision``, ``head``, ...),
+    each documented and defaulted once, where it is used. ``gpu_share``: the share of its
+    bundle's GPU each worker takes in Ray's accounting (colocated vLLM takes the rest).
     """
+    policy_kwargs = {k: kwargs.pop(k) for k in _POLICY_ARGS if k in kwargs}
+    inspect.signature(Policy).bind(None, **policy_kwargs)  # a missing batch size: TypeError
     dp = sum(cluster.bundle_ct_per_node_list) // tensor_parallel_size
-    if train_global_batch_size % dp:
-        raise ValueError(
-            f"policy.train_global_batch_size={train_global_batch_size} is not divisible by "
-            f"the data-parallel size {dp} (one worker per bundle, {tensor_parallel_size} per "
-            f"tensor-parallel group); use a multiple of {dp}"
-        )
+    _check_divisible(policy_kwargs["train_global_batch_size"], dp, tensor_parallel_size)
     builder = RayWorkerBuilder(
-        POLICY_WORKER_FQN,
-        model_path,
-        learning_rate=learning_rate,
-        weight_decay=weight_decay,
-        betas=tuple(betas),
-        eps=eps,
-        optimizer=optimizer,
-        max_grad_norm=max_grad_norm,
-        max_consecutive_nonfinite=max_consecutive_nonfinite,
-        lr_schedule=lr_schedule,
-        warmup_steps=warmup_steps,
-        total_steps=total_steps,
-        min_lr_ratio=min_lr_ratio,
-        precision=precision,
-        activation_checkpointing=activation_checkpointing,
-        init_optimizer=init_optimizer,
-        init_reference_model=init_reference_model,
-        seed=seed,
-        num_threads=num_threads,
-        head=head,
-        pad_token_id=pad_token_id,
-        tensor_parallel_size=tensor_parallel_size,
-        shared_prefix=shared_prefix,
+        POLICY_WORKER_FQN, model_path, tensor_parallel_size=tensor_parallel_size, **kwargs
     )
     group = RayWorkerGroup(
         cluster, builder, name_prefix=name_prefix, env_vars=env_vars,
         tensor_parallel_size=tensor_parallel_size, num_gpus_per_worker=gpu_share,
     )  # fmt: skip
     try:
-        return Policy(
-            group,
-            train_global_batch_size=train_global_batch_size,
-            train_micro_batch_size=train_micro_batch_size,
-            logprob_micro_batch_size=logprob_micro_batch_size,
-            max_tokens_per_microbatch=max_tokens_per_microbatch,
-            sequence_packing=sequence_packing,
-            logprob_max_tokens_per_microbatch=logprob_max_tokens_per_microbatch,
-            cluster=cluster,
-        )
+        return Policy(group, cluster=cluster, **policy_kwargs)
     except BaseException:
         group.shutdown()
         raise
+
+
+# `Policy`'s keyword arguments, which `build_policy` keeps from those it hands the workers.
+_POLICY_ARGS = tuple(
+    name
+    for name, param in inspect.signature(Policy).parameters.items()
+    if param.kind is inspect.Parameter.KEYWORD_ONLY and name != "cluster"
+)
+
+
+def _check_divisible(train_global_batch_size: int, dp: int, tensor_parallel_size: int) -> None:
+    if train_global_batch_size % dp:
+        raise ValueError(
+            f"policy.train_global_batch_size={train_global_batch_size} is not divisible by "
+            f"the data-parallel size {dp} (one worker per bundle, {tensor_parallel_size} per "
+            f"tensor-parallel group); use a multiple of {dp}"
+        )

@@ -1,0 +1,153 @@
+"""Micro-batches and the forward pass of one policy rank.
+
+`FSDP2PolicyWorker` (training, log-probs, scores) hands every batch to a `ForwardPass`, which
+cuts it into micro-batches and runs each through a model in its *layout*. Three kinds:
+
+- a fixed number of rows (``micro_batch_size``), each micro-batch trimmed to its longest row;
+- dynamic ones under a padded-token budget (``max_tokens_per_microbatch``);
+- packed ones (``max_tokens_per_microbatch`` + ``pack_sequences=True``): first-fit-decreasing
+  bins of unpadded sequences, each bin one row whose ``position_ids`` restart at 0 per
+  sequence, so transformers' attention mask keeps the sequences apart (no padding computed at
+  all). The packed logits are unpacked to the padded layout before the loss, so every loss
+  works unchanged.
+
+Unpacked micro-batches may also run as shared-prefix groups (rows that start alike compute
+their common prefix once; `tempering.models.policy.shared_prefix`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tempering.distributed.batched_data_dict import BatchedDataDict, PackedBin
+from tempering.models.policy.shared_prefix import SharedPrefixPlan, plan_shared_prefix
+
+# How a micro-batch runs through the model: packed into one row, as shared-prefix groups, or
+# (None) as its padded rows.
+Layout = PackedBin | SharedPrefixPlan | None
+
+
+@dataclass(frozen=True)
+class ForwardPass:
+    """How this rank splits a batch and runs a micro-batch through a model.
+
+    Args:
+        head: "causal_lm" (``[B, S, V]`` logits) or "score" (``[B]`` scores).
+        device: where micro-batches are computed.
+        shared_prefix: the cost ratio of `plan_shared_prefix`; None: rows computed whole.
+        pad_token_id: the pad id shared-prefix plans fill with (0 when None).
+    """
+
+    head: str
+    device: torch.device
+    shared_prefix: float | None
+    pad_token_id: int | None
+
+    def split(
+        self,
+        data: BatchedDataDict,
+        micro_batch_size: int | None,
+        max_tokens: int | None,
+        pack: bool = False,
+    ) -> tuple[list[BatchedDataDict], list[Layout], torch.Tensor | None]:
+        """Micro-batches trimmed to their longest sequence, each one's layout for the forward
+        (its packed bin when packing; else its shared-prefix plan, or None: the padded rows),
+        and the row permutation (None when rows keep their order). A layout is decided once
+        per micro-batch, so a reference forward and the policy's share it."""
+        if pack:
+            if max_tokens is None:
+                raise ValueError(
+                    "pack_sequences=True needs max_tokens_per_microbatch (the bin size); set "
+                    "policy.sequence_packing.train_mb_tokens"
+                )
+            bins = data.pack_sequences(max_tokens, seq_keys=["input_ids"])
+            mbs = [trim(data.select_indices(b.indices)) for b in bins]
+            return mbs, list(bins), torch.cat([b.indices for b in bins])
+        if max_tokens is not None:
+            mbs, perm = data.make_microbatches_by_tokens(max_tokens)
+        else:
+            mbs = [trim(mb) for mb in data.make_microbatches(micro_batch_size or max(1, data.size))]
+            perm = None
+        return mbs, [self._plan(mb) for mb in mbs], perm
+
+    def _plan(self, mb: BatchedDataDict) -> SharedPrefixPlan | None:
+        if self.shared_prefix is None:
+            return None
+        return plan_shared_prefix(
+            mb["input_ids"], mb["input_lengths"], self.shared_prefix, self.pad_token_id or 0
+        )
+
+    def logits(
+        self, model: torch.nn.Module, mb: BatchedDataDict, layout: Layout = None
+    ) -> torch.Tensor:
+        """``[B, S, V]`` float logits of micro-batch ``mb``, computed in its ``layout`` (see
+        `split`; None: the padded rows); ``[B]`` scores for ``head="score"``."""
+        if isinstance(layout, SharedPrefixPlan):
+            return layout.forward(model)  # [B, S, V], each row as if computed alone
+        packed = layout
+        if self.head == "score":
+            if packed is not None:
+                raise ValueError("a reward model (head='score') does not take packed batches")
+            ids = mb["input_ids"]
+            seq = torch.arange(ids.shape[1], device=ids.device)
+            attention_mask = (seq[None, :] < mb["input_lengths"][:, None]).long()
+            return model(input_ids=ids, attention_mask=attention_mask).logits.float()[:, 0]
+        if packed is not None:
+            # One row holding every sequence; transformers builds a block-diagonal causal mask
+            # from position_ids that restart at 0 when attention_mask is None.
+            cu = packed.cu_seqlens.to(self.device)
+            out = model(
+                input_ids=packed.input_ids[None].to(self.device),
+                position_ids=packed.position_ids[None].to(self.device),
+                use_cache=False,
+                # sequence bounds for varlen attention (packed_attention.py, flash-attention)
+                cu_seq_lens_q=cu,
+                cu_seq_lens_k=cu,
+                max_length_q=packed.max_seqlen,
+                max_length_k=packed.max_seqlen,
+            )
+            return packed.unpack(out.logits[0].float())  # [n, max_seqlen, V] == mb's layout
+        input_ids = mb["input_ids"]
+        seq = torch.arange(input_ids.shape[1], device=input_ids.device)
+        attention_mask = (seq[None, :] < mb["input_lengths"][:, None]).long()  # [B, S]
+        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return out.logits.float()  # [B, S, V]
+
+    def padding(self, model: torch.nn.Module) -> torch.Tensor:
+        """A one-token pass whose result is dropped: a rank with fewer micro-batches runs it so
+        that every rank joins the same FSDP2 collectives."""
+        return self.logits(model, dummy_batch(self.device))
+
+
+def computed_tokens(mb: BatchedDataDict, layout: Layout) -> int:
+    """Tokens one forward of ``mb`` computes in ``layout`` (padding not counted)."""
+    if isinstance(layout, PackedBin):
+        return layout.num_tokens
+    if isinstance(layout, SharedPrefixPlan):
+        return layout.tokens
+    return int(mb["input_lengths"].sum())
+
+
+def trim(mb: BatchedDataDict) -> BatchedDataDict:
+    """Cut sequence keys (dim 1 == input_ids' dim 1) to the micro-batch's longest sequence."""
+    width = mb["input_ids"].shape[1]
+    keep = int(mb["input_lengths"].max()) if mb.size else width
+    if keep >= width:
+        return mb
+    return BatchedDataDict(
+        {
+            k: v[:, :keep]
+            if isinstance(v, torch.Tensor) and v.ndim >= 2 and v.shape[1] == width
+            else v
+            for k, v in mb.items()
+        }
+    )
+
+
+def dummy_batch(device: torch.device) -> BatchedDataDict:
+    return BatchedDataDict(
+        input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
+        input_lengths=torch.ones(1, dtype=torch.long, device=device),
+    )

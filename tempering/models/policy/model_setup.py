@@ -1,0 +1,338 @@
+"""Setting up one policy rank: the process group, the device mesh, and the sharded model.
+
+The part of `FSDP2PolicyWorker` that runs once, in its ``__init__`` (the worker's other
+responsibilities are split out too; see `tempering.models.policy.fsdp2_worker`):
+
+- `init_topology` joins ``torch.distributed`` (gloo on CPU; ``cpu:gloo,cuda:nccl`` on GPU) and
+  returns this rank's `Topology`: rank, sizes, device, the ``dp`` (x ``tp``) device mesh and
+  the collectives over the data-parallel ranks every step needs;
+- `load_sharded` loads the HF model (`tempering.models.hf`: a registry name or a local folder)
+  and shards it with ``fully_shard`` per decoder layer and at the root, after splitting each
+  layer over the tensor-parallel ranks (`TP_PLAN`). Memory-lean with several ranks: only rank 0
+  reads the checkpoint, the others build the model on the meta device and receive their shards;
+- `shared_prefix_ratio` decides whether rows that start alike may share their prefix's compute;
+- `PolicyState` holds what set-up produced, shared by the worker's components.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from tempering.models.policy.packed_attention import use_packed_sdpa
+from tempering.models.policy.shared_prefix import BOOL_MASK_ATTENTION, attention_cost_ratio
+
+logger = logging.getLogger(__name__)
+
+PRECISIONS = ("float32", "bfloat16")
+# What the model ends in: next-token logits (a policy), or one score per sequence (a reward
+# model: AutoModelForSequenceClassification with one label, trained with BradleyTerryLoss).
+HEADS = ("causal_lm", "score")
+
+# Megatron-style split of a Llama/Qwen2/Mistral decoder layer: q/k/v and gate/up by output
+# columns, o/down by input rows, so each layer needs one all-reduce in attention and one in
+# the MLP. Embeddings, norms and lm_head stay whole on every TP rank (FSDP2 shards them).
+TP_PLAN = {
+    "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise",
+    "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise",
+}  # fmt: skip
+
+
+def check_options(precision: str, head: str, pad_token_id: int | None) -> None:
+    """Refuse an unknown precision or head before anything is loaded."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is unknown; use one of {PRECISIONS}")
+    if head not in HEADS or (head == "score" and pad_token_id is None):
+        raise ValueError(
+            f"head={head!r} (pad_token_id={pad_token_id}): use one of {HEADS}; 'score' "
+            "needs the tokenizer's pad_token_id (the score is read at the last real token)"
+        )
+
+
+def require_head(head: str, wanted: str, method: str) -> None:
+    """A method that only one kind of head answers (log-probs, scores, generation)."""
+    if head != wanted:
+        raise RuntimeError(f"{method} needs a worker built with head={wanted!r}, not {head!r}")
+
+
+def mixed_precision(precision: str) -> MixedPrecisionPolicy:
+    """bf16: parameters cast to bf16 for forward/backward, fp32 master weights and optimizer
+    state, gradients reduced in fp32 (FSDP2's MixedPrecisionPolicy)."""
+    if precision == "bfloat16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (an all-gather when ``t`` is a sharded DTensor; collective)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``t`` (``t`` itself when it is not a DTensor)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+# ------------------------------------------------------------------ topology
+@dataclass
+class Topology:
+    """Where this rank sits: ``rank = dp_rank * tp_size + tp_rank``; ``dp_group`` is None
+    without TP (the default group is the data-parallel one)."""
+
+    rank: int
+    world_size: int
+    dp_size: int
+    tp_size: int
+    device: torch.device
+    mesh: Any
+    dp_mesh: Any
+    tp_mesh: Any
+    dp_group: Any
+
+    def all_reduce(self, values: list[float], op: dist.ReduceOp = dist.ReduceOp.SUM) -> list[float]:
+        """Over the data-parallel ranks (the ranks of a TP group hold the same data)."""
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=op, group=self.dp_group)  # gloo: CPU tensors in both backends
+        return t.tolist()
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """``obj`` from every data-parallel rank."""
+        gathered: list[Any] = [None] * self.dp_size
+        dist.all_gather_object(gathered, obj, group=self.dp_group)
+        return gathered
+
+    def equalise(self, count: int) -> int:
+        """Every rank must run the same number of forward passes (FSDP2 collectives)."""
+        return int(self.all_reduce([float(count)], op=dist.ReduceOp.MAX)[0])
+
+    def info(self) -> dict[str, Any]:
+        return {"rank": self.rank, "world_size": self.world_size, "device": str(self.device),
+                "dp_size": self.dp_size, "tp_size": self.tp_size}  # fmt: skip
+
+
+def init_topology(tp_size: int) -> Topology:
+    """Join the process group (RANK, WORLD_SIZE, LOCAL_RANK from the environment) and build the
+    ``dp`` (x ``tp``) device mesh. A group started earlier in this process is reused."""
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        index = local_rank if torch.cuda.device_count() > local_rank else 0
+        device = torch.device("cuda", index)
+        torch.cuda.set_device(device)
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            init_method=_init_method(world_size),
+            rank=rank,
+            world_size=world_size,
+        )
+    # A group started earlier in this process (e.g. by a test) is reused as it is.
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if tp_size < 1 or world_size % tp_size:
+        raise ValueError(f"tensor_parallel_size={tp_size} must divide the {world_size} ranks")
+    dp_size = world_size // tp_size
+    if tp_size == 1:
+        mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
+        return Topology(rank, world_size, dp_size, tp_size, device, mesh, mesh, None, None)
+    # rank = dp_rank * tp + tp_rank: a TP group is consecutive ranks (one node)
+    mesh = init_device_mesh(device.type, (dp_size, tp_size), mesh_dim_names=("dp", "tp"))
+    dp_mesh = mesh["dp"]
+    dp_group = dp_mesh.get_group()  # counts and metrics: once per DP rank
+    return Topology(rank, world_size, dp_size, tp_size, device, mesh, dp_mesh, mesh["tp"], dp_group)
+
+
+def _init_method(world_size: int) -> str:
+    """The worker group's (``TEMPERING_DIST_INIT_METHOD``: a private file store on one
+    node), else MASTER_ADDR/MASTER_PORT, else a free loopback port for a lone rank."""
+    if os.environ.get("TEMPERING_DIST_INIT_METHOD"):
+        return os.environ["TEMPERING_DIST_INIT_METHOD"]
+    port = os.environ.get("MASTER_PORT")
+    if port is None:
+        if world_size != 1:
+            raise RuntimeError(
+                f"FSDP2PolicyWorker: WORLD_SIZE={world_size} but MASTER_PORT is not "
+                "set; start workers through a RayWorkerGroup or set MASTER_ADDR/MASTER_PORT"
+            )
+        port = str(_free_port())
+    return f"tcp://{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{port}"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --------------------------------------------------------------- the model
+@dataclass(frozen=True)
+class ModelSource:
+    """Which model to build: a registry name or HF folder, and its head."""
+
+    model_path: str
+    head: str = "causal_lm"
+    pad_token_id: int | None = None
+
+    def read(self) -> torch.nn.Module:
+        """The model with its weights, read from disk (fp32)."""
+        from tempering.models.hf import load_causal_lm, load_sequence_classifier
+
+        if self.head == "score":
+            assert self.pad_token_id is not None
+            return load_sequence_classifier(self.model_path, self.pad_token_id)
+        return load_causal_lm(self.model_path, dtype=torch.float32)
+
+    def empty(self) -> torch.nn.Module:
+        """The model's architecture on the meta device: no weights read, no memory used."""
+        from transformers import (
+            AutoConfig,
+            AutoModelForCausalLM,
+            AutoModelForSequenceClassification,
+        )
+
+        from tempering.models.registry import hub_offline, resolve_model_path
+
+        config = AutoConfig.from_pretrained(
+            resolve_model_path(self.model_path), local_files_only=hub_offline()
+        )
+        auto = AutoModelForCausalLM
+        if self.head == "score":
+            config.num_labels, config.pad_token_id = 1, self.pad_token_id
+            auto = AutoModelForSequenceClassification
+        with torch.device("meta"):
+            return auto.from_config(config, dtype=torch.float32).eval()
+
+
+@dataclass
+class PolicyState:
+    """What the worker and its components share (one holder, built once by
+    `FSDP2PolicyWorker.__init__`): this rank's place, the model, its frozen reference copy,
+    and the optimizer with its LR schedule (None for an inference-only policy)."""
+
+    topo: Topology
+    source: ModelSource
+    model: torch.nn.Module
+    reference_model: torch.nn.Module | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+
+
+def load_sharded(
+    source: ModelSource,
+    topo: Topology,
+    mp_policy: MixedPrecisionPolicy,
+    *,
+    activation_checkpointing: bool,
+    lean_loading: bool,
+) -> torch.nn.Module:
+    """The model, sharded (a single fp32 rank: the plain module, see below). Memory-lean
+    with several ranks (``lean_loading``): only rank 0 reads the checkpoint; the others build
+    the model on the meta device (no memory), shard it, and receive their shards from rank 0
+    (`_fill_from_rank0`)."""
+    lean = lean_loading and topo.world_size > 1
+    full_state = None
+    if lean:  # every rank shards the same empty model (TP and FSDP2 then need no data)
+        model = source.empty()
+        if topo.rank == 0:  # broadcast below: the weights, and the buffers they imply
+            read = source.read()
+            full_state = {
+                "state": dict(read.state_dict()),
+                "buffers": dict(read.named_buffers()),
+            }
+    else:
+        model = source.read()
+    use_packed_sdpa(model)  # packed micro-batches cost their sequences, not their bins
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layers = _decoder_layers(model)
+    if topo.world_size == 1 and mp_policy.param_dtype is None:
+        # One fp32 rank has nothing to shard, gather or reduce: FSDP2's per-layer hooks
+        # and DTensor dispatch cost ~20% of a tiny-arith step (bench/bench_floor.py).
+        # Checkpoints stay DCP, so they load into any layout.
+        return model.to(topo.device)
+    if topo.tp_mesh is not None:
+        for layer in layers:
+            _tensor_parallel(layer, topo.tp_mesh)
+    for layer in layers:
+        fully_shard(layer, mesh=topo.dp_mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=topo.dp_mesh, mp_policy=mp_policy)
+    if lean:
+        _fill_from_rank0(model, full_state, topo.device)
+    return model
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    layer_names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in layer_names]
+    if not layers:
+        raise ValueError(
+            f"FSDP2PolicyWorker: found no decoder layers in {type(model).__name__} "
+            f"(_no_split_modules={sorted(layer_names)}); this model class is not supported"
+        )
+    return layers
+
+
+def _tensor_parallel(layer: torch.nn.Module, tp_mesh: Any) -> None:
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    names = {n for n, _ in layer.named_modules()}
+    missing = sorted(set(TP_PLAN) - names)
+    if missing:
+        raise ValueError(
+            f"tensor parallelism: {type(layer).__name__} has no {missing}; the TP plan covers "
+            "Llama/Qwen2/Mistral-style layers (set policy.dtensor_cfg.tensor_parallel_size=1)"
+        )
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    parallelize_module(layer, tp_mesh, {n: styles[kind]() for n, kind in TP_PLAN.items()})
+
+
+def _fill_from_rank0(
+    model: torch.nn.Module, full_state: dict[str, Any] | None, device: torch.device
+) -> None:
+    """Rank 0 broadcasts the file's tensors; each rank keeps its shard. Buffers that are
+    not in the state dict (e.g. rotary frequencies) are recomputed by rank 0's read model
+    and broadcast whole. Collective."""
+    model.to_empty(device=device)
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full_state["state"] if full_state else {}, options=opts)
+    for name, buffer in model.named_buffers():
+        if full_state:
+            buffer.copy_(full_state["buffers"][name])
+        dist.broadcast(buffer, src=0)
+
+
+def shared_prefix_ratio(model: torch.nn.Module, head: str) -> float | None:
+    """The cost ratio `plan_shared_prefix` weighs groups with; None (rows computed apart,
+    logged) where the attention cannot take the tree mask; None for a score head (a
+    sequence's score reads its last token, which a shared prefix does not change)."""
+    if head != "causal_lm":
+        return None
+    attention = getattr(model.config, "_attn_implementation", None)
+    if attention not in BOOL_MASK_ATTENTION:
+        logger.warning(
+            "policy.shared_prefix: off for this model (attention=%s); shared prefixes "
+            "need one of %s, so every row is computed whole",
+            attention, BOOL_MASK_ATTENTION,
+        )  # fmt: skip
+        return None
+    params = sum(p.numel() for p in model.parameters())
+    return attention_cost_ratio(model.config, params)

@@ -1,0 +1,86 @@
+"""The policy rank's weights for generation engines (refit): whole, or streamed in buckets.
+
+A component of `FSDP2PolicyWorker`, reached as its ``refit`` attribute, so a controller names
+it in full: ``run_all_workers_single_data("refit.buckets", bucket_bytes)`` (the worker group's
+``execute`` resolves dotted names). `tempering.models.generation.refit.stream_weights` drives
+it through `Policy.refit`: the ranks agree on layer-aligned buckets (`buckets`), then for each
+bucket every rank joins the all-gathers and rank 0 puts the gathered tensors, cast to the
+engine's dtype, into Ray's object store (`bucket`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from tempering.models.policy.model_setup import PolicyState, full_tensor
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Gathered full parameters on rank 0 (CPU); empty on the other ranks. Collective."""
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=opts)
+
+
+class WeightStreamer:
+    """The policy's weights (this rank's shard of them) as rank 0 hands them out."""
+
+    def __init__(self, state: PolicyState) -> None:
+        self.state = state
+
+    def state_dict(self, dtype: str | None = None) -> dict[str, torch.Tensor] | None:
+        """Full CPU tensors by HF name on rank 0 (None elsewhere), optionally cast to `dtype`."""
+        sd = full_state_dict(self.state.model)
+        if self.state.topo.rank != 0:
+            return None
+        return {k: _in_dtype(v, dtype) for k, v in sd.items()}
+
+    def buckets(self, bucket_bytes: int) -> list[list[str]]:
+        """State-dict names in buckets of at most ``bucket_bytes`` (fp32 size), cut only
+        between decoder layers (`refit.py`); the same on every rank."""
+        buckets: list[list[str]] = []
+        current: list[str] = []
+        size, layer = 0, None
+        # A tied lm_head is sent too: vLLM on CPU repacks it apart from embed_tokens, so
+        # loading embed_tokens alone left it stale (log-probs off by 3e-3, test_grpo).
+        for name, tensor in self.state.model.state_dict().items():
+            this_layer = _layer_of(name)
+            nbytes = tensor.numel() * 4
+            if current and this_layer != layer and size + nbytes > bucket_bytes:
+                buckets.append(current)
+                current, size = [], 0
+            current.append(name)
+            size += nbytes
+            layer = this_layer
+        return buckets + ([current] if current else [])
+
+    def bucket(self, names: list[str], dtype: str | None) -> tuple[Any, int] | None:
+        """Gather the full tensors of ``names`` (collective), cast to ``dtype``; rank 0 puts
+        them into Ray's object store and returns ``(ref, bytes)``, the others None."""
+        state, rank = self.state.model.state_dict(), self.state.topo.rank
+        out: dict[str, torch.Tensor] = {}
+        for name in names:
+            full = full_tensor(state[name])  # every rank joins each all-gather, in the same order
+            if rank == 0:
+                out[name] = _in_dtype(full.detach().to("cpu", copy=True), dtype)
+        if rank != 0:
+            return None
+        import ray
+
+        return ray.put(out), sum(t.numel() * t.element_size() for t in out.values())
+
+
+def _in_dtype(t: torch.Tensor, dtype: str | None) -> torch.Tensor:
+    """``t`` cast to ``dtype`` (a torch dtype name) if it is floating point; None keeps it."""
+    return t.to(getattr(torch, dtype)) if dtype and t.is_floating_point() else t
+
+
+def _layer_of(name: str) -> str:
+    """``model.layers.3`` for ``model.layers.3.mlp.up_proj.weight``; the name itself otherwise."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part == "layers" and parts[i + 1].isdigit():
+            return ".".join(parts[: i + 2])
+    return name
