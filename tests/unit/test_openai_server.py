@@ -1,6 +1,7 @@
-"""The OpenAI-compatible server over HTTP (tempering/models/generation/openai_server.py):
-the official `openai` client, on-policy token ids across turns, /tokenize, bad input, batching
-of concurrent requests, refit while serving, and the security defaults.
+"""The OpenAI-compatible server over HTTP (tempering/models/generation/openai_server.py, and
+the chat service behind it, chat_service.py): the official `openai` client, on-policy token
+ids across turns, /tokenize, bad input, batching of concurrent requests, refit while serving,
+and the security defaults.
 
 The backend is the real torch engine on the committed tiny-arith model, in this process
 (wrapped to count backend calls). One test needs a model that emits tool calls, which no
