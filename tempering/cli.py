@@ -191,9 +191,7 @@ def _run_envs(args: argparse.Namespace) -> int:
 
     from tempering.distributed import actor_environments as ae
 
-    fqns = args.fqns or list(ae.ACTOR_ENVIRONMENT_REGISTRY)
-    for fqn in fqns:
-        executable = ae.get_actor_executable(fqn)
+    for fqn, executable in map(ae.worker_spec, args.fqns or list(ae.ACTOR_ENVIRONMENT_REGISTRY)):
         state = ae.venv_state(fqn, executable)
         line = f"{fqn}\n    executable: {executable}\n    state: {state}"
         if args.build and state not in ("frozen", "interpreter", "ready"):
@@ -218,7 +216,11 @@ def _add_envs(subparsers: argparse._SubParsersAction) -> None:
         "TEMPERING_FROZEN_ENVS_DIR), ready, stale (the code's lock or pyproject changed, or "
         "NRL_FORCE_REBUILD_VENVS=true), missing, or interpreter (no venv).",
     )
-    p.add_argument("fqns", nargs="*", metavar="FQN", help="worker classes (default: all)")
+    p.add_argument(
+        "fqns", nargs="*", metavar="FQN[=EXECUTABLE]",
+        help="worker classes (default: all registered); FQN=EXECUTABLE names a class this "
+        "process has not registered (a plugin's) with the executable it runs under",
+    )  # fmt: skip
     p.add_argument("--build", action="store_true", help="build the stale and missing venvs now")
     p.set_defaults(func=_run_envs)
 

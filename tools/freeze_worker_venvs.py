@@ -1,6 +1,6 @@
 """Build the worker venvs now and write frozen ``python-<fqn>`` launchers for them.
 
-    uv run --no-sync python tools/freeze_worker_venvs.py --out /opt/tempering/bin [FQN ...]
+    uv run --no-sync python tools/freeze_worker_venvs.py --out /opt/tempering/bin [FQN[=EXE] ...]
 
 For each worker class (default: every entry of ``ACTOR_ENVIRONMENT_REGISTRY`` whose executable
 is a venv tempering builds: ``uv run ...`` or ``pip-venv <name>``) the venv is built under the
@@ -28,6 +28,7 @@ from tempering.distributed.actor_environments import (
     build_worker_venv,
     builds_venv,
     launcher_name,
+    worker_spec,
 )
 
 LOCAL_ONLY_WARNING = (
@@ -63,11 +64,20 @@ def write_launcher(out_dir: Path, fqn: str, python: str) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for the launchers")
-    parser.add_argument("fqns", nargs="*", help="worker classes (default: all with a venv)")
+    parser.add_argument(
+        "fqns",
+        nargs="*",
+        metavar="FQN[=EXECUTABLE]",
+        help="worker classes (default: all registered with a venv); FQN=EXECUTABLE names a "
+        "class this process has not registered (a plugin's, or the tests' isolation probe)",
+    )
     args = parser.parse_args(argv)
-    fqns = args.fqns or [f for f, exe in ACTOR_ENVIRONMENT_REGISTRY.items() if builds_venv(exe)]
-    for fqn in fqns:
-        executable = ACTOR_ENVIRONMENT_REGISTRY.get(fqn)
+    specs = args.fqns or [f for f, exe in ACTOR_ENVIRONMENT_REGISTRY.items() if builds_venv(exe)]
+    for spec in specs:
+        try:
+            fqn, executable = worker_spec(spec)
+        except KeyError:  # not registered: refused below
+            fqn, executable = spec, None
         if executable is None or not builds_venv(executable):
             parser.error(
                 f"{fqn!r} is not a registered worker class with a venv to build ('uv run ...' "

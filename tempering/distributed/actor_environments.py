@@ -125,6 +125,14 @@ def register_actor_environment(fqn: str, executable: str) -> None:
     ACTOR_ENVIRONMENT_REGISTRY[fqn] = executable
 
 
+def worker_spec(spec: str) -> tuple[str, str]:
+    """``(fqn, executable)`` of a command-line worker spec: ``FQN`` (a registered class) or
+    ``FQN=EXECUTABLE`` (a class this process has not registered, e.g. a plugin's or a test's,
+    with the executable it runs under)."""
+    fqn, sep, executable = spec.partition("=")
+    return (fqn, executable) if sep else (fqn, get_actor_executable(fqn))
+
+
 def get_actor_executable(fqn: str) -> str:
     """The registered executable for ``fqn``; an actionable error when it has none."""
     try:

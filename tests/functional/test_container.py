@@ -39,7 +39,10 @@ MAIN_JOB = (
     "logger.log_dir={out}/logs checkpointing.checkpoint_dir={out}/ckpt"
 )
 VLLM = "tempering.models.generation.vllm_worker.VllmGenerationWorker"
+NEMO_GYM = "tempering.environments.nemo_gym_launcher.NemoGymLauncher"
 COWSAY = "tests.workers.CowsayWorker"
+# A test-only worker: the image's `tempering envs` knows it only when told its executable.
+COWSAY_SPEC = shlex.quote(f"{COWSAY}=uv run --locked --extra isolation-probe")
 
 
 def _timed(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 900):
@@ -108,9 +111,11 @@ def test_release_image(container, tmp_path):
     assert rc == 0, out[-4000:]
     assert in_image is not None, out[-2000:]
     assert "built worker venv" not in out
-    rc, out, _ = _in(container, "uv run tempering envs", offline=True)
+    rc, out, _ = _in(
+        container, f"uv run tempering envs {VLLM} {NEMO_GYM} {COWSAY_SPEC}", offline=True
+    )
     assert rc == 0, out
-    for fqn in (VLLM, COWSAY, "tempering.environments.nemo_gym_launcher.NemoGymLauncher"):
+    for fqn in (VLLM, COWSAY, NEMO_GYM):
         assert f"{fqn}\n    executable: " in out
         block = out.split(f"{fqn}\n", 1)[1].split("\n", 2)[1]
         assert block.strip() == "state: frozen", out
@@ -145,7 +150,7 @@ def test_release_image(container, tmp_path):
     assert rc == 1 and first is None and "pyproject.toml:\n    Container: " in out, out[-3000:]
 
     rc, out, _ = _in(
-        container, f"uv run tempering envs --build {COWSAY}",
+        container, f"uv run tempering envs --build {COWSAY_SPEC}",
         offline=True, NRL_FORCE_REBUILD_VENVS="true",
     )  # fmt: skip
     assert rc == 0, out[-3000:]

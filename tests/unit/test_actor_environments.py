@@ -153,7 +153,7 @@ def _freeze(out: Path, venvs: Path, *fqns: str) -> subprocess.CompletedProcess:
 
 def test_frozen_launchers(worker_venvs_dir, tmp_path, monkeypatch):
     out = tmp_path / "bin"
-    proc = _freeze(out, worker_venvs_dir, COWSAY)
+    proc = _freeze(out, worker_venvs_dir, f"{COWSAY}={PY_EXECUTABLES.ISOLATION_PROBE}")
     assert proc.returncode == 0, proc.stderr
     launcher = out / f"python-{COWSAY}"
     run = subprocess.run(
@@ -211,7 +211,7 @@ def test_launchers_of_same_named_classes_do_not_collide(worker_venvs_dir, tmp_pa
 
 def test_freeze_tool_refuses_a_class_without_a_venv(worker_venvs_dir, tmp_path):
     proc = _freeze(
-        tmp_path / "bin", worker_venvs_dir, "tests.workers.EchoWorker"
+        tmp_path / "bin", worker_venvs_dir, f"tests.workers.EchoWorker={PY_EXECUTABLES.SYSTEM}"
     )
     assert proc.returncode == 2
     assert "not a registered worker class with a venv to build" in proc.stderr
@@ -219,8 +219,9 @@ def test_freeze_tool_refuses_a_class_without_a_venv(worker_venvs_dir, tmp_path):
 
 def test_envs_command_lists_states(worker_venvs_dir):
     proc = subprocess.run(
-        [sys.executable, "-m", "tempering.cli", "envs", COWSAY,
-         "tests.workers.EchoWorker"],
+        [sys.executable, "-m", "tempering.cli", "envs",
+         f"{COWSAY}={PY_EXECUTABLES.ISOLATION_PROBE}",
+         f"tests.workers.EchoWorker={PY_EXECUTABLES.SYSTEM}"],
         env={**os.environ, "TEMPERING_VENVS_DIR": str(worker_venvs_dir)},
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
