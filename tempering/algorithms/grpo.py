@@ -27,7 +27,11 @@ from typing import Any
 import torch
 
 from tempering.algorithms import common
+from tempering.algorithms.dynamic_sampling import DynamicSampler, mask_overlong_samples
 from tempering.config.schemas import DataConfig, GRPOMasterConfig
+from tempering.distributed.batched_data_dict import BatchedDataDict
+from tempering.utils import faults
+from tempering.utils.timers import Timer
 
 log = logging.getLogger(__name__)
 
@@ -456,69 +460,110 @@ def step_seed(seed: int, step: int) -> int:
 
 
 def grpo_step(run: GRPORun, loss_fn: Any, step: int | None = None) -> dict[str, float]:
-    """Generate, score, compute advantages, train, refit. Returns namespaced metrics.
+    """One step as a recipe: sample prompts -> roll out -> score -> advantages -> log-probs
+    -> train -> refit -> metrics. Returns namespaced metrics.
 
     ``step`` (1-based, the step this call makes) reseeds every generation worker from the
     run's seed and the step first, so a run resumed from a checkpoint samples exactly what the
     uninterrupted run did; None keeps the workers' streams running on."""
-    from tempering.algorithms.dynamic_sampling import DynamicSampler, mask_overlong_samples
-    from tempering.distributed.batched_data_dict import BatchedDataDict
-    from tempering.utils import faults
-    from tempering.utils.timers import Timer
-
     cfg = run.cfg.grpo
-    G = cfg.num_generations_per_prompt
     timer = Timer()
-    extra: dict[str, float] = {}
     server_before = run.chat.stats_snapshot()
     t0 = time.perf_counter()
     if step is not None:
         run.generation.reseed(step_seed(cfg.seed, step))
-    with timer.time("generation"):
+    with timer.time("generation"):  # prompts -> episodes -> rewards -> advantages
         faults.maybe_fault("controller", "generation")
-        batch = rollout_batch(run, run.dataloader.next_batch(), G)
+        batch = rollout_batch(run, run.dataloader.next_batch(), cfg.num_generations_per_prompt)
     rewards_seen = batch["rewards"]
-    if cfg.use_dynamic_sampling:  # DAPO: drop zero-variance groups, refill from new prompts
-        sampler = DynamicSampler(
-            cfg.num_prompts_per_step, G, cfg.dynamic_sampling_max_gen_batches, reward_key="rewards"
-        )
-        sampler.add(batch)
-        while sampler.needs_more():
-            with timer.time("generation"):
-                sampler.add(rollout_batch(run, run.dataloader.next_batch(), G))
-        result = sampler.result(pad_to_target=True)
-        batch = BatchedDataDict(result.batch)
-        extra.update({f"train/{k}": float(v) for k, v in result.metrics.items()})
+    batch, extra = refill_zero_variance_groups(run, batch, timer)
     run.generation.finish_generation()  # colocated vLLM sleeps: the GPUs are the trainer's
     if cfg.overlong_filtering:
         batch, n_masked = mask_overlong_samples(batch)
         extra["train/overlong_masked"] = float(n_masked)
     data = BatchedDataDict({k: batch[k] for k in TRAIN_KEYS})
     env_metrics = environment_metrics(run, rewards_seen)  # answered while the policy trains
-
-    with timer.time("logprobs"):
-        faults.maybe_fault("controller", "logprobs")
-        # One optimizer step per rollout batch (the usual case) trains on-policy: the behaviour
-        # policy IS the current one, and ClippedPGLoss takes its log-probs from the train
-        # forward itself (detached), which saves a whole forward pass per step. More steps per
-        # batch train later steps on older samples and need the recomputed log-probs.
-        if data.size > run.cfg.policy.train_global_batch_size:
-            data["prev_logprobs"] = run.policy.get_logprobs(data)["logprobs"]
-    with timer.time("train"):
-        faults.maybe_fault("controller", "train")
-        # the KL term's reference log-probs: computed by the workers per micro-batch, right
-        # before its forward (the reference is frozen, so when does not matter)
-        kl = run.cfg.loss_fn.reference_policy_kl_penalty > 0
-        train_metrics = run.policy.train(data, loss_fn, with_reference=kl)
-    with timer.time("refit"):  # waits for in-flight server calls, holds new ones meanwhile
-        faults.maybe_fault("controller", "refit")
-        run.chat.refit(lambda: run.generation.refit(run.policy))
+    behaviour_logprobs(run, data, timer)
+    train_metrics = train_policy(run, data, loss_fn, timer)
+    refit_generation(run, timer)
     step_s = time.perf_counter() - t0
 
+    metrics = step_metrics(run, batch, data, rewards_seen, train_metrics, timer, step_s)
+    metrics.update(extra)
+    metrics.update(env_metrics())
+    metrics.update(server_metrics(run.chat, server_before))
+    return metrics
+
+
+def refill_zero_variance_groups(
+    run: GRPORun, batch: Any, timer: Any
+) -> tuple[Any, dict[str, float]]:
+    """DAPO's dynamic sampling (``grpo.use_dynamic_sampling``): drop the groups whose rewards
+    are all equal and refill from new prompts. Returns (the batch, its ``train/*`` metrics);
+    off, the batch as it came."""
+    cfg = run.cfg.grpo
+    if not cfg.use_dynamic_sampling:
+        return batch, {}
+    G = cfg.num_generations_per_prompt
+    sampler = DynamicSampler(
+        cfg.num_prompts_per_step, G, cfg.dynamic_sampling_max_gen_batches, reward_key="rewards"
+    )
+    sampler.add(batch)
+    while sampler.needs_more():
+        with timer.time("generation"):
+            sampler.add(rollout_batch(run, run.dataloader.next_batch(), G))
+    result = sampler.result(pad_to_target=True)
+    return BatchedDataDict(result.batch), {
+        f"train/{k}": float(v) for k, v in result.metrics.items()
+    }
+
+
+def behaviour_logprobs(run: GRPORun, data: Any, timer: Any) -> None:
+    """``data["prev_logprobs"]`` from the trainer, when the batch spans several optimizer steps.
+
+    One optimizer step per rollout batch (the usual case) trains on-policy: the behaviour
+    policy IS the current one, and ClippedPGLoss takes its log-probs from the train forward
+    itself (detached), which saves a whole forward pass per step. More steps per batch train
+    later steps on older samples and need the recomputed log-probs."""
+    with timer.time("logprobs"):
+        faults.maybe_fault("controller", "logprobs")
+        if data.size > run.cfg.policy.train_global_batch_size:
+            data["prev_logprobs"] = run.policy.get_logprobs(data)["logprobs"]
+
+
+def train_policy(run: GRPORun, data: Any, loss_fn: Any, timer: Any) -> dict[str, float]:
+    """`policy.train` on the batch. The KL term's reference log-probs are computed by the
+    workers per micro-batch, right before its forward (the reference is frozen, so when does
+    not matter)."""
+    with timer.time("train"):
+        faults.maybe_fault("controller", "train")
+        kl = run.cfg.loss_fn.reference_policy_kl_penalty > 0
+        return run.policy.train(data, loss_fn, with_reference=kl)
+
+
+def refit_generation(run: GRPORun, timer: Any) -> None:
+    """The generator takes the new weights; the chat service waits for in-flight server calls
+    and holds new ones meanwhile."""
+    with timer.time("refit"):
+        faults.maybe_fault("controller", "refit")
+        run.chat.refit(lambda: run.generation.refit(run.policy))
+
+
+def step_metrics(
+    run: GRPORun,
+    batch: Any,
+    data: Any,
+    rewards_seen: torch.Tensor,
+    train_metrics: dict[str, float],
+    timer: Any,
+    step_s: float,
+) -> dict[str, float]:
+    """``train/*`` (the policy's, then the rollouts' as first sampled), ``timing/*`` and
+    ``throughput/*`` of one step."""
     timing = timer.get_timing_metrics()
     gen_lens = batch["generation_lengths"].float()
     reasons = list(batch["finish_reasons"])
-    grouped = rewards_seen.view(-1, G)
+    grouped = rewards_seen.view(-1, run.cfg.grpo.num_generations_per_prompt)
     metrics = {f"train/{k}": v for k, v in train_metrics.items()}
     metrics.update(
         {
@@ -538,18 +583,17 @@ def grpo_step(run: GRPORun, loss_fn: Any, step: int | None = None) -> dict[str, 
         }
     )
     metrics.update(timing)
-    metrics.update(extra)
-    metrics.update(env_metrics())
-    # This step's server counts (the counters run from process start, which a resumed run
-    # would not reproduce): only what moved, so a step's keys do not depend on its history.
-    metrics.update(
-        {
-            f"server/{k}": float(v - server_before.get(k, 0))
-            for k, v in run.chat.stats_snapshot().items()
-            if v != server_before.get(k, 0)
-        }
-    )
     return metrics
+
+
+def server_metrics(chat: Any, before: dict[str, float]) -> dict[str, float]:
+    """This step's server counts (the counters run from process start, which a resumed run
+    would not reproduce): only what moved, so a step's keys do not depend on its history."""
+    return {
+        f"server/{k}": float(v - before.get(k, 0))
+        for k, v in chat.stats_snapshot().items()
+        if v != before.get(k, 0)
+    }
 
 
 def rollouts(run: GRPORun, problems: list[Problem], greedy: bool, repeat: int = 1) -> Any:
