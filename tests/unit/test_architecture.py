@@ -21,10 +21,6 @@ from pathlib import Path
 
 import pytest
 
-# Until issue 23's restructuring lands, the checks that still fail are marked here, strictly
-# (a check that starts passing fails the run until its mark is removed).
-_PENDING = pytest.mark.xfail(strict=True, reason="issue 23: restructuring in progress")
-
 PACKAGE = Path(__file__).resolve().parents[2] / "tempering"
 
 MAX_FILE_LINES = 800
@@ -218,7 +214,6 @@ def test_no_file_over_800_lines():
     assert not FILES, "\n".join(FILES)
 
 
-@_PENDING
 def test_no_function_over_80_lines():
     assert not FUNCTIONS, "\n".join(FUNCTIONS)
 
