@@ -365,7 +365,10 @@ class SFTConfig(Section):
     )
 
 
-class DPOConfig(Section):
+class PreferenceLoopConfig(Section):
+    """The keys of the preference-training loop DPO and the reward model share
+    (`tempering.algorithms.preference.train_loop`)."""
+
     max_num_steps: int = Field(100, ge=1)
     max_num_epochs: int = Field(100, ge=1)
     val_period: int = Field(20, ge=0)
@@ -373,6 +376,10 @@ class DPOConfig(Section):
     val_global_batch_size: int = Field(32, ge=2)
     val_micro_batch_size: int = Field(16, ge=2)
     val_at_start: bool = True
+    seed: int = 42
+
+
+class DPOConfig(PreferenceLoopConfig):
     reference_policy_kl_penalty: float = Field(0.1, gt=0, description="beta")
     preference_average_log_probs: bool = Field(
         False, description="mean instead of sum of token log-probs per sequence"
@@ -381,21 +388,12 @@ class DPOConfig(Section):
     val_greedy_accuracy: bool = Field(
         True, description="arithmetic data: also report tiny-arith greedy accuracy at validation"
     )
-    seed: int = 42
 
 
-class RMConfig(Section):
-    max_num_steps: int = Field(100, ge=1)
-    max_num_epochs: int = Field(100, ge=1)
-    val_period: int = Field(20, ge=0)
-    val_batches: int = Field(4, ge=1)
-    val_global_batch_size: int = Field(32, ge=2)
-    val_micro_batch_size: int = Field(16, ge=2)
-    val_at_start: bool = True
+class RMConfig(PreferenceLoopConfig):
     export_dir: str | None = Field(
         None, description="HF folder for the final reward model; default <checkpoint_dir>/final_hf"
     )
-    seed: int = 42
 
 
 class GRPOConfig(Section):

@@ -36,6 +36,7 @@ import logging
 import random
 from collections import Counter, defaultdict
 from collections.abc import Sequence
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -66,28 +67,25 @@ class GymResultError(ValueError):
 
 
 # ----------------------------------------------------------------------------- client
+@dataclass(eq=False)
 class NemoGymClient:
     """POSTs rows to the right Gym server's ``/run`` (see the module docstring)."""
 
-    def __init__(
-        self,
-        head_server_url: str,
-        *,
-        default_route: str | None = None,
-        concurrency: int = 64,
-        request_timeout_s: float = 600.0,
-        max_retries: int = 3,
-        retry_backoff_s: float = 0.5,
-    ) -> None:
-        self.head_server_url = head_server_url.rstrip("/")
-        self.default_route = default_route
-        self.concurrency = concurrency
-        self.request_timeout_s = request_timeout_s
-        self.max_retries = max_retries
-        self.retry_backoff_s = retry_backoff_s
-        self.stats: Counter[str] = Counter()
-        self._config: dict[str, Any] | None = None
-        self._instances: dict[str, tuple[str, dict[str, Any]]] | None = None
+    head_server_url: str
+    _: KW_ONLY
+    default_route: str | None = None
+    concurrency: int = 64
+    request_timeout_s: float = 600.0
+    max_retries: int = 3
+    retry_backoff_s: float = 0.5
+    stats: Counter[str] = field(default_factory=Counter, init=False)
+    _config: dict[str, Any] | None = field(default=None, init=False, repr=False)
+    _instances: dict[str, tuple[str, dict[str, Any]]] | None = field(
+        default=None, init=False, repr=False
+    )
+
+    def __post_init__(self) -> None:
+        self.head_server_url = self.head_server_url.rstrip("/")
 
     # ---- the head server's view of the servers ---------------------------------------------
     def global_config(self) -> dict[str, Any]:
@@ -321,6 +319,7 @@ def episode_from_result(
 
 
 # ------------------------------------------------------------------------ environment
+@dataclass(eq=False)
 class NemoGymEnvironment:
     """GRPO's environment for NeMo Gym: rows -> ``/run`` -> the training batch.
 
@@ -328,23 +327,17 @@ class NemoGymEnvironment:
     so this one takes rows and returns finished rollouts; per-environment metrics
     (``env/<agent>/reward_mean``, ...) come from `global_post_process_and_metrics`."""
 
-    def __init__(
-        self,
-        client: NemoGymClient,
-        *,
-        max_seq_len: int,
-        on_noncontiguous: Literal["error", "truncate"] = "error",
-        pad_token_id: int = 0,
-        launcher: Any = None,
-    ) -> None:
-        self.client = client
-        self.max_seq_len = max_seq_len
-        self.on_noncontiguous = on_noncontiguous
-        self.pad_token_id = pad_token_id
-        self.launcher = launcher
-        self.stats: Counter[str] = Counter()
-        self._rewards: dict[str, list[float]] = defaultdict(list)
-        self._components: dict[str, list[float]] = defaultdict(list)
+    client: NemoGymClient
+    _: KW_ONLY
+    max_seq_len: int
+    on_noncontiguous: Literal["error", "truncate"] = "error"
+    pad_token_id: int = 0
+    launcher: Any = None
+    stats: Counter[str] = field(default_factory=Counter, init=False)
+    _rewards: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list), init=False)
+    _components: dict[str, list[float]] = field(
+        default_factory=lambda: defaultdict(list), init=False
+    )
 
     def rollouts(
         self,
