@@ -52,7 +52,7 @@ class ColocatedGenerationView:
     def reseed(self, seed: int) -> None:
         """Restart the colocated engine's sampling stream from the controller's step seed."""
         if self._engine is None:
-            raise RuntimeError("reseed_generation: call init_colocated_generation first")
+            raise RuntimeError("generation.reseed: call generation.init first (Policy.init_colocated_generation)")
         self._engine.reseed(seed + 1000 * self.state.topo.rank)
 
     def refit(self) -> None:
@@ -70,7 +70,7 @@ class ColocatedGenerationView:
         faults.maybe_fault("generation", "generation")
         if self._engine is None:
             raise RuntimeError(
-                "FSDP2PolicyWorker.generate: call init_colocated_generation first "
+                "FSDP2PolicyWorker generation.generate: call generation.init first "
                 "(policy.generation.colocated.enabled=true builds it)"
             )
         device = self.state.topo.device
