@@ -72,6 +72,8 @@ def evaluate_expression(expression: str) -> float | int:
                 value = _BINARY[type(node.op)](left, right)
             except ZeroDivisionError as err:
                 raise ValueError("division by zero") from err
+            except OverflowError as err:  # float ** float beyond the float range
+                raise ValueError("result out of range") from err
             if isinstance(value, complex) or abs(value) > _MAX_MAGNITUDE:
                 raise ValueError("result out of range")
             return value
