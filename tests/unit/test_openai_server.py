@@ -329,7 +329,19 @@ def test_a_service_outlives_its_server(backend, tokenizer):
             assert r.status_code == 200
 
 
-def test_beyond_loopback_a_key_is_required_and_checked(backend, tokenizer):
+def test_beyond_loopback_a_key_is_required_and_checked(backend, tokenizer, monkeypatch):
+    import hmac
+
+    from tempering.models.generation import openai_server
+
+    compared = []  # the key is compared in constant time (hmac.compare_digest), never with !=
+    real = hmac.compare_digest
+
+    def spy(a: bytes, b: bytes) -> bool:
+        compared.append(a)
+        return real(a, b)
+
+    monkeypatch.setattr(openai_server.hmac, "compare_digest", spy)
     with pytest.raises(ValueError, match="without an API key"):
         OpenAIServer(_service(backend, tokenizer), host="0.0.0.0")
     with OpenAIServer(_service(backend, tokenizer), host="0.0.0.0", api_key="s3cret") as srv:
@@ -338,6 +350,7 @@ def test_beyond_loopback_a_key_is_required_and_checked(backend, tokenizer):
         assert httpx.get(url).status_code == 401
         assert httpx.get(url, headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert httpx.get(url, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    assert compared == [b"", b"Bearer wrong", b"Bearer s3cret"]
 
 
 def test_tool_call_round_trip_with_the_official_client(tokenizer):

@@ -29,6 +29,7 @@ Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /tokenize``, `
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import time
@@ -304,10 +305,14 @@ def build_app(service: ChatCompletionService, api_key: str | None = None) -> Any
         service.count("bad_requests")
         return JSONResponse(error_body(err), status_code=err.status)
 
+    expected_auth = f"Bearer {api_key}".encode()
+
     def check_key(request: Request) -> None:
         # A plain check in each route: starlette's @app.middleware("http") wraps every request
         # in task groups and memory streams, which cost more than the rest of a request here.
-        if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
+        # hmac.compare_digest: the time taken does not tell how much of a guess was right.
+        given = request.headers.get("authorization", "").encode()
+        if api_key and not hmac.compare_digest(given, expected_auth):
             raise RequestError("missing or wrong API key (Authorization: Bearer ...)", status=401)
 
     async def json_body(request: Request) -> Any:
