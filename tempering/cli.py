@@ -104,7 +104,9 @@ def _add_gym_examples(subparsers: argparse._SubParsersAction) -> None:
 def _run_export(args: argparse.Namespace) -> int:
     from tempering.models.export import export_checkpoint
 
-    folder, info = export_checkpoint(args.ckpt_dir, args.out_dir, dtype=args.dtype)
+    folder, info = export_checkpoint(
+        args.ckpt_dir, args.out_dir, dtype=args.dtype, overwrite=args.overwrite
+    )
     print(
         f"exported step {info['step']} of {info['model_name']} ({info['dtype']}) to {folder}; "
         "load it with AutoModelForCausalLM.from_pretrained or vLLM"
@@ -121,7 +123,14 @@ def _add_export(subparsers: argparse._SubParsersAction) -> None:
         "tokenizer and chat template. A partial checkpoint is refused.",
     )
     p.add_argument("ckpt_dir", metavar="CKPT_DIR", help="a step_<N> folder (or its policy/)")
-    p.add_argument("out_dir", metavar="OUT_DIR", help="the HF folder to write (replaced)")
+    p.add_argument(
+        "out_dir", metavar="OUT_DIR",
+        help="the HF folder to write: new, or a previous export (replaced); never a checkpoint",
+    )  # fmt: skip
+    p.add_argument(
+        "--overwrite", action="store_true",
+        help="replace OUT_DIR even when it is not a previous export (never a checkpoint folder)",
+    )  # fmt: skip
     p.add_argument(
         "--dtype",
         choices=["float32", "bfloat16", "float16"],

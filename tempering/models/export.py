@@ -31,11 +31,16 @@ from tempering.utils.atomic import TMP_MARKER, atomic_directory
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PartialCheckpointError", "export_checkpoint", "save_hf_folder"]
+__all__ = ["ExportTargetError", "PartialCheckpointError", "export_checkpoint", "save_hf_folder"]
 
 
 class PartialCheckpointError(ValueError):
     """The folder is not a complete step checkpoint."""
+
+
+class ExportTargetError(ValueError):
+    """OUT_DIR is a checkpoint folder, holds the checkpoint, or is something other than a
+    previous export (and ``overwrite`` was not given)."""
 
 
 def save_hf_folder(
@@ -97,6 +102,33 @@ def _tied(model: Any, key: str) -> bool:
     return out is not None and key.endswith("lm_head.weight")
 
 
+def _check_out_dir(out: Path, step: Path, overwrite: bool) -> None:
+    """Refuse an export target whose replacement could lose a run's results."""
+    out_r, step_r = out.resolve(), step.resolve()
+    if out_r == step_r or out_r in step_r.parents:
+        raise ExportTargetError(
+            f"OUT_DIR {out} holds the checkpoint being exported ({step}): replacing it would "
+            "delete the run's checkpoints; export to another folder"
+        )
+    if not out.exists():
+        return
+    if (
+        (out / "training_info.json").exists()
+        or (out / "policy").is_dir()
+        or any(out.glob("step_*"))
+    ):
+        raise ExportTargetError(
+            f"OUT_DIR {out} is a checkpoint folder; `tempering export` never replaces one "
+            "(not even with --overwrite): export to another folder"
+        )
+    previous_export = (out / "config.json").is_file() and any(out.glob("*.safetensors"))
+    if not (previous_export or overwrite):
+        raise ExportTargetError(
+            f"OUT_DIR {out} exists and is not a previous export (no config.json with "
+            "safetensors weights): pass --overwrite to replace it, or export to another folder"
+        )
+
+
 def _policy_dir(ckpt: Path) -> tuple[Path, Path]:
     """(step folder, its policy/ DCP folder) for a step folder or its policy/ subfolder."""
     step = ckpt.parent if ckpt.name == "policy" else ckpt
@@ -120,10 +152,12 @@ def _policy_dir(ckpt: Path) -> tuple[Path, Path]:
 
 
 def export_checkpoint(
-    ckpt: str | Path, out: str | Path, dtype: str | None = None
+    ckpt: str | Path, out: str | Path, dtype: str | None = None, overwrite: bool = False
 ) -> tuple[Path, dict[str, Any]]:
     """A step checkpoint (any data/tensor-parallel layout) -> an HF folder at `out`.
 
+    `out` may be new or a previous export (replaced); anything else that exists is refused
+    unless ``overwrite``, and a checkpoint folder (or one holding `ckpt`) always is.
     Returns the folder and what it was made from (step, model, dtype)."""
     import torch.distributed.checkpoint as dcp
     import yaml
@@ -133,6 +167,7 @@ def export_checkpoint(
     from tempering.models.registry import resolve_model_path
 
     step_dir, policy_dir = _policy_dir(Path(ckpt))
+    _check_out_dir(Path(out), step_dir, overwrite)
     config = yaml.safe_load((step_dir / "config.yaml").read_text())
     policy_cfg = config.get("policy") or {}
     source = resolve_model_path(policy_cfg["model_name"])
