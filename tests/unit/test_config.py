@@ -242,3 +242,19 @@ def test_parse_args_config_flag_help_and_exit_code(tmp_path, capsys):
     out = capsys.readouterr().out
     assert e.value.code == 0
     assert "policy.train_global_batch_size: int = 32  # samples per optimizer step" in out
+
+
+@pytest.mark.parametrize(
+    "config, schema",
+    [("grpo_math_tiny.yaml", GRPOMasterConfig), ("sft.yaml", None), ("dpo.yaml", None)],
+)
+def test_a_file_beside_a_built_in_dataset_is_refused(config, schema):
+    """`data.train_data_path` with a built-in dataset was accepted and the file ignored, even
+    a path that does not exist (issue 27)."""
+    from tempering.config.schemas import MASTER_CONFIGS
+    from tempering.distributed.placement import schema_for
+
+    path = REPO / "examples/configs" / config
+    schema = schema or MASTER_CONFIGS[schema_for(path)]
+    with pytest.raises(ConfigError, match="is built in and reads no file"):
+        load_config(path, ["data.train_data_path=/no/such.jsonl"], schema=schema)
