@@ -210,10 +210,8 @@ def test_split_train_val_is_deterministic():
 
 
 def test_arithmetic_sft_examples():
-    tiny_arith = pytest.importorskip(
-        "tempering.models.tiny_arith", reason="tiny_arith generator not in this tree yet"
-    )
     from tempering.data.arithmetic import arithmetic_sft_message_logs
+    from tempering.models import tiny_arith
 
     data = arithmetic_sft_message_logs(20, seed=3)
     problems = tiny_arith.make_problems(20, 3)
@@ -228,11 +226,9 @@ def test_arithmetic_sft_examples():
 
 
 def test_arithmetic_tokenization_matches_tiny_arith_training_format():
-    tiny_arith = pytest.importorskip(
-        "tempering.models.tiny_arith", reason="tiny_arith generator not in this tree yet"
-    )
     from tempering.data.arithmetic import arithmetic_sft_message_logs
     from tempering.data.processing import tokenize_message_log
+    from tempering.models import tiny_arith
 
     tokenizer = tiny_arith.build_tokenizer()
     plain = tiny_arith.build_tokenizer()
