@@ -17,9 +17,10 @@ atomically. Optional backends, each switched on by a constructor flag:
 - MLflow, to ``file:<log_dir>/mlruns`` unless a tracking URI is given.
 
 W&B and MLflow are imported only when enabled (they are slow to import). A backend that is
-enabled but cannot start is an error that names it and the fix, never a silent skip. A value
-that is not a finite scalar is dropped with a warning and counted in
-``Logger.dropped_metric_counts``; it never crashes a run.
+enabled but cannot start is an error that names it and the fix, never a silent skip. A NaN or
+Inf is written to metrics.jsonl as ``null`` with a ``nonfinite/<name>`` count beside it (counted
+in ``Logger.nonfinite_metric_counts``); a value that is not a scalar is dropped with a warning
+and counted in ``Logger.dropped_metric_counts``; neither crashes a run.
 """
 
 from __future__ import annotations
@@ -108,6 +109,13 @@ def _as_finite_scalar(value: Any) -> float | int | None:
     return None
 
 
+def _is_real_scalar(value: Any) -> bool:
+    """A real number (or 0-dim array of one) that `_as_finite_scalar` refused: NaN or Inf."""
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:
+        value = value.item()
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def prepare_metrics_file(path: Path, resume_step: int | None) -> dict[str, int]:
     """Make ``metrics.jsonl`` agree with the checkpoint a run starts from.
 
@@ -169,7 +177,8 @@ class Logger:
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.config = redact_secrets(_to_plain_config(config))
-        self.dropped_metric_counts: dict[str, int] = {}
+        self.dropped_metric_counts: dict[str, int] = {}  # non-scalars, by name
+        self.nonfinite_metric_counts: dict[str, int] = {}  # NaN / Inf, by name
         self._closed = False
 
         config_text = yaml.safe_dump(self.config, sort_keys=False)
@@ -204,32 +213,41 @@ class Logger:
     ) -> dict[str, float | int]:
         """Log scalar ``metrics`` at ``step`` as ``<prefix>/<key>``; returns what was logged.
 
-        Non-scalar or non-finite values are dropped with a warning and counted.
+        A NaN or Inf is written to metrics.jsonl as ``null`` beside ``nonfinite/<name>`` (how
+        many so far; every backend gets the count); a non-scalar is dropped. Both warn on the
+        first and every 100th time and are counted.
         """
         if self._closed:
             raise RuntimeError(
                 f"Logger for {self.log_dir} is closed; create a new Logger to log more"
             )
         clean: dict[str, float | int] = {}
+        nulls: dict[str, None] = {}
         for key, value in metrics.items():
             name = f"{prefix}/{key}" if prefix else str(key)
             scalar = _as_finite_scalar(value)
-            if scalar is None:
-                count = self.dropped_metric_counts.get(name, 0) + 1
-                self.dropped_metric_counts[name] = count
-                if count == 1 or count % 100 == 0:  # first time, then every 100th: no spam
-                    _log.warning(
-                        "Logger: dropped metric %s=%r at step %d (not a finite scalar; %d dropped so far, see Logger.dropped_metric_counts)",
-                        name,
-                        value
-                        if not hasattr(value, "shape")
-                        else f"<{type(value).__name__} {tuple(value.shape)}>",
-                        step,
-                        count,
-                    )
+            if scalar is not None:
+                clean[name] = scalar
                 continue
-            clean[name] = scalar
-        self._jsonl.write(json.dumps({"step": int(step), **clean}) + "\n")
+            nonfinite = _is_real_scalar(value)
+            counts = self.nonfinite_metric_counts if nonfinite else self.dropped_metric_counts
+            count = counts[name] = counts.get(name, 0) + 1
+            if nonfinite:  # NaN/Inf: written as null, and how often so far as nonfinite/<name>
+                nulls[name] = None
+                clean[f"nonfinite/{name}"] = count
+            if count == 1 or count % 100 == 0:  # first time, then every 100th: no spam
+                _log.warning(
+                    "Logger: %s metric %s=%r at step %d (%d so far, see Logger.%s)",
+                    "non-finite" if nonfinite else "dropped (not a scalar)",
+                    name,
+                    value
+                    if not hasattr(value, "shape") or not getattr(value, "ndim", 0)
+                    else f"<{type(value).__name__} {tuple(value.shape)}>",
+                    step,
+                    count,
+                    "nonfinite_metric_counts" if nonfinite else "dropped_metric_counts",
+                )
+        self._jsonl.write(json.dumps({"step": int(step), **nulls, **clean}) + "\n")
         self._jsonl.flush()
         if self._tb is not None:
             for name, value in clean.items():

@@ -54,19 +54,18 @@ def test_jsonl_config_and_tensorboard_readback(
                 prefix="train",
             )
             logger.log_metrics({"nan": float("nan")}, step=5, prefix="train")
-        assert logged == {"train/ok": 2}
-        assert logger.dropped_metric_counts == {
-            "train/nan": 2,
-            "train/inf": 1,
-            "train/vec": 1,
-            "train/s": 1,
-        }
+        assert logged == {"train/ok": 2, "nonfinite/train/nan": 1, "nonfinite/train/inf": 1}
+        # NaN / Inf are written (null) and counted; what is not a scalar is dropped, counted
+        assert logger.nonfinite_metric_counts == {"train/nan": 2, "train/inf": 1}
+        assert logger.dropped_metric_counts == {"train/vec": 1, "train/s": 1}
         assert "train/nan" in caplog.text and "train/vec" in caplog.text
 
     lines = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert lines[0] == {"step": 1, "train/loss": 1.0, "train/reward_mean": pytest.approx(0.1)}
     assert lines[3] == {"step": 3, "val/accuracy": 0.75}
-    assert lines[4] == {"step": 4, "train/ok": 2} and lines[5] == {"step": 5}
+    assert lines[4] == {"step": 4, "train/nan": None, "train/inf": None, "train/ok": 2,
+                        "nonfinite/train/nan": 1, "nonfinite/train/inf": 1}  # fmt: skip
+    assert lines[5] == {"step": 5, "train/nan": None, "nonfinite/train/nan": 2}
 
     cfg = yaml.safe_load((tmp_path / "run/config.yaml").read_text())
     assert cfg["policy"] == CONFIG["policy"]  # tokenizer settings are not secrets
