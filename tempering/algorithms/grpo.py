@@ -322,6 +322,7 @@ def build_environments(cfg: GRPOMasterConfig, task_names: set[str]) -> dict[str,
         "timeout_s": m.timeout_s,
         "memory_limit_mb": m.memory_limit_mb,  # each sandboxed verifier process
         "cpu_limit_s": m.cpu_limit_s,
+        "max_error_rate": m.max_error_rate,
     }
     kwargs: dict[str, dict[str, Any]] = {
         "math": math,

@@ -443,6 +443,14 @@ class MathEnvConfig(Section):
     cpu_limit_s: int = Field(
         300, ge=1, description="CPU seconds a verifier process may use before it is replaced"
     )
+    max_error_rate: float = Field(
+        0.05,
+        ge=0,
+        le=1,
+        description="stop the run when more of one step's answers than this make the verifier "
+        "raise (a broken verifier scores everything 0); model text that attacks the verifier "
+        "counts too",
+    )
 
 
 class ArithmeticRetryEnvConfig(Section):

@@ -108,6 +108,7 @@ class CalculatorEnvironment(EnvironmentInterface):
         timeout_s: float = 5.0,
         memory_limit_mb: int = 1024,
         cpu_limit_s: int = 300,
+        max_error_rate: float = 0.05,
     ):
         from tempering.environments.math import MathEnvironment
 
@@ -117,6 +118,7 @@ class CalculatorEnvironment(EnvironmentInterface):
             timeout_s=timeout_s,
             memory_limit_mb=memory_limit_mb,
             cpu_limit_s=cpu_limit_s,
+            max_error_rate=max_error_rate,
         )
         self._counts = {"tool_calls": 0, "tool_errors": 0, "over_budget": 0}
 

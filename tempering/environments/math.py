@@ -248,13 +248,19 @@ class VerifierPool:
         self._workers = []
 
 
+class VerifierErrorRateExceeded(RuntimeError):
+    """More of a step's answers made the verifier raise than ``env.math.max_error_rate``
+    allows: a broken verifier would otherwise score every sample 0 while the run trains on."""
+
+
 class MathEnvironment(EnvironmentInterface):
     """Single-turn math: reward 1 when the last assistant answer equals the ground truth.
 
     ``metadata[i]["ground_truth"]`` holds the reference answer (a string such as ``"1/2"``).
     Counters (``env/math_timeouts``, ``env/math_parse_failures``, ``env/math_errors``,
     ``env/math_samples``) accumulate over `step` calls and are reported and reset by
-    `global_post_process_and_metrics`.
+    `global_post_process_and_metrics`. More errors in one step than ``max_error_rate`` of its
+    answers raise `VerifierErrorRateExceeded` (the run stops, naming the first failing answer).
     """
 
     def __init__(
@@ -264,7 +270,9 @@ class MathEnvironment(EnvironmentInterface):
         verify_fn: VerifyFn = math_verify_score,
         memory_limit_mb: int = 1024,
         cpu_limit_s: int = 300,
+        max_error_rate: float = 0.05,
     ) -> None:
+        self.max_error_rate = max_error_rate
         self._pool = VerifierPool(
             verify_fn,
             num_workers=num_workers,
@@ -291,6 +299,7 @@ class MathEnvironment(EnvironmentInterface):
         outcomes = self._pool.map(items)
         for outcome in outcomes:
             self._counts[outcome.status] += 1
+        self._check_error_rate(items, outcomes)
         rewards = torch.tensor([o.reward for o in outcomes], dtype=torch.float32)
         observations = [
             {"role": "environment", "content": "correct" if o.reward > 0 else "incorrect"}
@@ -303,6 +312,19 @@ class MathEnvironment(EnvironmentInterface):
             rewards=rewards,
             terminateds=torch.ones(len(items), dtype=torch.bool),
             answers=[o.answer if o.status == "ok" else None for o in outcomes],
+        )
+
+    def _check_error_rate(self, items: list[tuple[str, str]], outcomes: list[Any]) -> None:
+        failed = [i for i, o in enumerate(outcomes) if o.status == "error"]
+        if not items or len(failed) / len(items) <= self.max_error_rate:
+            return
+        first = failed[0]
+        raise VerifierErrorRateExceeded(
+            f"the math verifier failed on {len(failed)} of {len(items)} answers in one step "
+            f"({len(failed) / len(items):.0%} > env.math.max_error_rate={self.max_error_rate}); "
+            f"the first: answer {items[first][0][-200:]!r} (expected {items[first][1]!r}) -> "
+            f"{outcomes[first].answer}. Check the verifier (env.reward_fn, math-verify's install) "
+            "or raise env.math.max_error_rate if such answers are expected"
         )
 
     def global_post_process_and_metrics(

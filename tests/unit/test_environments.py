@@ -61,7 +61,10 @@ def math_env(tmp_path_factory):
     (folder / "tempering_test_faulty_verify.py").write_text(FAULTY_VERIFY_SOURCE)
     sys.path.insert(0, str(folder))
     module = importlib.import_module("tempering_test_faulty_verify")
-    env = MathEnvironment(num_workers=2, timeout_s=TIMEOUT_S, verify_fn=module.faulty_verify)
+    # these tests make the verifier fail on purpose: no error-rate stop here
+    env = MathEnvironment(
+        num_workers=2, timeout_s=TIMEOUT_S, verify_fn=module.faulty_verify, max_error_rate=1.0
+    )
     yield env
     env.shutdown()
     sys.path.remove(str(folder))
@@ -117,6 +120,26 @@ def test_math_env_cuts_runaway_verification_and_recovers(math_env):
     ret = math_env.step([log("\\boxed{1/3}"), log("HANG")], [{"ground_truth": "1/3"}] * 2)
     assert ret.rewards.tolist() == [1.0, 0.0]
     assert math_env.global_post_process_and_metrics({})[1]["env/math_timeouts"] == 1
+
+
+def test_a_verifier_failing_on_most_answers_stops_the_run(math_env):
+    """A verifier that raises on every answer scored every sample 0 and the run trained on
+    (issue 27): above env.math.max_error_rate of a step's answers, the step raises, naming
+    the first failing answer; at or below it, the errors are counted as before."""
+    from tempering.environments.math import VerifierErrorRateExceeded
+
+    math_env.max_error_rate = 0.25
+    try:
+        ok = math_env.step([log("CRASH")] + [log("\\boxed{2}")] * 3, [{"ground_truth": "2"}] * 4)
+        assert ok.rewards.tolist() == [0.0, 1.0, 1.0, 1.0]  # 1 of 4 = the limit: counted
+        with pytest.raises(VerifierErrorRateExceeded, match="max_error_rate=0.25") as err:
+            math_env.step([log("\\boxed{2}"), log("CRASH 1"), log("CRASH 2")],
+                          [{"ground_truth": "2"}] * 3)  # fmt: skip
+        assert "2 of 3 answers" in str(err.value) and "'CRASH 1'" in str(err.value)
+        assert "verifier bug" in str(err.value)
+    finally:
+        math_env.max_error_rate = 1.0
+        math_env.global_post_process_and_metrics({})
 
 
 HOSTILE = {
