@@ -70,6 +70,7 @@ def _main(config: str, nodes: int, overrides: list[str]) -> None:
     from tempering.algorithms.common import build_cluster, build_policy_from_config
     from tempering.config.loader import load_config
     from tempering.config.schemas import GRPOMasterConfig
+    from tempering.distributed.actor_environments import PY_EXECUTABLES
     from tempering.distributed.placement import make_plan
     from tempering.distributed.worker_groups import RayWorkerBuilder
     from tempering.models.generation.builders import COLOCATED_GPU_SHARE, start_colocated_engines
@@ -95,7 +96,10 @@ def _main(config: str, nodes: int, overrides: list[str]) -> None:
         policy = build_policy_from_config(
             small, virtual, total_steps=1, gpu_share=COLOCATED_GPU_SHARE
         )
-        probe = RayWorkerBuilder("tests.workers.PlacementProbeWorker")
+        # a test-only worker: this subprocess has no conftest registry entry, so name its python
+        probe = RayWorkerBuilder(
+            "tests.workers.PlacementProbeWorker", py_executable=PY_EXECUTABLES.SYSTEM
+        )
         engines = start_colocated_engines(policy, plan.generation, probe)
         placements = engines.get_all_worker_results(
             engines.run_all_workers_single_data("placement")
