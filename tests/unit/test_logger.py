@@ -138,6 +138,12 @@ def test_wandb_offline_writes_run_files(tmp_path: Path, monkeypatch: pytest.Monk
     )
     _run(logger)
     logger.close()
+    # run.finish() returns once the service has the records, not once its writer has closed
+    # the run file (CI saw a header-only file on a loaded machine). teardown() waits for the
+    # service to exit, which is what a controller's exit does through wandb's atexit hook.
+    import wandb
+
+    wandb.teardown()
     runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1, list((tmp_path / "wandb").rglob("*"))
     # The run file is a protobuf record log: our metric names and the config are in it,
