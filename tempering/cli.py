@@ -52,8 +52,13 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_plot(args: argparse.Namespace) -> int:
-    from tempering.utils.plot import plot_metrics
+    from tempering.utils.plot import plot_metrics, plot_timeline
 
+    if args.timeline:
+        if args.keys:
+            raise SystemExit("tempering plot: --keys draws metrics; leave it out with --timeline")
+        print(f"wrote {plot_timeline(args.log_dir, out=args.out)}")
+        return 0
     keys = [k.strip() for k in args.keys.split(",") if k.strip()] if args.keys else None
     out = plot_metrics(args.log_dir, out=args.out, keys=keys)
     print(f"wrote {out}")
@@ -72,6 +77,12 @@ def _add_plot(subparsers: argparse._SubParsersAction) -> None:
         "--keys",
         default=None,
         help="comma-separated metrics to draw, e.g. train/loss,val/accuracy (default: all)",
+    )
+    p.add_argument(
+        "--timeline",
+        action="store_true",
+        help="draw LOG_DIR/timeline.jsonl (async GRPO's phases per role) as a Gantt chart "
+        "(default out: LOG_DIR/timeline.png)",
     )
     p.set_defaults(func=_run_plot)
 

@@ -236,8 +236,10 @@ def save_checkpoint(
     dataloader: Any,
     config: dict[str, Any],
     extra: dict[str, Any] | None = None,
+    write_files: Any = None,
 ) -> Path | None:
-    """Atomically write step_<step>/ with the policy's sharded state and the loop's state."""
+    """Atomically write step_<step>/ with the policy's sharded state and the loop's state;
+    ``write_files(folder)`` adds files of the loop's own (async GRPO's buffer)."""
     if checkpointer is None:
         return None
     info = {"metrics": metrics, "dataloader": dataloader.state_dict(), **(extra or {})}
@@ -245,6 +247,8 @@ def save_checkpoint(
 
     with checkpointer.save(step, info, config) as tmp:
         policy.save_checkpoint(str(Path(tmp) / "policy"))
+        if write_files is not None:
+            write_files(Path(tmp))
         faults.maybe_fault("controller", "checkpoint")  # killed mid-save (reliability tests)
     return checkpointer.step_dir(step)
 

@@ -19,8 +19,10 @@ One step (DESIGN.md "One GRPO step"):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -360,12 +362,51 @@ def make_loss(cfg: GRPOMasterConfig) -> Any:
     )
 
 
-def train(run: GRPORun) -> dict[str, Any]:
-    """The GRPO loop; returns a summary (start/end validation accuracy, time)."""
+class SyncSteps:
+    """Synchronous GRPO's steps for `train`: generate, then train, then refit, in turn.
+    (Asynchronous GRPO's are `tempering.algorithms.async_grpo.AsyncSteps`.)"""
+
+    def __init__(self, run: GRPORun) -> None:
+        self.run = run
+        self.loss_fn = make_loss(run.cfg)
+
+    def step(self, step: int) -> dict[str, float]:
+        return grpo_step(self.run, self.loss_fn, step)
+
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[Any]:
+        """Around a checkpoint: yields what writes the steps' own files (none)."""
+        yield None
+
+    def paused(self) -> contextlib.AbstractContextManager[None]:
+        """Around validation: nothing else generates (nothing does here)."""
+        return contextlib.nullcontext()
+
+    def close(self) -> None:
+        pass
+
+
+def train(run: GRPORun, steps: Any = None) -> dict[str, Any]:
+    """The GRPO loop; returns a summary (start/end validation accuracy, time). ``steps`` makes
+    each step (default: `SyncSteps`; asynchronous GRPO passes its own)."""
+    cfg = run.cfg
+    if steps is None:
+        if cfg.grpo.async_grpo.enabled:
+            raise ValueError(
+                "grpo.async_grpo.enabled=true: train with tempering.algorithms.async_grpo.train"
+                "(run), which overlaps generation with training"
+            )
+        steps = SyncSteps(run)
+    try:
+        return _train_loop(run, steps)
+    finally:
+        steps.close()
+
+
+def _train_loop(run: GRPORun, stepper: Any) -> dict[str, Any]:
     from tempering.utils.logger import print_step_summary, track
 
     cfg = run.cfg
-    loss_fn = make_loss(cfg)
     budget = cfg.grpo.max_wall_time_s  # covers the whole run, resumed parts included
     deadline = common.Deadline(None if budget is None else budget - run.prior_wall_time_s)
     first_val: dict[str, float] = {}
@@ -376,26 +417,29 @@ def train(run: GRPORun) -> dict[str, Any]:
     steps = range(run.start_step, cfg.grpo.max_num_steps)
     with track(steps, total=len(steps), description="grpo") as progress:
         for _ in progress:
-            metrics = grpo_step(run, loss_fn, step + 1)
+            metrics = stepper.step(step + 1)
             step += 1
             run.logger.log_metrics(metrics, step)
             common.log_resources(run.monitor, run.logger, step)
             is_last = step == cfg.grpo.max_num_steps or deadline.passed()
             if cfg.grpo.val_period and (step % cfg.grpo.val_period == 0 or is_last):
-                val = validate(run, step)
+                with stepper.paused():
+                    val = validate(run, step)
             print_step_summary(
                 step, cfg.grpo.max_num_steps, {**metrics, **{f"val/{k}": v for k, v in val.items()}}
             )
             if run.checkpointer and run.checkpointer.should_save(step, is_last_step=is_last):
-                common.save_checkpoint(
-                    run.checkpointer,
-                    run.policy,
-                    step,
-                    metrics={f"val/{k}": v for k, v in val.items()},
-                    dataloader=run.dataloader,
-                    config=run.resolved,
-                    extra={"wall_time_s": run.prior_wall_time_s + deadline.elapsed},
-                )
+                with stepper.saving() as write_files:
+                    common.save_checkpoint(
+                        run.checkpointer,
+                        run.policy,
+                        step,
+                        metrics={f"val/{k}": v for k, v in val.items()},
+                        dataloader=run.dataloader,
+                        config=run.resolved,
+                        extra={"wall_time_s": run.prior_wall_time_s + deadline.elapsed},
+                        write_files=write_files,
+                    )
             if deadline.passed():
                 log.info(
                     "grpo.max_wall_time_s=%s reached at step %d", cfg.grpo.max_wall_time_s, step

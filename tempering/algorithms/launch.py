@@ -30,6 +30,10 @@ def run_grpo_example(argv: list[str], default_config: Path) -> None:
     from tempering.distributed.deadlines import DeadlineExceeded
     from tempering.distributed.worker_groups import WorkerDiedError
 
+    if cfg.grpo.async_grpo.enabled:
+        from tempering.algorithms.async_grpo import train
+    else:
+        train = grpo.train
     restarts: list[dict[str, Any]] = []
     while True:
         start = time.perf_counter()
@@ -38,7 +42,7 @@ def run_grpo_example(argv: list[str], default_config: Path) -> None:
         if restarts:
             restarts[-1].update(setup_s=time.perf_counter() - start, resumed_at=run.start_step)
         try:
-            summary = grpo.train(run)
+            summary = train(run)
             break
         except (WorkerDiedError, DeadlineExceeded) as exc:
             if len(restarts) >= cfg.fault_tolerance.max_restarts:

@@ -396,6 +396,34 @@ class RMConfig(PreferenceLoopConfig):
     )
 
 
+class AsyncGRPOConfig(Section):
+    """Asynchronous GRPO (NeMo RL's key names): a collector thread generates the batches of
+    coming steps on the generation workers while the policy trains (docs/async_grpo.md)."""
+
+    enabled: bool = Field(False, description="overlap generation with training")
+    max_trajectory_age_steps: int = Field(
+        1,
+        ge=0,
+        description="a step trains on groups generated at most this many weight versions ago "
+        "(0 = on-policy, the synchronous schedule)",
+    )
+    in_flight_weight_updates: bool = Field(
+        False, description="load new weights between decode steps (not implemented: refused)"
+    )
+    max_generation_failures: int = Field(
+        0,
+        ge=0,
+        description="a batch whose generation raises (not a dead worker) is retried; more "
+        "failures than this in the run stop it",
+    )
+    starvation_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="the trainer waits this long at most for the collector's next batch (or "
+        "for its drain before a refit); then a named error with the collector's stack",
+    )
+
+
 class GRPOConfig(Section):
     num_prompts_per_step: int = Field(16, ge=1)
     num_generations_per_prompt: int = Field(8, ge=1)
@@ -421,6 +449,7 @@ class GRPOConfig(Section):
     overlong_filtering: bool = False
     max_wall_time_s: float | None = Field(None, description="stop after this many seconds")
     seed: int = 42
+    async_grpo: AsyncGRPOConfig = AsyncGRPOConfig()
 
 
 class LossFnConfig(Section):
@@ -650,6 +679,7 @@ class GRPOMasterConfig(_Master):
             raise ValueError(
                 "grpo.rollout_transport=http needs policy.generation.http_server.enabled=true"
             )
+        _check_async(self)
         if self.data.dataset_name == "nemo_gym" or self.env.task_name == "nemo_gym":
             gym = self.env.nemo_gym
             if bool(gym.head_server_url) == bool(gym.config_paths):
@@ -674,6 +704,29 @@ class GRPOMasterConfig(_Master):
                     "episodes); set data.reasoning_gym_tasks=[]"
                 )
         return self
+
+
+def _check_async(cfg: GRPOMasterConfig) -> None:
+    """What asynchronous GRPO cannot do yet, refused at load with the reason."""
+    a = cfg.grpo.async_grpo
+    if not a.enabled:
+        return
+    if cfg.policy.generation.colocated.enabled:
+        raise ValueError(
+            "grpo.async_grpo.enabled=true generates while the policy trains, which needs "
+            "generation workers of their own (colocated generation shares the policy's "
+            "workers or GPUs): set policy.generation.colocated.enabled=false"
+        )
+    if a.in_flight_weight_updates:
+        raise ValueError(
+            "grpo.async_grpo.in_flight_weight_updates=true is not supported yet: refits drain "
+            "the collector's batch first; set it to false"
+        )
+    if cfg.grpo.use_dynamic_sampling:
+        raise ValueError(
+            "grpo.use_dynamic_sampling=true with grpo.async_grpo.enabled=true is not supported "
+            "yet (the collector makes one batch per step); set one of them to false"
+        )
 
 
 MASTER_CONFIGS: dict[str, type[_Master]] = {

@@ -129,3 +129,68 @@ def plot_metrics(
     fig.savefig(out_path, dpi=100)
     plt.close(fig)
     return out_path
+
+
+def read_timeline(path: str | os.PathLike[str]) -> list[dict]:
+    """The phase records of ``timeline.jsonl`` (see `tempering.utils.timers.PhaseLog`); a torn
+    or malformed line is skipped with one message on stderr naming its line number."""
+    rows, bad = [], []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            try:
+                r = json.loads(line)
+                rows.append({"role": str(r["role"]), "phase": str(r["phase"]),
+                             "step": int(r["step"]), "start": float(r["start"]),
+                             "end": float(r["end"])})  # fmt: skip
+            except (ValueError, KeyError, TypeError):
+                if line.strip():
+                    bad.append(lineno)
+    if bad:
+        print(f"tempering plot: skipped malformed line(s) {bad[:10]} of {path}", file=sys.stderr)
+    return rows
+
+
+def plot_timeline(
+    log_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None
+) -> Path:
+    """A Gantt chart of ``<log_dir>/timeline.jsonl``: one row per role, one bar per phase,
+    seconds since the first phase on the x axis, so generation beside training shows as
+    bars that overlap in time. Returns the PNG path (default ``<log_dir>/timeline.png``)."""
+    log_dir = Path(log_dir)
+    path = log_dir / "timeline.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} does not exist; a run writes it with grpo.async_grpo.enabled=true: pass "
+            "that run's logger.log_dir"
+        )
+    rows = read_timeline(path)
+    if not rows:
+        raise ValueError(f"{path} holds no phases to draw")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = min(r["start"] for r in rows)
+    roles = sorted({r["role"] for r in rows})
+    phases = sorted({r["phase"] for r in rows})
+    colours = {p: plt.get_cmap("tab10")(i % 10) for i, p in enumerate(phases)}
+    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.8 * len(roles)))
+    for y, role in enumerate(roles):
+        for p in phases:
+            bars = [(r["start"] - t0, r["end"] - r["start"]) for r in rows
+                    if r["role"] == role and r["phase"] == p]  # fmt: skip
+            if bars:
+                ax.broken_barh(bars, (y - 0.35, 0.7), facecolors=colours[p])
+    ax.set_yticks(range(len(roles)), roles)
+    ax.set_xlabel("seconds since the first phase")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colours[p]) for p in phases]
+    ax.legend(handles, phases, loc="upper right", fontsize=8, ncols=min(len(phases), 6))
+    ax.set_title(f"{log_dir}: phases per role", fontsize=9)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    out_path = Path(out) if out is not None else log_dir / "timeline.png"
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_path, dpi=100)
+    plt.close(fig)
+    return out_path

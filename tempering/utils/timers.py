@@ -53,6 +53,10 @@ class Timer:
         self._durations.setdefault(name, []).append(elapsed)
         return elapsed
 
+    def record(self, name: str, seconds: float) -> None:
+        """Record a duration measured elsewhere (e.g. by another thread) under ``name``."""
+        self._durations.setdefault(name, []).append(seconds)
+
     @contextlib.contextmanager
     def time(self, name: str) -> Iterator[None]:
         """Time the body of a ``with`` block under ``name`` (recorded even if it raises)."""
@@ -83,3 +87,40 @@ class Timer:
             self._durations.clear()
         else:
             self._durations.pop(name, None)
+
+
+class PhaseLog:
+    """When each role ran each phase, for ``tempering plot --timeline LOG_DIR``: one JSON line
+    per phase (``role``, ``phase``, ``step``, ``start``, ``end``; wall-clock seconds since the
+    epoch) appended to ``path``. Thread-safe (the async collector and the trainer share one);
+    ``path=None`` records nothing."""
+
+    def __init__(self, path: str | None) -> None:
+        import threading
+
+        self._lock = threading.Lock()
+        self._file = None if path is None else open(path, "a", encoding="utf-8")  # noqa: SIM115
+
+    @contextlib.contextmanager
+    def phase(self, role: str, name: str, step: int) -> Iterator[None]:
+        start = time.time()
+        try:
+            yield
+        finally:
+            self.record(role, name, step, start, time.time())
+
+    def record(self, role: str, name: str, step: int, start: float, end: float) -> None:
+        if self._file is None:
+            return
+        import json
+
+        line = json.dumps({"role": role, "phase": name, "step": step, "start": start, "end": end})
+        with self._lock:
+            self._file.write(line + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None

@@ -1,0 +1,178 @@
+"""Asynchronous GRPO (``grpo.async_grpo.enabled``): the batch of step ``t + 1`` is generated
+while step ``t`` trains.
+
+The loop is GRPO's own (`grpo.train`: validation, checkpoints, wall-clock budget, summary);
+what differs is each step, made by :class:`AsyncSteps`:
+
+    take the step's groups from the replay buffer (waiting: timing/idle/buffer_starvation)
+    -> advantages came with the groups -> train -> wait for the collector to drain
+    (timing/idle/refit_bubble) -> refit -> the collector goes on with the new weights
+
+The collector (`tempering.experience.collector`) is a thread of this process that rolls out
+through the same `grpo.rollout_batch` as synchronous GRPO -- single-turn, multi-turn,
+in-process or over HTTP, NeMo Gym -- on the generation workers, which run beside the policy
+workers (colocated generation is refused at config load). Its schedule makes every sample's
+weight version a function of its step, so a run is reproducible and a resumed run draws what
+the uninterrupted one did: the buffer's groups and the collector's position go into each
+checkpoint (``async_state.pt``). With ``max_trajectory_age_steps=0`` the schedule is the
+synchronous one. Every phase of the trainer and the collector goes to
+``<log_dir>/timeline.jsonl`` for ``tempering plot --timeline``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tempering.algorithms import grpo
+from tempering.algorithms.dynamic_sampling import mask_overlong_samples
+from tempering.distributed.batched_data_dict import BatchedDataDict
+from tempering.experience.collector import RolloutCollector
+from tempering.experience.replay_buffer import ReplayBuffer
+from tempering.utils import faults
+from tempering.utils.timers import PhaseLog, Timer
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "async_state.pt"
+
+
+def train(run: grpo.GRPORun) -> dict[str, Any]:
+    """Asynchronous GRPO's loop; returns `grpo.train`'s summary."""
+    return grpo.train(run, AsyncSteps(run))
+
+
+class AsyncSteps:
+    """The steps of asynchronous GRPO (see the module docstring), for `grpo.train`."""
+
+    def __init__(self, run: grpo.GRPORun) -> None:
+        cfg = run.cfg
+        a = cfg.grpo.async_grpo
+        self.run = run
+        self.loss_fn = grpo.make_loss(cfg)
+        self.num_groups = cfg.grpo.num_prompts_per_step
+        self.phases = PhaseLog(str(Path(cfg.logger.log_dir) / "timeline.jsonl"))
+        # room for the batches the schedule lets the collector make ahead (max_age + 1 steps)
+        self.buffer = ReplayBuffer(max_size=self.num_groups * (a.max_trajectory_age_steps + 1))
+        # step -> what the collector measured making its batch: generation seconds, the
+        # environments' and the server's counters (collected per batch, so they do not
+        # depend on thread timing); checkpointed with the buffer
+        self.made: dict[int, dict[str, float]] = {}
+        next_step = run.start_step + 1
+        state = _load_state(run)
+        if state is not None:
+            self.buffer.load_state_dict(state["buffer"])
+            self.made = state["made"]
+            next_step = state["collector"]["next_step"]
+        self.collector = RolloutCollector(
+            self._produce,
+            self.buffer,
+            group_size=cfg.grpo.num_generations_per_prompt,
+            max_age=a.max_trajectory_age_steps,
+            next_step=next_step,
+            weight_version=run.start_step,
+            last_step=cfg.grpo.max_num_steps,
+            max_failures=a.max_generation_failures,
+            stall_timeout_s=a.starvation_timeout_s,
+            phases=self.phases,
+        )
+        self._started = False
+
+    def _produce(self, step: int) -> BatchedDataDict:
+        """The collector's work for one step: GRPO's own rollouts, seeded by the step."""
+        run, cfg = self.run, self.run.cfg.grpo
+        t0 = time.perf_counter()
+        server_before = run.chat.stats_snapshot()
+        faults.maybe_fault("collector", "generation")
+        run.generation.reseed(grpo.step_seed(cfg.seed, step))
+        problems = run.dataloader.next_batch()
+        batch = grpo.rollout_batch(run, problems, cfg.num_generations_per_prompt)
+        made = {"timing/generation_s": time.perf_counter() - t0}
+        made.update(grpo.environment_metrics(run, batch["rewards"])())
+        made.update(grpo.server_metrics(run.chat, server_before))
+        self.made[step] = made
+        return batch
+
+    def step(self, step: int) -> dict[str, float]:
+        run = self.run
+        if not self._started:  # after the first validation, which uses the generator alone
+            self.collector.start()
+            self._started = True
+        timer = Timer()
+        t0 = time.perf_counter()
+        with timer.time("idle/buffer_starvation"), self.phases.phase("trainer", "wait", step):
+            groups, taken = self.collector.take(step, self.num_groups)
+        batch = BatchedDataDict.from_batches(groups)
+        extra: dict[str, float] = {}
+        if run.cfg.grpo.overlong_filtering:
+            batch, n_masked = mask_overlong_samples(batch)
+            extra["train/overlong_masked"] = float(n_masked)
+        rewards_seen = batch["rewards"]
+        data = BatchedDataDict({k: batch[k] for k in grpo.TRAIN_KEYS})
+        with self.phases.phase("trainer", "train", step):
+            grpo.behaviour_logprobs(run, data, timer)
+            train_metrics = grpo.train_policy(run, data, self.loss_fn, timer)
+        with timer.time("idle/refit_bubble"), self.phases.phase("trainer", "drain", step):
+            self.collector.wait_for_drain(step)
+        with self.phases.phase("trainer", "refit", step):
+            with timer.time("refit"):
+                faults.maybe_fault("controller", "refit")
+                run.chat.refit(lambda: run.generation.refit(run.policy), version=step)
+            self.collector.weights_loaded(step)
+        step_s = time.perf_counter() - t0
+
+        made = self.made.pop(step)
+        timer.record("generation", made.pop("timing/generation_s"))  # the collector's
+        metrics = grpo.step_metrics(run, batch, data, rewards_seen, train_metrics, timer, step_s)
+        metrics.update(extra)
+        metrics.update(taken)
+        metrics.update(made)  # the environments' and the server's counters of this batch
+        return metrics
+
+    def paused(self) -> contextlib.AbstractContextManager[None]:
+        """Validation runs with the collector held between batches: the generator and the
+        environments' counters are validation's alone meanwhile."""
+        return self.collector.quiesce()
+
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[Any]:
+        """Hold the collector between batches while a checkpoint takes the data loader's
+        position, the buffer and the collector's next step together."""
+        with self.collector.quiesce():
+            state = {
+                "buffer": self.buffer.state_dict(),
+                "collector": self.collector.state_dict(),
+                "made": dict(self.made),
+            }
+
+            def write(folder: Path) -> None:
+                torch.save(state, folder / STATE_FILE)
+
+            yield write
+
+    def close(self) -> None:
+        """Stop the collector (after its current batch) and close the timeline; an error of
+        the collector after the last step's batch does not matter any more."""
+        self.collector.stop()
+        self.phases.close()
+
+
+def _load_state(run: grpo.GRPORun) -> dict[str, Any] | None:
+    """The buffer and collector position of the checkpoint the run resumed from, if async."""
+    if not run.start_step or run.checkpointer is None:
+        return None
+    path = run.checkpointer.step_dir(run.start_step) / STATE_FILE
+    if not path.exists():
+        log.warning(
+            "resuming asynchronous GRPO from %s, which a synchronous run wrote: the collector "
+            "starts at step %d with an empty buffer",
+            path.parent, run.start_step + 1,
+        )  # fmt: skip
+        return None
+    return torch.load(path, weights_only=False)
