@@ -1,7 +1,8 @@
 """Loss functions for SFT, DPO, reward models and GRPO/PPO.
 
 A layer below the models: the policy worker receives a loss object and calls it; it never
-imports the algorithms. Only torch here.
+imports the algorithms. Only torch here, and the GRPO loss's option rules it shares with the
+config (`tempering.config.schemas.off_policy_loss_problems`).
 
 Every loss follows the `LossFunction` contract in docs/CONTRACTS.md:
 
@@ -33,8 +34,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from tempering.config.schemas import off_policy_loss_problems
+
 LossType = Literal["token", "sequence"]
 KLEstimator = Literal["k1", "k2", "k3"]
+TruncatedISType = Literal["tis", "icepop", "seq-mask-tis"]
 
 __all__ = [
     "BradleyTerryLoss",
@@ -44,6 +48,7 @@ __all__ = [
     "LossFunction",
     "LossType",
     "NLLLoss",
+    "TruncatedISType",
     "count_valid_pairs",
     "kl_estimate",
     "token_entropy",
@@ -241,23 +246,44 @@ class NLLLoss:
 
 
 class ClippedPGLoss:
-    """Clipped policy-gradient loss (PPO / GRPO / DAPO) with an optional KL penalty.
+    """Clipped policy-gradient loss (PPO / GRPO / DAPO / GSPO) with an optional KL penalty and
+    off-policy importance-sampling correction (NeMo RL's ``ClippedPGLossFn`` semantics).
 
     Inputs in `data` (all aligned like `token_logprobs`):
       ``advantages`` ``[B, S]`` or ``[B]`` (broadcast over tokens), ``prev_logprobs`` ``[B, S]``
       (behaviour policy, recomputed by the trainer; when absent, the batch is on-policy and
       the current log-probs, detached, stand in: ratio 1, the same gradient, one forward
       pass fewer), ``generation_logprobs`` ``[B, S]`` (from
-      the generator; needed for the mismatch metric and for importance-sampling correction),
+      the generator; needed for the mismatch metrics and for importance-sampling correction),
       ``reference_policy_logprobs`` ``[B, S]`` (needed when ``reference_policy_kl_penalty > 0``).
 
-    Per valid token, with ``ratio = exp(curr - prev)`` and advantage ``A``:
+    Per valid token, with advantage ``A`` and the PPO ratio ``ratio``:
 
+      ratio = exp(curr - prev)                                   (per token; default)
+      ratio = exp(mean over the sequence's valid tokens of (curr - prev))
+              (``sequence_level_importance_ratios``, GSPO: one ratio per sequence, the same
+              value on each of its tokens, differentiated through every token's ``curr``)
       pg = max(-A * ratio, -A * clamp(ratio, 1 - ratio_clip_min, 1 + ratio_clip_max))
       if ratio_clip_c is set and A < 0:  pg = min(pg, -A * ratio_clip_c)       (dual clip)
       kl = reference_policy_kl_penalty * kl_estimate(curr, ref, kl_estimator)
-      per_token = w * (pg + kl),  w = min(exp(prev - gen), truncated_importance_sampling_ratio)
-      (w = 1 unless ``use_importance_sampling_correction``; w is detached)
+      per_token = w * (pg + kl)
+
+    The importance weight ``w`` (detached) is 1 unless ``use_importance_sampling_correction``;
+    then ``w = exp(prev - gen)`` per token (with GSPO: ``exp(sum over the sequence's valid tokens
+    of (prev - gen))``, one weight per sequence), shaped by ``truncated_importance_sampling_type``
+    with the band ``[lo, hi]`` = [``truncated_importance_sampling_ratio_min`` (tis: default 0),
+    ``truncated_importance_sampling_ratio``]:
+
+      None            w as it is (no band; both bounds must be None)
+      "tis"           w = clamp(w, lo, hi)
+      "icepop"        w = 0 where w is outside [lo, hi]          (the token adds nothing)
+      "seq-mask-tis"  w = 0 on every token of a sequence whose geometric-mean weight
+                      exp(mean over its valid tokens of (prev - gen)) is outside [lo, hi];
+                      the kept sequences keep their raw per-token w (not clamped)
+
+    Refused combinations (`off_policy_loss_problems`, the same rules as the config): a type
+    without the correction, a bound without a type, icepop/seq-mask-tis without a lower bound,
+    lo > hi, seq-mask-tis with GSPO, GSPO with ``loss_type="token"``.
 
     Normalisation: ``loss_type="token"`` sums per_token over valid tokens and divides by
     ``global_valid_toks``; ``loss_type="sequence"`` averages each sequence's valid tokens,
@@ -266,8 +292,13 @@ class ClippedPGLoss:
     Metrics: ``loss``, ``kl_penalty`` (globally normalised like the loss), ``clip_fraction``
     (share of valid tokens whose ratio was outside the clip range), ``ratio_mean``,
     ``entropy`` (of the current policy), ``token_mult_prob_error`` (mean of
-    ``exp(|prev - gen|)``; 1.0 means trainer and generator agree), ``is_weight_mean``,
-    ``num_valid_tokens``.
+    ``exp(|prev - gen|)``; 1.0 means trainer and generator agree), ``gen_kl_error`` (mean of
+    ``kl_estimate(gen, prev, kl_estimator)``: KL(pi_generator || pi_trainer) estimated from the
+    generator's samples; 0 means they agree), ``is_weight_mean`` (of w after truncation),
+    ``is_oob_ratio`` (only with a truncation type: the share of valid tokens whose weight is
+    outside the band -- of valid sequences for seq-mask-tis), ``num_valid_tokens``.
+    All are means over this micro-batch's valid tokens (or sequences), which the trainer weights
+    by ``num_valid_tokens`` across micro-batches.
     """
 
     pairwise: bool = False
@@ -282,6 +313,9 @@ class ClippedPGLoss:
         loss_type: LossType = "token",
         use_importance_sampling_correction: bool = False,
         truncated_importance_sampling_ratio: float | None = None,
+        truncated_importance_sampling_type: TruncatedISType | None = None,
+        truncated_importance_sampling_ratio_min: float | None = None,
+        sequence_level_importance_ratios: bool = False,
     ) -> None:
         if ratio_clip_min < 0 or ratio_clip_max < 0:
             raise ValueError(
@@ -296,14 +330,16 @@ class ClippedPGLoss:
             raise ValueError(f"loss_type='{loss_type}' is unknown; use 'token' or 'sequence'.")
         if kl_estimator not in ("k1", "k2", "k3"):
             raise ValueError(f"kl_estimator='{kl_estimator}' is unknown; use 'k1', 'k2' or 'k3'.")
-        if (
-            truncated_importance_sampling_ratio is not None
-            and truncated_importance_sampling_ratio <= 0
-        ):
-            raise ValueError(
-                f"truncated_importance_sampling_ratio={truncated_importance_sampling_ratio} must "
-                f"be > 0, or None for no truncation."
-            )
+        problems = off_policy_loss_problems(
+            use_importance_sampling_correction=use_importance_sampling_correction,
+            truncated_importance_sampling_type=truncated_importance_sampling_type,
+            truncated_importance_sampling_ratio=truncated_importance_sampling_ratio,
+            truncated_importance_sampling_ratio_min=truncated_importance_sampling_ratio_min,
+            sequence_level_importance_ratios=sequence_level_importance_ratios,
+            token_level_loss=loss_type == "token",
+        )
+        if problems:  # token_level_loss=true is loss_type='token' here
+            raise ValueError("ClippedPGLoss: " + "; ".join(problems))
         self.ratio_clip_min = ratio_clip_min
         self.ratio_clip_max = ratio_clip_max
         self.ratio_clip_c = ratio_clip_c
@@ -311,7 +347,10 @@ class ClippedPGLoss:
         self.kl_estimator: KLEstimator = kl_estimator
         self.loss_type: LossType = loss_type
         self.use_importance_sampling_correction = use_importance_sampling_correction
+        self.truncated_importance_sampling_type = truncated_importance_sampling_type
         self.truncated_importance_sampling_ratio = truncated_importance_sampling_ratio
+        self.truncated_importance_sampling_ratio_min = truncated_importance_sampling_ratio_min
+        self.sequence_level_importance_ratios = sequence_level_importance_ratios
 
     def __call__(
         self,
@@ -328,7 +367,7 @@ class ClippedPGLoss:
         if adv.dim() == 1:
             adv = adv.unsqueeze(-1).expand_as(curr)
 
-        ratio = torch.exp(curr - prev)
+        ratio = self._ppo_ratio(curr, prev, mask)  # [B, S]
         clipped_ratio = ratio.clamp(1.0 - self.ratio_clip_min, 1.0 + self.ratio_clip_max)
         pg = torch.maximum(-adv * ratio, -adv * clipped_ratio)
         if self.ratio_clip_c is not None:
@@ -340,13 +379,8 @@ class ClippedPGLoss:
         else:
             kl = torch.zeros_like(curr)
 
-        log_is = (prev - gen).detach()
-        if self.use_importance_sampling_correction:
-            weight = torch.exp(log_is)
-            if self.truncated_importance_sampling_ratio is not None:
-                weight = weight.clamp(max=self.truncated_importance_sampling_ratio)
-        else:
-            weight = torch.ones_like(curr)
+        log_is = (prev - gen).detach()  # [B, S]: log(pi_trainer_old / pi_generator)
+        weight, oob = self._importance_weights(log_is, mask)
 
         pg_term = self._reduce(weight * pg, mask, global_valid_toks, global_valid_seqs)
         kl_term = self._reduce(weight * kl, mask, global_valid_toks, global_valid_seqs)
@@ -361,10 +395,46 @@ class ClippedPGLoss:
                 "ratio_mean": _masked_mean(ratio, mask),
                 "entropy": _masked_mean(token_entropy(logits, mask).to(curr.dtype), mask),
                 "token_mult_prob_error": _masked_mean(torch.exp(log_is.abs()), mask),
+                "gen_kl_error": _masked_mean(kl_estimate(gen, prev, self.kl_estimator), mask),
                 "is_weight_mean": _masked_mean(weight, mask),
                 "num_valid_tokens": float(mask.sum().item()),
             }
+            if oob is not None:
+                metrics["is_oob_ratio"] = oob
         return loss, metrics
+
+    def _ppo_ratio(self, curr: Tensor, prev: Tensor, mask: Tensor) -> Tensor:
+        """pi_theta / pi_old per token, or (GSPO) each sequence's geometric mean on its tokens."""
+        log_ratio = curr - prev  # [B, S]
+        if self.sequence_level_importance_ratios:
+            seq_log_ratio = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # [B]
+            log_ratio = seq_log_ratio.unsqueeze(-1).expand_as(curr)
+        return torch.exp(log_ratio)
+
+    def _importance_weights(self, log_is: Tensor, mask: Tensor) -> tuple[Tensor, float | None]:
+        """(w ``[B, S]``, detached; the share outside the band, or None without a band)."""
+        if not self.use_importance_sampling_correction:
+            return torch.ones_like(log_is), None
+        if self.sequence_level_importance_ratios:  # one weight per sequence: the product
+            log_is = (log_is * mask).sum(-1, keepdim=True).expand_as(log_is)
+        weight = torch.exp(log_is)
+        kind = self.truncated_importance_sampling_type
+        if kind is None:
+            return weight, None
+        hi = self.truncated_importance_sampling_ratio
+        lo = self.truncated_importance_sampling_ratio_min
+        lo = 0.0 if lo is None else lo  # only tis may leave it unset
+        if kind == "seq-mask-tis":
+            tokens = mask.sum(-1)  # [B]
+            geo_mean = torch.exp((log_is * mask).sum(-1) / tokens.clamp(min=1))  # [B]
+            out_seq = ((geo_mean < lo) | (geo_mean > hi)).to(weight.dtype)  # [B]
+            weight = weight * (1.0 - out_seq).unsqueeze(-1)
+            return weight, _masked_mean(out_seq, (tokens > 0).to(weight.dtype))
+        out_tok = (weight < lo) | (weight > hi)  # [B, S]
+        oob = _masked_mean(out_tok.to(weight.dtype), mask)
+        if kind == "tis":
+            return weight.clamp(min=lo, max=hi), oob
+        return torch.where(out_tok, torch.zeros_like(weight), weight), oob  # icepop
 
     def _reduce(
         self, per_token: Tensor, mask: Tensor, global_valid_toks: Tensor, global_valid_seqs: Tensor

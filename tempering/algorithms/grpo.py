@@ -359,6 +359,9 @@ def make_loss(cfg: GRPOMasterConfig) -> Any:
         loss_type="token" if lf.token_level_loss else "sequence",
         use_importance_sampling_correction=lf.use_importance_sampling_correction,
         truncated_importance_sampling_ratio=lf.truncated_importance_sampling_ratio,
+        truncated_importance_sampling_type=lf.truncated_importance_sampling_type,
+        truncated_importance_sampling_ratio_min=lf.truncated_importance_sampling_ratio_min,
+        sequence_level_importance_ratios=lf.sequence_level_importance_ratios,
     )
 
 

@@ -452,15 +452,121 @@ class GRPOConfig(Section):
     async_grpo: AsyncGRPOConfig = AsyncGRPOConfig()
 
 
+TRUNCATED_IS_TYPES = ("tis", "icepop", "seq-mask-tis")
+
+
+def off_policy_loss_problems(
+    *,
+    use_importance_sampling_correction: bool,
+    truncated_importance_sampling_type: str | None,
+    truncated_importance_sampling_ratio: float | None,
+    truncated_importance_sampling_ratio_min: float | None,
+    sequence_level_importance_ratios: bool,
+    token_level_loss: bool,
+) -> list[str]:
+    """What is wrong with a combination of the GRPO loss's off-policy options (NeMo RL's rules).
+
+    Shared by `LossFnConfig` (at load) and `tempering.losses.ClippedPGLoss` (at construction),
+    so a config and a directly built loss refuse the same things with the same words. Plain
+    arguments in, one message per problem out (empty: the combination is valid).
+    """
+    kind = truncated_importance_sampling_type
+    hi, lo = truncated_importance_sampling_ratio, truncated_importance_sampling_ratio_min
+    out: list[str] = []
+    if kind is None:
+        for name, value in (("truncated_importance_sampling_ratio", hi),
+                            ("truncated_importance_sampling_ratio_min", lo)):  # fmt: skip
+            if value is not None:
+                out.append(
+                    f"{name}={value} is read only with a truncated_importance_sampling_type: set "
+                    f"the type to 'tis' (clamp the weights to [min, max]), 'icepop' (zero "
+                    f"tokens outside the band) or 'seq-mask-tis' (drop sequences outside it), "
+                    f"or set {name}=null"
+                )
+    elif kind not in TRUNCATED_IS_TYPES:
+        out.append(
+            f"truncated_importance_sampling_type={kind!r} is unknown; use one of "
+            f"{', '.join(TRUNCATED_IS_TYPES)} or null"
+        )
+    else:
+        if not use_importance_sampling_correction:
+            out.append(
+                f"truncated_importance_sampling_type={kind!r} shapes the importance weights, "
+                f"which apply only with use_importance_sampling_correction=true: set it true, "
+                f"or the type to null"
+            )
+        if hi is None or hi <= 0:
+            out.append(
+                f"truncated_importance_sampling_type={kind!r} needs "
+                f"truncated_importance_sampling_ratio > 0 (the band's upper bound); got {hi}"
+            )
+        if lo is None and kind != "tis":
+            out.append(
+                f"truncated_importance_sampling_type={kind!r} needs "
+                f"truncated_importance_sampling_ratio_min (the band's lower bound; NeMo RL's "
+                f"reference bands: icepop 0.5, seq-mask-tis 0.999)"
+            )
+        if lo is not None and (lo < 0 or (hi is not None and lo > hi)):
+            out.append(
+                f"truncated_importance_sampling_ratio_min={lo} must be >= 0 and <= "
+                f"truncated_importance_sampling_ratio={hi}"
+            )
+        if kind == "seq-mask-tis" and sequence_level_importance_ratios:
+            out.append(
+                "truncated_importance_sampling_type='seq-mask-tis' masks sequences but keeps "
+                "per-token weights, which sequence_level_importance_ratios=true replaces by one "
+                "weight per sequence: use 'tis' or 'icepop' with it, or set it false"
+            )
+    if sequence_level_importance_ratios and token_level_loss:
+        out.append(
+            "sequence_level_importance_ratios=true (GSPO) needs the sequence-level loss: set "
+            "token_level_loss=false"
+        )
+    return out
+
+
 class LossFnConfig(Section):
+    """GRPO's `ClippedPGLoss` (tempering/losses.py), NeMo RL's key names and rules."""
+
     reference_policy_kl_penalty: float = Field(0.0, ge=0)
     kl_type: Literal["k1", "k2", "k3"] = "k3"
     ratio_clip_min: float = Field(0.2, ge=0)
     ratio_clip_max: float = Field(0.2, ge=0, description="> ratio_clip_min = DAPO clip-higher")
     ratio_clip_c: float | None = Field(None, gt=1, description="dual-clip constant (> 1)")
     token_level_loss: bool = True
-    use_importance_sampling_correction: bool = False
-    truncated_importance_sampling_ratio: float | None = 2.0
+    use_importance_sampling_correction: bool = Field(
+        False, description="weight each token by pi_trainer_old / pi_generator (off-policy data)"
+    )
+    truncated_importance_sampling_type: Literal["tis", "icepop", "seq-mask-tis"] | None = Field(
+        None,
+        description="tis: clamp the weights to [min, max]; icepop: zero tokens whose weight is "
+        "outside; seq-mask-tis: drop sequences whose geometric-mean weight is outside",
+    )
+    truncated_importance_sampling_ratio: float | None = Field(
+        None, description="upper bound of the band (needs a truncated_importance_sampling_type)"
+    )
+    truncated_importance_sampling_ratio_min: float | None = Field(
+        None, description="lower bound of the band (tis: default 0; icepop/seq-mask-tis: needed)"
+    )
+    sequence_level_importance_ratios: bool = Field(
+        False,
+        description="GSPO: the PPO ratio is each sequence's geometric mean (needs "
+        "token_level_loss=false)",
+    )
+
+    @model_validator(mode="after")
+    def _off_policy(self) -> LossFnConfig:
+        problems = off_policy_loss_problems(
+            use_importance_sampling_correction=self.use_importance_sampling_correction,
+            truncated_importance_sampling_type=self.truncated_importance_sampling_type,
+            truncated_importance_sampling_ratio=self.truncated_importance_sampling_ratio,
+            truncated_importance_sampling_ratio_min=self.truncated_importance_sampling_ratio_min,
+            sequence_level_importance_ratios=self.sequence_level_importance_ratios,
+            token_level_loss=self.token_level_loss,
+        )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
 
 class MathEnvConfig(Section):

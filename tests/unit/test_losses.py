@@ -214,6 +214,7 @@ def test_clipped_pg_loss_and_grad(batch, level, estimator, c, use_is, cap):
         kl_estimator=estimator,
         loss_type=level,
         use_importance_sampling_correction=use_is,
+        truncated_importance_sampling_type=None if cap is None else "tis",
         truncated_importance_sampling_ratio=cap,
     )
     logits = leaf(batch)
@@ -336,7 +337,8 @@ def test_microbatch_invariance(batch, level):
     toks, seqs = counts(data)
     loss_fn = ClippedPGLoss(
         ratio_clip_c=1.5, reference_policy_kl_penalty=0.1, loss_type=level,
-        use_importance_sampling_correction=True, truncated_importance_sampling_ratio=2.0,
+        use_importance_sampling_correction=True, truncated_importance_sampling_type="tis",
+        truncated_importance_sampling_ratio=2.0,
     )  # fmt: skip
     full_logits = leaf(batch)
     full, _ = loss_fn(full_logits, data, toks, seqs)
@@ -452,3 +454,297 @@ def test_errors_name_the_problem():
         count_valid_pairs(torch.ones(3))
     with pytest.raises(KeyError, match="token_mask"):
         NLLLoss()(torch.zeros(1, 2, 3), {"input_ids": torch.zeros(1, 2, dtype=torch.long)}, 1, 1)
+
+
+# --------------------------------------------------------------------------------------------
+# Off-policy correction (truncated importance sampling) and GSPO, on hand-worked numbers.
+#
+# Three sequences with zero logits over a 2-token vocabulary, so every current log-prob is
+# exactly ln 0.5. Each test picks per-token log ratios d = curr - prev (the PPO ratio is
+# exp(d)) and importance weights w = exp(prev - gen) by choosing prev and gen; the expected
+# numbers below are worked out by hand from those.
+# --------------------------------------------------------------------------------------------
+
+OP_B, OP_S = 3, 4
+OP_ADV = [1.0, -2.0, 0.5]
+OP_MASK = [[0, 1, 1, 1], [0, 1, 1, 0], [0, 1, 1, 1]]  # 8 valid tokens; sequence 1 has 2
+OP_W = [[0.5, 1.0, 4.0], [1.2, 0.9], [3.0, 3.0, 1.0]]  # w on each sequence's valid tokens
+
+
+def op_case(log_ratios: list[list[float]], weights: list[list[float]]) -> tuple[torch.Tensor, dict]:
+    """(zero logits [3, 4, 2] as a leaf, the loss data) for the chosen ratios and weights."""
+    half = math.log(0.5)
+    prev = torch.zeros(OP_B, OP_S, dtype=torch.float64)
+    gen = torch.zeros(OP_B, OP_S, dtype=torch.float64)
+    for b in range(OP_B):
+        for i, (d, w) in enumerate(zip(log_ratios[b], weights[b], strict=True)):
+            prev[b, i + 1] = half - d
+            gen[b, i + 1] = prev[b, i + 1] - math.log(w)
+    data = {
+        "input_ids": torch.ones(OP_B, OP_S, dtype=torch.long),
+        "token_mask": torch.tensor(OP_MASK, dtype=torch.float64),
+        "sample_mask": torch.ones(OP_B, dtype=torch.float64),
+        "advantages": torch.tensor(OP_ADV, dtype=torch.float64),
+        "prev_logprobs": prev,
+        "generation_logprobs": gen,
+    }
+    return torch.zeros(OP_B, OP_S, 2, dtype=torch.float64, requires_grad=True), data
+
+
+def on_ratio_one() -> list[list[float]]:
+    return [[0.0] * len(row) for row in OP_W]
+
+
+def plain_loss(kept: list[list[float]], level: str) -> float:
+    """Ratio 1 everywhere, so each token's term is -A * w (plain Python)."""
+    terms = [[-OP_ADV[b] * w for w in row] for b, row in enumerate(kept)]
+    if level == "token":
+        return sum(sum(row) for row in terms) / 8
+    return sum(sum(row) / len(row) for row in terms) / 3
+
+
+# kind, lo, hi -> the weights each valid token keeps, the loss (token level), is_oob_ratio
+IS_CASES = {
+    # clamp to [0.8, 2]: 0.5 -> 0.8, 4 -> 2, 3 -> 2; 4 of 8 tokens were outside
+    "tis": ("tis", 0.8, 2.0, [[0.8, 1.0, 2.0], [1.2, 0.9], [2.0, 2.0, 1.0]], -0.2625, 4 / 8),
+    # tis without a lower bound clamps to [0, 2]: only 4, 3, 3 are outside
+    "tis-no-min": ("tis", None, 2.0, [[0.5, 1.0, 2.0], [1.2, 0.9], [2.0, 2.0, 1.0]], -0.225, 3 / 8),
+    # icepop zeroes the tokens outside [0.8, 2]
+    "icepop": ("icepop", 0.8, 2.0, [[0.0, 1.0, 0.0], [1.2, 0.9], [0.0, 0.0, 1.0]], 0.3375, 4 / 8),
+    # seq-mask-tis: geometric means (0.5*1*4)^(1/3) = 1.26, (1.2*0.9)^(1/2) = 1.039 are inside
+    # [0.8, 2], 9^(1/3) = 2.08 is not: sequence 2 goes, the others keep their raw weights
+    "seq-mask": ("seq-mask-tis", 0.8, 2.0, [[0.5, 1, 4], [1.2, 0.9], [0, 0, 0]], -0.1625, 1 / 3),
+    # no type: the raw weights
+    "none": (None, None, None, [[0.5, 1.0, 4.0], [1.2, 0.9], [3.0, 3.0, 1.0]], -0.6, None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(IS_CASES))
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_truncated_importance_sampling_hand_worked(case, level):
+    kind, lo, hi, kept, token_loss, oob = IS_CASES[case]
+    assert plain_loss(kept, "token") == pytest.approx(token_loss)  # the table is consistent
+    loss_fn = ClippedPGLoss(
+        loss_type=level,
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_type=kind,
+        truncated_importance_sampling_ratio=hi,
+        truncated_importance_sampling_ratio_min=lo,
+    )
+    logits, data = op_case(on_ratio_one(), OP_W)
+    loss, metrics = loss_fn(logits, data, torch.tensor(8.0), torch.tensor(3.0))
+    loss.backward()
+    assert loss.item() == pytest.approx(plain_loss(kept, level), abs=1e-12)
+    # ratio 1 is inside the clip range, so d loss / d curr[b, t] = -A_b * w / N, and the logits
+    # that scored token 1 get that times (onehot(1) - softmax) = (-0.5, +0.5)
+    count = 8 if level == "token" else 3
+    for b, row in enumerate(kept):
+        for i, w in enumerate(row):
+            n = 1 if level == "token" else len(row)
+            g = -OP_ADV[b] * w / (count * n)
+            assert logits.grad[b, i].tolist() == pytest.approx([-0.5 * g, 0.5 * g], abs=1e-12)
+    assert metrics["is_weight_mean"] == pytest.approx(sum(map(sum, kept)) / 8, abs=1e-12)
+    if oob is None:
+        assert "is_oob_ratio" not in metrics
+    else:
+        assert metrics["is_oob_ratio"] == pytest.approx(oob, abs=1e-12)
+    # mismatch metrics over the 8 raw weights: exp(|ln w|) and k3 of KL(gen || trainer),
+    # with log r = gen - prev = -ln w: exp(ln w) - 1 - ln w = w - 1 - ln w
+    raw = [w for row in OP_W for w in row]
+    assert metrics["token_mult_prob_error"] == pytest.approx(
+        sum(max(w, 1 / w) for w in raw) / 8, abs=1e-12
+    )
+    assert metrics["gen_kl_error"] == pytest.approx(
+        sum(w - 1 - math.log(w) for w in raw) / 8, abs=1e-12
+    )
+
+
+def test_gen_kl_error_follows_the_kl_estimator():
+    """k1 of KL(gen || trainer) is mean(gen - prev) = mean(-ln w); without the correction the
+    weights are 1 but the mismatch metrics are still reported."""
+    logits, data = op_case(on_ratio_one(), OP_W)
+    loss_fn = ClippedPGLoss(kl_estimator="k1")
+    _, metrics = loss_fn(logits, data, torch.tensor(8.0), torch.tensor(3.0))
+    raw = [w for row in OP_W for w in row]
+    assert metrics["gen_kl_error"] == pytest.approx(-sum(map(math.log, raw)) / 8, abs=1e-12)
+    assert metrics["is_weight_mean"] == 1.0 and "is_oob_ratio" not in metrics
+
+
+GSPO_D = [[0.1, 0.2, 0.3], [-0.1, 0.0], [0.5, -0.5, 0.3]]  # log ratios; means 0.2, -0.05, 0.1
+
+
+def test_gspo_sequence_ratio_hand_worked():
+    """GSPO: one ratio per sequence, s = exp(mean log ratio) = e^0.2, e^-0.05, e^0.1, clipped
+    to [0.8, 1.2]: sequence 0 (A = 1, s = 1.2214) is clipped at 1.2 and gets no gradient; the
+    others are inside. Per-token PPO would clip sequence 2's first token (e^0.5 = 1.65)."""
+    s = [math.exp(0.2), math.exp(-0.05), math.exp(0.1)]
+    pg = [-1.2, 2.0 * s[1], -0.5 * s[2]]  # max(-A s, -A clip(s)) per sequence
+    want = sum(pg) / 3
+    assert want == pytest.approx((-1.2 + 1.9024588 - 0.5525855) / 3, abs=1e-6)
+    loss_fn = ClippedPGLoss(loss_type="sequence", sequence_level_importance_ratios=True)
+    logits, data = op_case(GSPO_D, [[1.0] * len(r) for r in OP_W])
+    loss, metrics = loss_fn(logits, data, torch.tensor(8.0), torch.tensor(3.0))
+    loss.backward()
+    assert loss.item() == pytest.approx(want, abs=1e-12)
+    # d loss / d curr[b, t] = (1/3) * (-A_b) * s_b / n_b on each of the n_b valid tokens of an
+    # unclipped sequence (the gradient of exp(mean) spreads evenly), 0 for the clipped one
+    for b, row in enumerate(GSPO_D):
+        for i in range(len(row)):
+            g = 0.0 if b == 0 else -OP_ADV[b] * s[b] / (3 * len(row))
+            assert logits.grad[b, i].tolist() == pytest.approx([-0.5 * g, 0.5 * g], abs=1e-12)
+    assert metrics["clip_fraction"] == pytest.approx(3 / 8)  # sequence 0's three tokens
+    assert metrics["ratio_mean"] == pytest.approx((3 * s[0] + 2 * s[1] + 3 * s[2]) / 8)
+
+
+def hand_gspo(logits, data, lo, hi, beta, tis):
+    """GSPO written out per sequence: s = exp(mean_t(curr - prev)), pg = max(-A s, -A clip(s)),
+    w = clamp(exp(sum_t(prev - gen)), tis) (1 without tis), term = mean over tokens of w * (pg + beta*k3)."""
+    terms, outside, n_tok = [], 0, 0
+    for b in range(B):
+        toks = [t for t in range(1, S) if valid(data, b, t)]
+        if not toks:
+            continue
+        a = float(data["advantages"][b])
+        curr = [hand_lp(logits, data["input_ids"], b, t) for t in toks]
+        prev = [float(data["prev_logprobs"][b, t]) for t in toks]
+        gen = [float(data["generation_logprobs"][b, t]) for t in toks]
+        s = torch.exp(sum(c - p for c, p in zip(curr, prev, strict=True)) / len(toks))
+        pg = torch.maximum(-a * s, -a * torch.clamp(s, 1 - lo, 1 + hi))
+        w = 1.0  # without the correction
+        if tis is not None:
+            w = math.exp(sum(p - g for p, g in zip(prev, gen, strict=True)))
+            outside += len(toks) * (not tis[0] <= w <= tis[1])
+            w = min(max(w, tis[0]), tis[1])
+        kl = 0.0
+        for c, t in zip(curr, toks, strict=True):
+            log_r = c - float(data["reference_policy_logprobs"][b, t])
+            kl = kl + torch.exp(-log_r) - 1 + log_r
+        terms.append(w * (pg + beta * kl / len(toks)))
+        n_tok += len(toks)
+    return sum(terms) / len(terms), outside / n_tok
+
+
+@pytest.mark.parametrize("tis", [None, (0.7, 1.3)])
+def test_gspo_loss_and_grad_match_an_independent_formula(batch, tis):
+    data = pg_data(batch)
+    toks, seqs = counts(data)
+    loss_fn = ClippedPGLoss(
+        ratio_clip_min=0.1, ratio_clip_max=0.15, reference_policy_kl_penalty=0.05,
+        loss_type="sequence", sequence_level_importance_ratios=True,
+        use_importance_sampling_correction=tis is not None,
+        truncated_importance_sampling_type=None if tis is None else "tis",
+        truncated_importance_sampling_ratio_min=None if tis is None else tis[0],
+        truncated_importance_sampling_ratio=None if tis is None else tis[1],
+    )  # fmt: skip
+    logits = leaf(batch)
+    loss, metrics = loss_fn(logits, data, toks, seqs)
+    loss.backward()
+    ref_logits = leaf(batch)
+    hand, oob = hand_gspo(ref_logits, data, 0.1, 0.15, 0.05, tis)
+    hand.backward()
+    assert loss.item() == pytest.approx(hand.item(), abs=1e-9)
+    assert torch.allclose(logits.grad, ref_logits.grad, atol=1e-9)
+    assert logits.grad.abs().sum() > 0
+    assert 0 < metrics["clip_fraction"] < 1  # the fixture clips some sequences, not all
+    if tis is not None:
+        assert 0 < oob < 1  # and truncates some sequence weights, not all
+        assert metrics["is_oob_ratio"] == pytest.approx(oob, abs=1e-12)
+
+
+def test_off_policy_metrics_aggregate_across_micro_batches():
+    """The trainer folds micro-batch metrics weighted by valid tokens, so the token-level ones
+    (gen_kl_error, is_oob_ratio for icepop) over two micro-batches equal the whole batch's;
+    every key reaches the step's metrics (prefixed ``train/``) unchanged."""
+    from tempering.models.policy.training import aggregate_loss_metrics
+
+    loss_fn = ClippedPGLoss(
+        use_importance_sampling_correction=True, truncated_importance_sampling_type="icepop",
+        truncated_importance_sampling_ratio=2.0, truncated_importance_sampling_ratio_min=0.8,
+    )  # fmt: skip
+    logits, data = op_case(on_ratio_one(), OP_W)
+    _, whole = loss_fn(logits, data, torch.tensor(8.0), torch.tensor(3.0))
+    parts = [
+        loss_fn(logits[lo:hi], {k: v[lo:hi] for k, v in data.items()}, 8.0, 3.0)[1]
+        for lo, hi in [(0, 1), (1, 3)]
+    ]
+    folded = aggregate_loss_metrics(parts)
+    for key in ("gen_kl_error", "is_oob_ratio", "token_mult_prob_error", "is_weight_mean"):
+        assert folded[key] == pytest.approx(whole[key], abs=1e-12), key
+    assert folded["loss"] == pytest.approx(whole["loss"], abs=1e-12)
+
+
+# options -> a phrase the refusal must contain (each a combination NeMo RL refuses too)
+REFUSED = [
+    ({"truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 2.0},
+     "apply only with use_importance_sampling_correction=true"),
+    ({"use_importance_sampling_correction": True, "truncated_importance_sampling_ratio": 2.0},
+     "truncated_importance_sampling_ratio=2.0 is read only with a truncated_importance_sampling_type"),
+    ({"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "tis"},
+     "needs truncated_importance_sampling_ratio > 0"),
+    ({"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "icepop",
+      "truncated_importance_sampling_ratio": 5.0},
+     "'icepop' needs truncated_importance_sampling_ratio_min"),
+    ({"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "tis",
+      "truncated_importance_sampling_ratio": 2.0, "truncated_importance_sampling_ratio_min": 3.0},
+     "truncated_importance_sampling_ratio_min=3.0 must be >= 0 and <="),
+    ({"use_importance_sampling_correction": True, "token_level_loss": False,
+      "truncated_importance_sampling_type": "seq-mask-tis", "sequence_level_importance_ratios": True,
+      "truncated_importance_sampling_ratio": 1.002, "truncated_importance_sampling_ratio_min": 0.999},
+     "'seq-mask-tis' masks sequences but keeps per-token weights"),
+    ({"sequence_level_importance_ratios": True},
+     "sequence_level_importance_ratios=true (GSPO) needs the sequence-level loss"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("options,phrase", REFUSED)
+def test_off_policy_refusals_at_construction_and_config_load(options, phrase):
+    from pathlib import Path
+
+    from tempering.config import ConfigError, GRPOMasterConfig, load_config
+
+    kwargs = {k: v for k, v in options.items() if k != "token_level_loss"}
+    level = "token" if options.get("token_level_loss", True) else "sequence"
+    with pytest.raises(ValueError) as info:
+        ClippedPGLoss(loss_type=level, **kwargs)
+    assert phrase in str(info.value)
+
+    yaml = Path(__file__).resolve().parents[2] / "examples" / "configs" / "grpo_math_tiny.yaml"
+    overrides = [f"loss_fn.{k}={str(v).lower() if isinstance(v, bool) else v}"
+                 for k, v in options.items()]  # fmt: skip
+    with pytest.raises(ConfigError) as info:
+        load_config(yaml, overrides, schema=GRPOMasterConfig)
+    assert phrase in str(info.value) and "loss_fn" in str(info.value)
+
+
+def test_unknown_truncation_type_is_refused():
+    with pytest.raises(ValueError, match="truncated_importance_sampling_type='clip' is unknown"):
+        ClippedPGLoss(
+            use_importance_sampling_correction=True,
+            truncated_importance_sampling_type="clip",
+            truncated_importance_sampling_ratio=2.0,
+        )
+
+
+def test_grpo_builds_the_loss_with_every_off_policy_key():
+    """make_loss reads each loss_fn key into the loss (a key no code reads would be a bug)."""
+    from pathlib import Path
+
+    from tempering.algorithms.grpo import make_loss
+    from tempering.config import GRPOMasterConfig, load_config
+
+    yaml = Path(__file__).resolve().parents[2] / "examples" / "configs" / "grpo_math_tiny.yaml"
+    cfg, _ = load_config(yaml, [
+        "loss_fn.use_importance_sampling_correction=true",
+        "loss_fn.truncated_importance_sampling_type=icepop",
+        "loss_fn.truncated_importance_sampling_ratio=5.0",
+        "loss_fn.truncated_importance_sampling_ratio_min=0.5",
+        "loss_fn.sequence_level_importance_ratios=true",
+        "loss_fn.token_level_loss=false",
+    ], schema=GRPOMasterConfig)  # fmt: skip
+    loss = make_loss(cfg)
+    assert loss.use_importance_sampling_correction is True
+    assert loss.truncated_importance_sampling_type == "icepop"
+    assert loss.truncated_importance_sampling_ratio == 5.0
+    assert loss.truncated_importance_sampling_ratio_min == 0.5
+    assert loss.sequence_level_importance_ratios is True
+    assert loss.loss_type == "sequence"
