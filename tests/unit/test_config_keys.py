@@ -292,7 +292,7 @@ def unread_fields(master: type[BaseModel], sources: dict[str, str]) -> list[str]
     for key, section, field, chain in tree:
         if key in SINGLE_VALUE or key in REFUSED_UNLESS_DEFAULT:
             continue
-        if key in master.UNREAD_KEYS:
+        if key in getattr(master, "UNREAD_KEYS", {}):
             continue
         globs = ALGORITHM_MODULES[master] + sum(
             (SECTION_MODULES.get(s, ()) for s in (*chain, section)), ()
@@ -445,7 +445,7 @@ def _other_value(master: type[BaseModel], key: str) -> object:
 
 @pytest.mark.parametrize(
     "master,key",
-    [(m, k) for m in MASTERS for k in sorted(m.UNREAD_KEYS)],
+    [(m, k) for m in MASTERS for k in sorted(getattr(m, "UNREAD_KEYS", {}))],
     ids=lambda x: getattr(x, "__name__", x),
 )
 def test_keys_an_algorithm_does_not_read_are_refused_by_name(master, key):
@@ -593,3 +593,21 @@ def test_sft_and_preference_stop_after_exactly_max_num_epochs(tmp_path, monkeypa
     seen: list = []
     step, _, _ = preference.train_loop(pref, lambda b: seen.append(b) or {}, None, ())
     assert step == 3 and sorted(x for b in seen for x in b) == list(range(6))
+
+
+@pytest.mark.parametrize(
+    "master,key",
+    [
+        (schemas.GRPOMasterConfig, "data.prompt_key"),
+        (schemas.GRPOMasterConfig, "data.response_key"),
+        (schemas.DPOMasterConfig, "data.response_key"),
+        (schemas.RMMasterConfig, "data.response_key"),
+    ],
+)
+def test_prompt_and_response_keys_are_refused_where_never_read(master, key):
+    """The keys the old scan passed because SFT reads them: GRPO problems have problem/answer
+    columns and preference rows chosen/rejected ones, so setting these is an error."""
+    with pytest.raises(ConfigError) as info:
+        load_config(REPO / "examples/configs" / EXAMPLE[master], [f"{key}=question"],
+                    schema=master)  # fmt: skip
+    assert f"{key}='question'" in str(info.value) and "does not read it" in str(info.value)
