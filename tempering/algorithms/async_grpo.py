@@ -175,4 +175,4 @@ def _load_state(run: grpo.GRPORun) -> dict[str, Any] | None:
             path.parent, run.start_step + 1,
         )  # fmt: skip
         return None
-    return torch.load(path, weights_only=False)
+    return torch.load(path, weights_only=True)

@@ -144,6 +144,7 @@ def build_logger(
     return Logger(
         logger_cfg.log_dir,
         tensorboard_enabled=logger_cfg.tensorboard_enabled,
+        tensorboard_dir=logger_cfg.tensorboard.log_dir,
         wandb_enabled=logger_cfg.wandb_enabled,
         wandb_project=logger_cfg.wandb.project,
         wandb_name=logger_cfg.wandb.name,
@@ -251,6 +252,19 @@ def save_checkpoint(
             write_files(Path(tmp))
         faults.maybe_fault("controller", "checkpoint")  # killed mid-save (reliability tests)
     return checkpointer.step_dir(step)
+
+
+def epochs_reached(dataloader: Any, max_num_epochs: int, key: str, step: int) -> bool:
+    """Whether the loop has made ``max_num_epochs`` whole passes over its training data
+    (``key`` names the setting, e.g. ``grpo.max_num_epochs``); stopping is logged."""
+    done = dataloader.epochs_completed
+    if done < max_num_epochs:
+        return False
+    log.info(
+        "%s=%d reached: %d pass(es) over the %d training examples after step %d; stopping",
+        key, max_num_epochs, done, len(dataloader.dataset), step,
+    )  # fmt: skip
+    return True
 
 
 class Deadline:

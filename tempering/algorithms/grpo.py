@@ -420,11 +420,19 @@ def _train_loop(run: GRPORun, stepper: Any) -> dict[str, Any]:
     steps = range(run.start_step, cfg.grpo.max_num_steps)
     with track(steps, total=len(steps), description="grpo") as progress:
         for _ in progress:
+            if common.epochs_reached(
+                run.dataloader, cfg.grpo.max_num_epochs, "grpo.max_num_epochs", step
+            ):
+                break
             metrics = stepper.step(step + 1)
             step += 1
             run.logger.log_metrics(metrics, step)
             common.log_resources(run.monitor, run.logger, step)
-            is_last = step == cfg.grpo.max_num_steps or deadline.passed()
+            is_last = (
+                step == cfg.grpo.max_num_steps
+                or run.dataloader.epochs_completed >= cfg.grpo.max_num_epochs
+                or deadline.passed()
+            )
             if cfg.grpo.val_period and (step % cfg.grpo.val_period == 0 or is_last):
                 with stepper.paused():
                     val = validate(run, step)
@@ -453,6 +461,7 @@ def _train_loop(run: GRPORun, stepper: Any) -> dict[str, Any]:
     return {
         "steps": step,
         "steps_this_run": step - run.start_step,
+        "epochs": run.dataloader.epochs_completed,  # whole passes over the training problems
         "final_model": str(final),
         "start_accuracy": first_val.get("accuracy"),
         "end_accuracy": val.get("accuracy"),

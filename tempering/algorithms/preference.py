@@ -66,9 +66,9 @@ def load_preference_data(data_cfg: DataConfig) -> PreferenceData:
     if not data_cfg.train_data_path:
         raise ValueError(f"data.dataset_name={name!r} needs data.train_data_path=<jsonl file>")
     load = pd.PREFERENCE_LOADERS[name]
-    loaded = [load(data_cfg.train_data_path, data_cfg.on_bad_row)]
+    loaded = [load(data_cfg.train_data_path, data_cfg.prompt_key, data_cfg.on_bad_row)]
     if data_cfg.val_data_path:
-        loaded.append(load(data_cfg.val_data_path, data_cfg.on_bad_row))
+        loaded.append(load(data_cfg.val_data_path, data_cfg.prompt_key, data_cfg.on_bad_row))
         train, val = loaded[0].examples, loaded[1].examples
     else:
         held = min(data_cfg.num_val_samples, len(loaded[0]) // 2)
@@ -224,7 +224,9 @@ def train_loop(
     steps = range(run.start_step, cfg.max_num_steps)
     with track(steps, len(steps), run.name) as progress:
         for _ in progress:
-            if run.dataloader.epoch >= cfg.max_num_epochs:
+            if common.epochs_reached(
+                run.dataloader, cfg.max_num_epochs, f"{run.name}.max_num_epochs", step
+            ):
                 break
             t0 = time.perf_counter()
             metrics = train_step(run.dataloader.next_batch())
@@ -235,7 +237,9 @@ def train_loop(
             )
             run.logger.log_metrics({"step_s": step_s}, step, prefix="timing")
             common.log_resources(run.monitor, run.logger, step)
-            is_last = step == cfg.max_num_steps
+            is_last = (
+                step == cfg.max_num_steps or run.dataloader.epochs_completed >= cfg.max_num_epochs
+            )
             if cfg.val_period and (step % cfg.val_period == 0 or is_last):
                 val = validate(run, step)
             val_metrics = {f"val/{k}": v for k, v in val.items()}

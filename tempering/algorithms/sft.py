@@ -177,7 +177,9 @@ def train(run: SFTRun) -> dict[str, float]:
     steps = range(run.start_step, cfg.max_num_steps)
     with track(steps, total=len(steps), description="sft") as progress:
         for _ in progress:
-            if run.dataloader.epoch >= cfg.max_num_epochs:
+            if common.epochs_reached(
+                run.dataloader, cfg.max_num_epochs, "sft.max_num_epochs", step
+            ):
                 break
             t0 = time.perf_counter()
             batch = run.dataloader.next_batch()
@@ -187,7 +189,9 @@ def train(run: SFTRun) -> dict[str, float]:
             run.logger.log_metrics(_train_metrics(metrics), step, prefix="train")
             run.logger.log_metrics({"step_s": metrics["step_s"]}, step, prefix="timing")
             common.log_resources(run.monitor, run.logger, step)
-            is_last = step == cfg.max_num_steps
+            is_last = (
+                step == cfg.max_num_steps or run.dataloader.epochs_completed >= cfg.max_num_epochs
+            )
             if cfg.val_period and (step % cfg.val_period == 0 or is_last):
                 val_metrics = validate(run, step)
             print_step_summary(

@@ -244,7 +244,10 @@ class WandbConfig(Section):
 
 
 class TensorboardConfig(Section):
-    log_dir: str | None = None
+    log_dir: str | None = Field(
+        None,
+        description="where TensorBoard's event files go; default: <logger.log_dir>/tensorboard",
+    )
 
 
 class MlflowConfig(Section):
@@ -301,8 +304,12 @@ class DataConfig(Section):
     )
     train_data_path: str | None = None
     val_data_path: str | None = None
-    prompt_key: str = "prompt"
-    response_key: str = "response"
+    prompt_key: str = Field(
+        "prompt", description="the prompt column (SFT prompt_response/hf; DPO/RM preference)"
+    )
+    response_key: str = Field(
+        "response", description="the response column (SFT prompt_response/hf)"
+    )
     max_input_seq_length: int | None = Field(None, description="not read; only null")
     num_train_samples: int = Field(20000, ge=1, description="generated datasets: how many")
     num_val_samples: int = Field(256, ge=1)
@@ -650,6 +657,8 @@ class EnvConfig(Section):
 
 # ---------------------------------------------------------------- master configs
 class _Master(Section):
+    # keys this algorithm refuses instead of reading -> why (see _UNREAD_KEYS)
+    UNREAD_KEYS: ClassVar[dict[str, str]]
     policy: PolicyConfig = PolicyConfig()
     cluster: ClusterConfig = ClusterConfig()
     logger: LoggerConfig = LoggerConfig()
@@ -658,26 +667,63 @@ class _Master(Section):
     deadlines: DeadlinesConfig = DeadlinesConfig()
 
 
-_GRPO_ONLY_DATA_KEYS = (
-    "problem_key",
-    "answer_key",
-    "train_split",
-    "val_split",
-    "prompt_file",
-    "system_prompt_file",
-    "reasoning_gym_tasks",
-)
+_GRPO_ONLY = "applies to GRPO problems only"
+_GRPO_DATA_KEYS = (
+    "problem_key", "answer_key", "train_split", "val_split", "prompt_file", "system_prompt_file",
+    "reasoning_gym_tasks", "reasoning_gym_samples",
+)  # fmt: skip
+_PROBLEMS_COLUMNS = "GRPO problems files name their columns with data.problem_key / data.answer_key"
+_NO_SAMPLES = "its validation generates no text to print"
+# Keys each algorithm never reads -> why: a value other than the default is refused, not
+# ignored. tests/unit/test_config_keys.py takes these as the algorithm's answer for those keys
+# and checks that each is refused.
+_UNREAD_KEYS: dict[str, dict[str, str]] = {
+    "SFT": {f"data.{k}": _GRPO_ONLY for k in _GRPO_DATA_KEYS},
+    "DPO": {
+        **{f"data.{k}": _GRPO_ONLY for k in _GRPO_DATA_KEYS},
+        "data.response_key": "a preference row has two responses, read from its 'chosen' and "
+        "'rejected' columns",
+        "logger.num_val_samples_to_print": _NO_SAMPLES + " (greedy accuracy is a metric)",
+    },
+    "GRPO": {"data.prompt_key": _PROBLEMS_COLUMNS, "data.response_key": _PROBLEMS_COLUMNS},
+}
+_UNREAD_KEYS["RM"] = {
+    **_UNREAD_KEYS["DPO"],
+    "logger.num_val_samples_to_print": _NO_SAMPLES + " (it scores pairs)",
+    "data.use_chat_template": "a reward model reads every pair through the chat template",
+}
+# Column keys only some dataset formats have -> those formats; set for any other, refused.
+_COLUMN_KEYS: dict[str, tuple[str, ...]] = {
+    "prompt_key": ("prompt_response", "hf", "preference"),
+    "response_key": ("prompt_response", "hf"),
+    "problem_key": ("problems",),
+    "answer_key": ("problems",),
+    "train_split": ("problems",),
+    "val_split": ("problems",),
+}
 
 
-def _reject_grpo_data_keys(data: DataConfig, algorithm: str) -> None:
-    """A key that no code reads is refused, not ignored (GRPO's data keys elsewhere)."""
-    default = DataConfig()
-    set_keys = [k for k in _GRPO_ONLY_DATA_KEYS if getattr(data, k) != getattr(default, k)]
-    if set_keys:
-        raise ValueError(
-            f"data.{', data.'.join(set_keys)} apply to GRPO problems only; {algorithm} does not "
-            "read them: remove them"
-        )
+def _refuse_unread_keys(cfg: _Master, algorithm: str) -> None:
+    """A key this algorithm (``cfg.UNREAD_KEYS``), or this dataset format, does not read is
+    refused by name, with its value and the fix -- never silently ignored."""
+    problems = []
+    for key, why in cfg.UNREAD_KEYS.items():
+        section_name, field = key.split(".")
+        section = getattr(cfg, section_name)
+        value = getattr(section, field)
+        if value != getattr(type(section)(), field):
+            problems.append(f"{key}={value!r}: {algorithm} does not read it ({why})")
+    data, default = cfg.data, DataConfig()
+    for k, formats in _COLUMN_KEYS.items():
+        if f"data.{k}" in cfg.UNREAD_KEYS or data.dataset_name in formats:
+            continue
+        if getattr(data, k) != getattr(default, k):
+            problems.append(
+                f"data.{k}={getattr(data, k)!r}: data.dataset_name={data.dataset_name!r} has no "
+                f"such column (only {', '.join(formats)} read data.{k})"
+            )
+    if problems:
+        raise ValueError("; ".join(problems) + "; remove these keys")
 
 
 # data.dataset_name values each algorithm reads (a test keeps them equal to the loaders').
@@ -718,25 +764,28 @@ class _DatasetMaster(_Master):
 
     @model_validator(mode="after")
     def _unread(self) -> _DatasetMaster:
-        _reject_grpo_data_keys(self.data, self.ALGORITHM)
         _check_dataset(self.data, self.ALGORITHM, self.DATASETS)
+        _refuse_unread_keys(self, self.ALGORITHM)
         return self
 
 
 class SFTMasterConfig(_DatasetMaster):
     ALGORITHM: ClassVar[str] = "SFT"
+    UNREAD_KEYS: ClassVar[dict[str, str]] = _UNREAD_KEYS["SFT"]
     DATASETS: ClassVar[tuple[str, ...]] = SFT_DATASETS
     sft: SFTConfig = SFTConfig()
 
 
 class DPOMasterConfig(_DatasetMaster):
     ALGORITHM: ClassVar[str] = "DPO"
+    UNREAD_KEYS: ClassVar[dict[str, str]] = _UNREAD_KEYS["DPO"]
     DATASETS: ClassVar[tuple[str, ...]] = PREFERENCE_DATASETS
     dpo: DPOConfig = DPOConfig()
 
 
 class RMMasterConfig(_DatasetMaster):
     ALGORITHM: ClassVar[str] = "RM"
+    UNREAD_KEYS: ClassVar[dict[str, str]] = _UNREAD_KEYS["RM"]
     DATASETS: ClassVar[tuple[str, ...]] = PREFERENCE_DATASETS
     rm: RMConfig = RMConfig()
 
@@ -752,6 +801,7 @@ class FaultToleranceConfig(Section):
 
 
 class GRPOMasterConfig(_Master):
+    UNREAD_KEYS: ClassVar[dict[str, str]] = _UNREAD_KEYS["GRPO"]
     grpo: GRPOConfig = GRPOConfig()
     fault_tolerance: FaultToleranceConfig = FaultToleranceConfig()
     loss_fn: LossFnConfig = LossFnConfig()
@@ -769,6 +819,7 @@ class GRPOMasterConfig(_Master):
     @model_validator(mode="after")
     def _rollout_batch(self) -> GRPOMasterConfig:
         _check_dataset(self.data, "GRPO", GRPO_DATASETS)
+        _refuse_unread_keys(self, "GRPO")
         n = self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
         gbs = self.policy.train_global_batch_size
         if n % gbs:

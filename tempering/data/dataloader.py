@@ -63,6 +63,11 @@ class StatefulDataLoader:
         full, rest = divmod(len(self.dataset), self.batch_size)
         return full if self.drop_last or rest == 0 else full + 1
 
+    @property
+    def epochs_completed(self) -> int:
+        """Whole passes over the dataset handed out so far (``max_num_epochs`` counts these)."""
+        return self.epoch + int(self._epoch_done())
+
     def _epoch_done(self) -> bool:
         left = len(self.dataset) - self.position
         return left == 0 or (self.drop_last and left < self.batch_size)

@@ -283,13 +283,25 @@ def gsm8k_preference_pairs(split: str = "train") -> LoadedData:
     return LoadedData(f"gsm8k_preference_{split}", pairs)
 
 
-# data.dataset_name -> loader(path, on_bad_row) for local preference files.
+def _load_preference(path: str, prompt_key: str, on_bad_row: OnBadRow) -> LoadedData:
+    return load_preference_jsonl(path, prompt_key, on_bad_row=on_bad_row)
+
+
+def _load_helpsteer3(path: str, prompt_key: str, on_bad_row: OnBadRow) -> LoadedData:
+    return load_helpsteer3_jsonl(path, on_bad_row)  # its prompt column is always 'context'
+
+
+def _load_messages_preference(path: str, prompt_key: str, on_bad_row: OnBadRow) -> LoadedData:
+    return load_messages_preference_jsonl(path, on_bad_row=on_bad_row)  # no prompt column
+
+
+# data.dataset_name -> loader(path, prompt_key, on_bad_row) for local preference files; only
+# "preference" has a prompt column of a configurable name (the config refuses data.prompt_key
+# for the others).
 PREFERENCE_LOADERS = {
-    "preference": lambda path, on_bad_row: load_preference_jsonl(path, on_bad_row=on_bad_row),
-    "helpsteer3": load_helpsteer3_jsonl,
-    "messages_preference": lambda path, on_bad_row: load_messages_preference_jsonl(
-        path, on_bad_row=on_bad_row
-    ),
+    "preference": _load_preference,
+    "helpsteer3": _load_helpsteer3,
+    "messages_preference": _load_messages_preference,
 }
 
 
@@ -301,6 +313,7 @@ def load_preference_splits(
     num_train: int = 20000,
     num_val: int = 256,
     seed: int = 0,
+    prompt_key: str = "prompt",
 ) -> tuple[list[PreferencePair], list[PreferencePair]]:
     """``(train, val)`` preference pairs for ``data.dataset_name``.
 
@@ -325,9 +338,9 @@ def load_preference_splits(
     if not train_data_path:
         raise ValueError(f"data.dataset_name={name!r} needs data.train_data_path=<jsonl file>")
     load = PREFERENCE_LOADERS[name]
-    train = load(train_data_path, on_bad_row).examples
+    train = load(train_data_path, prompt_key, on_bad_row).examples
     if val_data_path:
-        return train, load(val_data_path, on_bad_row).examples
+        return train, load(val_data_path, prompt_key, on_bad_row).examples
     held = min(num_val, len(train) // 2)
     if held < num_val:
         logger.warning(

@@ -191,16 +191,10 @@ class RolloutCollector:
                 lambda: self.buffer.ready(num_groups, trainer_version, self.max_age),
                 f"the batch of step {step}",
             )
-            groups = self.buffer.take(num_groups, trainer_version, self.max_age)
+            taken = self.buffer.take(num_groups, trainer_version, self.max_age)
             self._cv.notify_all()  # room in the buffer
-            metrics = {
-                "train/avg_trajectory_age": float(self.buffer.last["avg_age"]),
-                "train/max_trajectory_age": float(self.buffer.last["max_age"]),
-                "train/buffer_size": float(len(self.buffer.items)),
-                "train/stale_groups_dropped": float(self.buffer.dropped_stale),
-                "train/generation_failures": float(self.failures),
-            }
-            return groups, metrics
+            metrics = {**self.buffer.metrics(), "train/generation_failures": float(self.failures)}
+            return [t.group for t in taken], metrics
 
     def wait_for_drain(self, version: int) -> None:
         """Before the refit to ``version``: every batch generated with an older version is in

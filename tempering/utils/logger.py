@@ -12,7 +12,8 @@ Always written (the contract that tests, benchmarks and ``tempering plot`` rely 
 ``<log_dir>/config.yaml`` — the resolved config with secret-looking values redacted, written
 atomically. Optional backends, each switched on by a constructor flag:
 
-- TensorBoard (``torch.utils.tensorboard``) under ``<log_dir>/tensorboard/``;
+- TensorBoard (``torch.utils.tensorboard``) under ``<log_dir>/tensorboard/`` (or
+  ``tensorboard_dir``, ``logger.tensorboard.log_dir``);
 - Weights & Biases under ``<log_dir>/wandb`` (``WANDB_MODE=offline`` is honoured);
 - MLflow, to ``file:<log_dir>/mlruns`` unless a tracking URI is given.
 
@@ -165,6 +166,7 @@ class Logger:
         log_dir: str | os.PathLike[str],
         *,
         tensorboard_enabled: bool = True,
+        tensorboard_dir: str | os.PathLike[str] | None = None,
         wandb_enabled: bool = False,
         wandb_project: str = "tempering",
         wandb_name: str | None = None,
@@ -192,7 +194,8 @@ class Logger:
         self._mlflow: tuple[Any, str] | None = None  # (MlflowClient, run_id)
         try:
             if tensorboard_enabled:
-                self._tb = _start_tensorboard(self.log_dir / "tensorboard", config_text)
+                tb_dir = Path(tensorboard_dir) if tensorboard_dir else self.log_dir / "tensorboard"
+                self._tb = _start_tensorboard(tb_dir, config_text)
             if wandb_enabled:
                 self._wandb_run = _start_wandb(self.log_dir, wandb_project, wandb_name, self.config)
             if mlflow_enabled:
@@ -299,6 +302,7 @@ def _start_tensorboard(path: Path, config_text: str) -> Any:
             f"{e}); install `tensorboard` (uv sync) or set logger.tensorboard_enabled=false"
         ) from e
     writer.add_text("config", "```\n" + config_text + "\n```", global_step=0)
+    _log.info("TensorBoard events go to %s", path)
     return writer
 
 
