@@ -7,13 +7,24 @@ library classes never receive a config object. Field descriptions double as ``--
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+from tempering.config.rl_sections import (  # noqa: F401 -- part of this module's namespace
+    TRUNCATED_IS_TYPES,
+    ArithmeticRetryEnvConfig,
+    AsyncGRPOConfig,
+    CalculatorEnvConfig,
+    EnvConfig,
+    FaultToleranceConfig,
+    GRPOConfig,
+    LossFnConfig,
+    MathEnvConfig,
+    NemoGymConfig,
+    off_policy_loss_problems,
+)
+from tempering.config.section import Section
 
 
 # ------------------------------------------------------------------------- policy
@@ -403,258 +414,6 @@ class RMConfig(PreferenceLoopConfig):
     )
 
 
-class AsyncGRPOConfig(Section):
-    """Asynchronous GRPO (NeMo RL's key names): a collector thread generates the batches of
-    coming steps on the generation workers while the policy trains (docs/async_grpo.md)."""
-
-    enabled: bool = Field(False, description="overlap generation with training")
-    max_trajectory_age_steps: int = Field(
-        1,
-        ge=0,
-        description="a step trains on groups generated at most this many weight versions ago "
-        "(0 = on-policy, the synchronous schedule)",
-    )
-    in_flight_weight_updates: bool = Field(
-        False, description="load new weights between decode steps (not implemented: refused)"
-    )
-    max_generation_failures: int = Field(
-        0,
-        ge=0,
-        description="a batch whose generation raises (not a dead worker) is retried; more "
-        "failures than this in the run stop it",
-    )
-    starvation_timeout_s: float = Field(
-        600.0,
-        gt=0,
-        description="the trainer waits this long at most for the collector's next batch (or "
-        "for its drain before a refit); then a named error with the collector's stack",
-    )
-
-
-class GRPOConfig(Section):
-    num_prompts_per_step: int = Field(16, ge=1)
-    num_generations_per_prompt: int = Field(8, ge=1)
-    max_num_steps: int = Field(60, ge=1)
-    max_num_epochs: int = Field(100, ge=1)
-    max_rollout_turns: int = Field(
-        1, ge=1, description="turns per episode at most (generate -> environment -> observe)"
-    )
-    rollout_transport: Literal["in_process", "http"] = Field(
-        "in_process",
-        description="rollouts call the chat service directly, or over HTTP through "
-        "policy.generation.http_server (which must be enabled)",
-    )
-    normalize_rewards: bool = Field(True, description="divide advantages by the group std")
-    use_leave_one_out_baseline: bool = True
-    val_period: int = Field(10, ge=0)
-    val_at_start: bool = True
-    max_val_samples: int = Field(256, ge=1)
-    val_batch_size: int = Field(256, ge=1)
-    val_pass_at_k: int = Field(0, ge=0, description="k samples per val prompt for pass@k; 0 = off")
-    use_dynamic_sampling: bool = False
-    dynamic_sampling_max_gen_batches: int = Field(4, ge=1)
-    overlong_filtering: bool = False
-    max_wall_time_s: float | None = Field(None, description="stop after this many seconds")
-    seed: int = 42
-    async_grpo: AsyncGRPOConfig = AsyncGRPOConfig()
-
-
-TRUNCATED_IS_TYPES = ("tis", "icepop", "seq-mask-tis")
-
-
-def off_policy_loss_problems(
-    *,
-    use_importance_sampling_correction: bool,
-    truncated_importance_sampling_type: str | None,
-    truncated_importance_sampling_ratio: float | None,
-    truncated_importance_sampling_ratio_min: float | None,
-    sequence_level_importance_ratios: bool,
-    token_level_loss: bool,
-) -> list[str]:
-    """What is wrong with a combination of the GRPO loss's off-policy options (NeMo RL's rules).
-
-    Shared by `LossFnConfig` (at load) and `tempering.losses.ClippedPGLoss` (at construction),
-    so a config and a directly built loss refuse the same things with the same words. Plain
-    arguments in, one message per problem out (empty: the combination is valid).
-    """
-    kind = truncated_importance_sampling_type
-    hi, lo = truncated_importance_sampling_ratio, truncated_importance_sampling_ratio_min
-    out: list[str] = []
-    if kind is None:
-        for name, value in (("truncated_importance_sampling_ratio", hi),
-                            ("truncated_importance_sampling_ratio_min", lo)):  # fmt: skip
-            if value is not None:
-                out.append(
-                    f"{name}={value} is read only with a truncated_importance_sampling_type: set "
-                    f"the type to 'tis' (clamp the weights to [min, max]), 'icepop' (zero "
-                    f"tokens outside the band) or 'seq-mask-tis' (drop sequences outside it), "
-                    f"or set {name}=null"
-                )
-    elif kind not in TRUNCATED_IS_TYPES:
-        out.append(
-            f"truncated_importance_sampling_type={kind!r} is unknown; use one of "
-            f"{', '.join(TRUNCATED_IS_TYPES)} or null"
-        )
-    else:
-        if not use_importance_sampling_correction:
-            out.append(
-                f"truncated_importance_sampling_type={kind!r} shapes the importance weights, "
-                f"which apply only with use_importance_sampling_correction=true: set it true, "
-                f"or the type to null"
-            )
-        if hi is None or hi <= 0:
-            out.append(
-                f"truncated_importance_sampling_type={kind!r} needs "
-                f"truncated_importance_sampling_ratio > 0 (the band's upper bound); got {hi}"
-            )
-        if lo is None and kind != "tis":
-            out.append(
-                f"truncated_importance_sampling_type={kind!r} needs "
-                f"truncated_importance_sampling_ratio_min (the band's lower bound; NeMo RL's "
-                f"reference bands: icepop 0.5, seq-mask-tis 0.999)"
-            )
-        if lo is not None and (lo < 0 or (hi is not None and lo > hi)):
-            out.append(
-                f"truncated_importance_sampling_ratio_min={lo} must be >= 0 and <= "
-                f"truncated_importance_sampling_ratio={hi}"
-            )
-        if kind == "seq-mask-tis" and sequence_level_importance_ratios:
-            out.append(
-                "truncated_importance_sampling_type='seq-mask-tis' masks sequences but keeps "
-                "per-token weights, which sequence_level_importance_ratios=true replaces by one "
-                "weight per sequence: use 'tis' or 'icepop' with it, or set it false"
-            )
-    if sequence_level_importance_ratios and token_level_loss:
-        out.append(
-            "sequence_level_importance_ratios=true (GSPO) needs the sequence-level loss: set "
-            "token_level_loss=false"
-        )
-    return out
-
-
-class LossFnConfig(Section):
-    """GRPO's `ClippedPGLoss` (tempering/losses.py), NeMo RL's key names and rules."""
-
-    reference_policy_kl_penalty: float = Field(0.0, ge=0)
-    kl_type: Literal["k1", "k2", "k3"] = "k3"
-    ratio_clip_min: float = Field(0.2, ge=0)
-    ratio_clip_max: float = Field(0.2, ge=0, description="> ratio_clip_min = DAPO clip-higher")
-    ratio_clip_c: float | None = Field(None, gt=1, description="dual-clip constant (> 1)")
-    token_level_loss: bool = True
-    use_importance_sampling_correction: bool = Field(
-        False, description="weight each token by pi_trainer_old / pi_generator (off-policy data)"
-    )
-    truncated_importance_sampling_type: Literal["tis", "icepop", "seq-mask-tis"] | None = Field(
-        None,
-        description="tis: clamp the weights to [min, max]; icepop: zero tokens whose weight is "
-        "outside; seq-mask-tis: drop sequences whose geometric-mean weight is outside",
-    )
-    truncated_importance_sampling_ratio: float | None = Field(
-        None, description="upper bound of the band (needs a truncated_importance_sampling_type)"
-    )
-    truncated_importance_sampling_ratio_min: float | None = Field(
-        None, description="lower bound of the band (tis: default 0; icepop/seq-mask-tis: needed)"
-    )
-    sequence_level_importance_ratios: bool = Field(
-        False,
-        description="GSPO: the PPO ratio is each sequence's geometric mean (needs "
-        "token_level_loss=false)",
-    )
-
-    @model_validator(mode="after")
-    def _off_policy(self) -> LossFnConfig:
-        problems = off_policy_loss_problems(
-            use_importance_sampling_correction=self.use_importance_sampling_correction,
-            truncated_importance_sampling_type=self.truncated_importance_sampling_type,
-            truncated_importance_sampling_ratio=self.truncated_importance_sampling_ratio,
-            truncated_importance_sampling_ratio_min=self.truncated_importance_sampling_ratio_min,
-            sequence_level_importance_ratios=self.sequence_level_importance_ratios,
-            token_level_loss=self.token_level_loss,
-        )
-        if problems:
-            raise ValueError("; ".join(problems))
-        return self
-
-
-class MathEnvConfig(Section):
-    num_workers: int = Field(2, ge=1)
-    timeout_s: float = Field(5.0, gt=0, description="wall-clock limit per answer checked")
-    memory_limit_mb: int = Field(
-        1024, ge=64, description="address space of each sandboxed verifier process"
-    )
-    cpu_limit_s: int = Field(
-        300, ge=1, description="CPU seconds a verifier process may use before it is replaced"
-    )
-    max_error_rate: float = Field(
-        0.05,
-        ge=0,
-        le=1,
-        description="stop the run when more of one step's answers than this make the verifier "
-        "raise (a broken verifier scores everything 0); model text that attacks the verifier "
-        "counts too",
-    )
-
-
-class ArithmeticRetryEnvConfig(Section):
-    max_attempts: int = Field(3, ge=1, description="answers per episode before it fails")
-    discount: float = Field(0.5, gt=0, le=1, description="a correct attempt n earns discount^(n-1)")
-
-
-class CalculatorEnvConfig(Section):
-    max_tool_calls: int = Field(4, ge=0, description="calls per episode before it ends unscored")
-
-
-class NemoGymConfig(Section):
-    """NeMo Gym (tempering/environments/nemo_gym.py): attach to a running Gym, or launch one."""
-
-    head_server_url: str | None = Field(
-        None, description="attach mode: a running Gym head server, e.g. http://127.0.0.1:11000"
-    )
-    config_paths: list[str] = Field(
-        default_factory=list,
-        description="launch mode: Gym config files (e.g. resources_servers/math_with_judge/"
-        "configs/math_with_judge.yaml); tempering starts Gym in its own venv, pointed at the "
-        "trainer's generation server",
-    )
-    head_server_port: int = Field(11000, ge=1, le=65535, description="launch mode: Gym's head port")
-    extra_config: dict[str, Any] = Field(
-        default_factory=dict,
-        description="launch mode: more keys for Gym's global config (dotted keys are not split)",
-    )
-    prebuilt_server_venvs: bool = Field(
-        True,
-        description="launch mode: every Gym server runs in the one Gym venv tempering builds "
-        "(false: Gym builds a venv per server with uv, its supported route on Python 3.13)",
-    )
-    default_route: str | None = Field(
-        None, description="agent or environment-server instance for rows without routing fields"
-    )
-    concurrency: int = Field(64, ge=1, description="/run requests in flight at most")
-    request_timeout_s: float = Field(600.0, gt=0, description="per /run request")
-    max_retries: int = Field(3, ge=0, description="retries on connection errors, timeouts, 5xx")
-    retry_backoff_s: float = Field(0.5, ge=0, description="first retry delay (then doubled)")
-    startup_timeout_s: float = Field(600.0, gt=0, description="launch mode: Gym start-up limit")
-    on_noncontiguous: Literal["error", "truncate"] = Field(
-        "error", description="a rollout whose model calls do not extend each other"
-    )
-
-
-class EnvConfig(Section):
-    task_name: str | None = Field(
-        None,
-        description="score every problem with this environment (e.g. arithmetic_retry, "
-        "calculator) instead of the dataset's own (arithmetic, math)",
-    )
-    math: MathEnvConfig = MathEnvConfig()
-    arithmetic_retry: ArithmeticRetryEnvConfig = ArithmeticRetryEnvConfig()
-    calculator: CalculatorEnvConfig = CalculatorEnvConfig()
-    nemo_gym: NemoGymConfig = NemoGymConfig()
-    reward_fn: str | None = Field(None, description="dotted path 'pkg.mod:fn' to a custom reward")
-    reward_model_path: str | None = Field(
-        None, description="a trained RM folder (task reward_model)"
-    )
-
-
 # ---------------------------------------------------------------- master configs
 class _Master(Section):
     # keys this algorithm refuses instead of reading -> why (see _UNREAD_KEYS)
@@ -790,16 +549,6 @@ class RMMasterConfig(_DatasetMaster):
     rm: RMConfig = RMConfig()
 
 
-class FaultToleranceConfig(Section):
-    max_restarts: int = Field(
-        0,
-        ge=0,
-        description="restart the worker groups and resume from the last checkpoint in the same "
-        "process after a dead worker or an expired deadline, this many times (needs "
-        "checkpointing.enabled)",
-    )
-
-
 class GRPOMasterConfig(_Master):
     UNREAD_KEYS: ClassVar[dict[str, str]] = _UNREAD_KEYS["GRPO"]
     grpo: GRPOConfig = GRPOConfig()
@@ -866,6 +615,11 @@ class GRPOMasterConfig(_Master):
 def _check_async(cfg: GRPOMasterConfig) -> None:
     """What asynchronous GRPO cannot do yet, refused at load with the reason."""
     a = cfg.grpo.async_grpo
+    if a.in_flight_weight_updates:
+        raise ValueError(
+            "grpo.async_grpo.in_flight_weight_updates=true is not supported yet: refits drain "
+            "the collector's batch first; set it to false"
+        )
     if not a.enabled:
         return
     if cfg.policy.generation.colocated.enabled:
@@ -873,11 +627,6 @@ def _check_async(cfg: GRPOMasterConfig) -> None:
             "grpo.async_grpo.enabled=true generates while the policy trains, which needs "
             "generation workers of their own (colocated generation shares the policy's "
             "workers or GPUs): set policy.generation.colocated.enabled=false"
-        )
-    if a.in_flight_weight_updates:
-        raise ValueError(
-            "grpo.async_grpo.in_flight_weight_updates=true is not supported yet: refits drain "
-            "the collector's batch first; set it to false"
         )
     if cfg.grpo.use_dynamic_sampling:
         raise ValueError(

@@ -46,6 +46,7 @@ REFUSED_UNLESS_DEFAULT = {
     "policy.dynamic_batching.sequence_length_round": 64,
     "policy.generation_batch_size": 32,
     "data.max_input_seq_length": 1024,
+    "grpo.async_grpo.in_flight_weight_updates": True,
 }
 # Fields whose only allowed value is their default (a Literal of one), so nothing to read.
 SINGLE_VALUE = {"policy.sequence_packing.algorithm"}
@@ -71,6 +72,7 @@ ALGORITHM_MODULES: dict[type, tuple[str, ...]] = {
     schemas.GRPOMasterConfig: (
         *_SHARED,
         "tempering/algorithms/grpo.py",
+        "tempering/algorithms/async_grpo.py",
         "tempering/algorithms/launch.py",
         "tempering/algorithms/dynamic_sampling.py",
         "tempering/algorithms/advantages.py",
