@@ -180,3 +180,40 @@ def test_access_log_has_a_row_per_request_and_never_the_key(tokenizer, tmp_path)
     assert log_path.stat().st_mode & 0o077 == 0  # the owner's only
     for path in tmp_path.rglob("*"):  # the key appears nowhere in the log dir
         assert key.encode() not in path.read_bytes(), path
+
+
+# ------------------------------------------------------------- from the run's config
+def test_config_keys_reach_the_server(tokenizer, cert, tmp_path):
+    """`start_http_server` (what GRPO calls) passes ssl_*, max_request_bytes and access_log."""
+    from tempering.config.schemas import GenerationConfig
+    from tempering.models.generation.builders import start_http_server
+
+    certfile, keyfile = cert
+    gen = GenerationConfig(http_server={"enabled": True, "ssl_certfile": certfile,
+                                        "ssl_keyfile": keyfile, "max_request_bytes": 2048})  # fmt: skip
+    server = start_http_server(gen, _service(tokenizer), log_dir=str(tmp_path))
+    try:
+        assert server.base_url.startswith("https://") and server.ca_file == certfile
+        verify = ssl.create_default_context(cafile=certfile)
+        big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 4096}]}
+        r = httpx.post(f"{server.base_url}/chat/completions", json=big, verify=verify)
+        assert r.status_code == 413 and "2048 bytes" in r.json()["error"]["message"]
+    finally:
+        server.stop()
+    (row,) = [json.loads(x) for x in (tmp_path / "http_access.jsonl").read_text().splitlines()]
+    assert row["status"] == 413
+    assert gen.http_server.access_log  # the default
+    with pytest.raises(ValueError, match="access_log=true needs the run's log directory"):
+        start_http_server(gen, _service(tokenizer), log_dir=None)
+
+
+def test_nemo_gym_launch_mode_refuses_an_https_server():
+    """Gym's model server cannot be handed our CA: refused before anything starts."""
+    from tempering.config.schemas import NemoGymConfig
+    from tempering.environments.nemo_gym import build_nemo_gym_environment
+
+    gym = NemoGymConfig(config_paths=["resources_servers/x.yaml"])
+    with pytest.raises(ValueError, match="launch mode.*https://127.0.0.1:1/v1"):
+        build_nemo_gym_environment(gym, policy_base_url="https://127.0.0.1:1/v1",
+                                   policy_model_name=MODEL, policy_api_key=None, max_seq_len=64,
+                                   pad_token_id=0, work_dir="/nonexistent")  # fmt: skip
