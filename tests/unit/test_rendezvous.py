@@ -70,3 +70,25 @@ def test_two_ranks_form_a_group_through_the_node_address():
         p.join(60)
         assert p.exitcode == 0
     assert results == {0: (3.0, False), 1: (3.0, None)}
+
+
+def _lone(out: multiprocessing.Queue) -> None:
+    import os
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TEMPERING_DIST_INIT_METHOD"):
+        os.environ.pop(name, None)
+    from tempering.models.policy.model_setup import _init_method, init_topology
+
+    method = _init_method(1)
+    out.put((method.startswith("tcp://127.0.0.1:"), init_topology(tp_size=1).world_size))
+
+
+def test_a_lone_rank_rendezvous_stays_on_loopback():
+    """A policy worker built outside a worker group (tests, notebooks): a loopback store."""
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_lone, args=(out,))
+    proc.start()
+    assert out.get(timeout=120) == (True, 1)
+    proc.join(60)
+    assert proc.exitcode == 0
