@@ -236,12 +236,14 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any]) -> GRPORun:
     chat = build_chat_service(
         cfg.policy.generation, generation, tokenizer, cfg.policy.max_total_sequence_length
     )
-    server = start_http_server(cfg.policy.generation, chat)
+    server = start_http_server(cfg.policy.generation, chat, cfg.logger.log_dir)
     if "nemo_gym" in {p.task_name for p in train_problems + val_problems}:
         environments["nemo_gym"] = _build_gym(cfg, server, tokenizer)
     if cfg.grpo.rollout_transport == "http":
         _check_http_prompts(cfg, tokenizer, train_problems[0].prompt)
-        turns = HttpTurnClient(server.base_url, chat.settings.model_name, server.api_key)
+        turns = HttpTurnClient(
+            server.base_url, chat.settings.model_name, server.api_key, ca_file=server.ca_file
+        )
     else:
         turns = InProcessTurnClient(chat)
     checkpointer = common.build_checkpointer(cfg.checkpointing)

@@ -164,6 +164,33 @@ class HttpServerConfig(Section):
     eot_token: str | None = Field(
         None, description="the chat template's end-of-turn token; default: detected"
     )
+    ssl_certfile: str | None = Field(
+        None, description="PEM certificate: serve https (with ssl_keyfile; docs/security.md)"
+    )
+    ssl_keyfile: str | None = Field(
+        None, description="the certificate's unencrypted PEM private key (with ssl_certfile)"
+    )
+    ssl_ca_file: str | None = Field(
+        None, description="CA our clients (HTTP rollouts) trust; default: the certfile itself"
+    )
+    max_request_bytes: int = Field(
+        8 * 1024 * 1024, ge=1024, description="a bigger request body gets 413"
+    )
+    access_log: bool = Field(
+        True, description="one JSONL row per request in <logger.log_dir>/http_access.jsonl"
+    )
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> HttpServerConfig:
+        prefix = "policy.generation.http_server"
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            given = "ssl_certfile" if self.ssl_keyfile is None else "ssl_keyfile"
+            raise ValueError(f"{prefix}.{given} is set alone: https needs both ssl_certfile "
+                             "and ssl_keyfile (or neither, for http)")  # fmt: skip
+        if self.ssl_ca_file is not None and self.ssl_certfile is None:
+            raise ValueError(f"{prefix}.ssl_ca_file is set without ssl_certfile/ssl_keyfile: "
+                             "there is no https to trust; remove it")  # fmt: skip
+        return self
 
 
 class GenerationConfig(Section):

@@ -7,6 +7,12 @@ placement group per node, strategy ``STRICT_PACK`` so a node's bundles never str
 machines -- waits for them with a timeout, and names the missing resources when the cluster
 is too small. Worker groups place one worker per bundle (see ``worker_groups.py``).
 
+Ray's own TLS (docs/cluster.md, docs/security.md): with ``RAY_USE_TLS=1`` every Ray process
+speaks mutual TLS on its gRPC ports, presenting ``RAY_TLS_SERVER_CERT``/``RAY_TLS_SERVER_KEY``
+and trusting ``RAY_TLS_CA_CERT``. Ray reads them when it starts, so they must be set in the
+environment of every ``ray start`` and of the driver; ``init_ray`` checks them (set, files
+readable, certificate and key a pair, certificate signed by the CA) before starting Ray.
+
 Run as a module to check a cluster: ``uv run python -m tempering.distributed.virtual_cluster``.
 """
 
@@ -54,6 +60,7 @@ def init_ray(
     """
     if ray.is_initialized():
         return ray.cluster_resources()
+    check_ray_tls_env()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address:
@@ -86,6 +93,68 @@ def init_ray(
                     raise
                 logger.warning("Ray start attempt %d failed (%s); retrying", attempt, exc)
     return ray.cluster_resources()
+
+
+RAY_TLS_VARS = ("RAY_TLS_SERVER_CERT", "RAY_TLS_SERVER_KEY", "RAY_TLS_CA_CERT")
+
+
+def check_ray_tls_env(env: dict[str, str] | None = None) -> bool:
+    """With ``RAY_USE_TLS`` on: the three ``RAY_TLS_*`` files are set and readable, the
+    certificate and key are a pair and the certificate verifies against the CA -- else a
+    ValueError naming the variable, the path and the fix (Ray's own failure is a gRPC
+    connection error, or a hang). Returns whether Ray TLS is on."""
+    from tempering.utils.serving import check_tls_files
+
+    env = dict(os.environ) if env is None else env
+    if env.get("RAY_USE_TLS", "0").lower() not in ("1", "true"):
+        return False
+    unset = [name for name in RAY_TLS_VARS if not env.get(name)]
+    if unset:
+        raise ValueError(
+            f"RAY_USE_TLS={env['RAY_USE_TLS']} but {', '.join(unset)} unset: Ray's TLS needs "
+            "RAY_TLS_SERVER_CERT, RAY_TLS_SERVER_KEY and RAY_TLS_CA_CERT (PEM paths, the same "
+            "on every node; docs/cluster.md)"
+        )
+    cert, key, ca = (env[name] for name in RAY_TLS_VARS)
+    check_tls_files(cert, key, RAY_TLS_VARS[:2])
+    problem = _handshake_problem(cert, key, ca)
+    if problem:
+        raise ValueError(
+            f"RAY_TLS_SERVER_CERT={cert!r} does not verify against RAY_TLS_CA_CERT={ca!r} "
+            f"({problem}): every Ray process checks its peers' certificates against that CA; "
+            "sign the certificate with it, or point RAY_TLS_CA_CERT at the CA that did"
+        )
+    return True
+
+
+def _handshake_problem(cert: str, key: str, ca: str) -> str | None:
+    """A TLS handshake in memory, a server presenting `cert` to a client trusting only `ca`
+    (no hostname check: that is Ray's business): None when it succeeds, else why not."""
+    import ssl
+
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(cert, key)
+    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    client.check_hostname = False
+    try:
+        client.load_verify_locations(ca)
+    except (ssl.SSLError, OSError) as err:
+        return f"the CA file does not load as PEM: {err}"
+    c_in, c_out, s_in, s_out = (ssl.MemoryBIO() for _ in range(4))
+    c = client.wrap_bio(c_in, c_out, server_side=False)
+    s = server.wrap_bio(s_in, s_out, server_side=True)
+    for _ in range(10):  # TLS 1.3 needs two round trips
+        for end, outgoing, peer_in in ((c, c_out, s_in), (s, s_out, c_in)):
+            try:
+                end.do_handshake()
+            except ssl.SSLWantReadError:
+                pass
+            except ssl.SSLError as err:
+                return getattr(err, "verify_message", None) or str(err)
+            peer_in.write(outgoing.read())
+        if c.version() and s.version():
+            return None
+    return "the handshake did not finish"
 
 
 def _private_token_file() -> None:
@@ -284,10 +353,13 @@ class RayVirtualCluster:
 
 
 def _node_ip_and_free_port() -> tuple[str, int]:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
+    """The address Ray reports for this node and a port free on it (probed on that address,
+    not on every interface: the rendezvous binds only there, see model_setup)."""
+    ip = ray.util.get_node_ip_address()
+    with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as sock:
+        sock.bind((ip, 0))
         port = sock.getsockname()[1]
-    return ray.util.get_node_ip_address(), port
+    return ip, port
 
 
 def _per_node_available() -> dict[str, dict[str, float]]:

@@ -16,7 +16,8 @@ MASTER_PORT, and ``TEMPERING_DIST_INIT_METHOD``, the ``init_method`` for
 ``torch.distributed.init_process_group``: when every worker is on the controller's node, a
 ``file://`` store in a private folder with gloo/NCCL sockets on the loopback interface, so the
 process group listens on no network address; across nodes, ``tcp://MASTER_ADDR:MASTER_PORT``
-(torch's TCP store binds every interface: keep the nodes on a private network). An exception in a worker
+(rank 0's store listens on MASTER_ADDR only, without authentication: keep the nodes on a
+private network; docs/cluster.md). An exception in a worker
 reaches the controller as :class:`WorkerError` naming the rank, node and method with the
 worker's traceback; a worker that dies surfaces as :class:`WorkerDiedError`; every wait has
 a deadline (by phase, see ``deadlines.py``): on expiry the workers that did not answer dump

@@ -488,6 +488,14 @@ def build_nemo_gym_environment(
     """`env.nemo_gym` (a NemoGymConfig) -> the environment; launches Gym in launch mode."""
     launched = None
     head = gym.head_server_url
+    if gym.config_paths and policy_base_url.startswith("https://"):
+        raise ValueError(
+            f"env.nemo_gym.config_paths (launch mode) with the generation server on https "
+            f"({policy_base_url}): Gym's model server cannot be handed our CA, so it would "
+            "refuse the certificate. Gym runs on this node: serve the generation server on "
+            "127.0.0.1 without policy.generation.http_server.ssl_certfile/ssl_keyfile, or run "
+            "Gym yourself (env.nemo_gym.head_server_url) with SSL_CERT_FILE naming the CA"
+        )
     if gym.config_paths:
         launched = LaunchedGym.start(
             work_dir=work_dir,

@@ -75,15 +75,31 @@ class InProcessTurnClient:
 
 
 class HttpTurnClient:
-    """Turns served over HTTP by an OpenAI-compatible server (ours), all requests at once."""
+    """Turns served over HTTP by an OpenAI-compatible server (ours), all requests at once.
+
+    Over https the server's certificate is verified against `ca_file` (the server's
+    ``ca_file``: its own certificate when self-signed), else the system's trust store."""
 
     def __init__(
-        self, base_url: str, model: str, api_key: str | None = None, timeout_s: float = 600.0
+        self,
+        base_url: str,
+        model: str,
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+        ca_file: str | None = None,
     ) -> None:
+        import ssl
+
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.model = model
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout_s = timeout_s
+        self.ssl: ssl.SSLContext | None = None
+        if self.url.startswith("https://"):
+            self.ssl = ssl.create_default_context(cafile=ca_file)
+        elif ca_file is not None:
+            raise ValueError(f"HttpTurnClient: ca_file={ca_file!r} given for {base_url}, which "
+                             "is not https; drop ca_file or use the server's https URL")  # fmt: skip
 
     def complete(self, requests: Sequence[ChatRequest]) -> list[ChatResult | RequestError]:
         import asyncio
@@ -127,7 +143,10 @@ class HttpTurnClient:
             headers["X-Session-ID"] = request.session_id
         session = await http_session()
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
-        async with session.post(self.url, json=body, headers=headers, timeout=timeout) as resp:
+        tls = {"ssl": self.ssl} if self.ssl is not None else {}
+        async with session.post(
+            self.url, json=body, headers=headers, timeout=timeout, **tls
+        ) as resp:
             payload = await resp.json(content_type=None)
         if resp.status != 200:
             err = payload.get("error", {}) if isinstance(payload, dict) else {}

@@ -302,8 +302,9 @@ def build_chat_service(
     return ChatCompletionService(generation, tokenizer, settings)
 
 
-def start_http_server(gen: GenerationSection, service: Any) -> Any:
-    """Start the OpenAI-compatible server when `policy.generation.http_server.enabled`."""
+def start_http_server(gen: GenerationSection, service: Any, log_dir: str | None = None) -> Any:
+    """Start the OpenAI-compatible server when `policy.generation.http_server.enabled`; its
+    access log goes to ``<log_dir>/http_access.jsonl`` (``http_server.access_log``)."""
     import os
 
     from tempering.models.generation.openai_server import OpenAIServer
@@ -319,4 +320,19 @@ def start_http_server(gen: GenerationSection, service: Any) -> Any:
                 f"policy.generation.http_server.api_key_env={srv.api_key_env!r} names an "
                 "environment variable that is unset or empty; export it with the key"
             )
-    return OpenAIServer(service, srv.host, srv.port, api_key).start()
+    if srv.access_log and not log_dir:
+        raise ValueError(
+            "policy.generation.http_server.access_log=true needs the run's log directory "
+            "(logger.log_dir); set it, or access_log=false"
+        )
+    return OpenAIServer(
+        service,
+        srv.host,
+        srv.port,
+        api_key,
+        ssl_certfile=srv.ssl_certfile,
+        ssl_keyfile=srv.ssl_keyfile,
+        ssl_ca_file=srv.ssl_ca_file,
+        max_request_bytes=srv.max_request_bytes,
+        access_log=os.path.join(log_dir, "http_access.jsonl") if srv.access_log else None,
+    ).start()

@@ -22,8 +22,17 @@ Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /tokenize``, `
   ``top_logprobs: null`` means 0, never "drop them"). With ``return_tokens_as_token_ids`` each
   log-prob entry's ``token`` is ``"token_id:<int>"``. Every response names the
   ``weight_version`` (policy step) that produced it.
-- **Security**: binds 127.0.0.1 unless told otherwise; any other address needs an API key
-  (``Authorization: Bearer <key>``); the port is bound once (port 0 = the OS picks) and kept.
+- **Security** (docs/security.md): binds 127.0.0.1 unless told otherwise; any other address
+  needs an API key (``Authorization: Bearer <key>``, compared in constant time); the port is
+  bound once (port 0 = the OS picks) and kept. With ``ssl_certfile``/``ssl_keyfile`` it serves
+  https (the pair is checked before start) and ``base_url`` says https; ``ca_file`` is what
+  our own clients then trust (default: the certificate itself, i.e. self-signed).
+- **Request size**: a body over ``max_request_bytes`` (default 8 MiB) gets 413 naming the
+  limit, decided from ``Content-Length`` before reading, or while counting a chunked body's
+  chunks -- never after buffering the whole of it; the connection is then closed.
+- **Access log** (``access_log``: a JSONL path): one row per request -- time, method, route,
+  status, prompt/completion tokens, latency, client address and a sha256 prefix of the
+  presented key (`tempering.utils.serving.AccessLog`); never the key.
 - **Bad input** gets a 4xx in OpenAI's error shape naming the field; the server keeps serving.
 """
 
@@ -34,6 +43,7 @@ import json
 import logging
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request  # module level: FastAPI resolves route annotations here
@@ -47,11 +57,15 @@ from tempering.models.generation.chat_service import (
     ServerSettings,
 )
 from tempering.models.generation.interfaces import SamplingConfig
-from tempering.utils.serving import BackgroundServer, is_loopback
+from tempering.utils.serving import AccessLog, BackgroundServer, check_tls_files, is_loopback
 
 log = logging.getLogger(__name__)
 
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+CONFIG_PREFIX = "policy.generation.http_server"  # where users set what this module is given
+
 __all__ = [
+    "DEFAULT_MAX_REQUEST_BYTES",
     "OpenAIServer",
     "build_app",
     "chat_response",
@@ -297,13 +311,19 @@ def tokenize_response(service: ChatCompletionService, body: dict[str, Any]) -> d
 
 
 # ------------------------------------------------------------------------ HTTP server
-def build_app(service: ChatCompletionService, api_key: str | None = None) -> Any:
-    """The FastAPI app: routes, the API-key check and OpenAI-shaped errors."""
+def build_app(
+    service: ChatCompletionService,
+    api_key: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+) -> Any:
+    """The FastAPI app: routes, the API-key check, the body limit and OpenAI-shaped errors."""
     app = FastAPI(title="tempering generation server", docs_url=None, redoc_url=None)
 
     def error(err: RequestError) -> JSONResponse:
         service.count("bad_requests")
-        return JSONResponse(error_body(err), status_code=err.status)
+        # 413: the rest of the body was never read; close rather than drain it.
+        headers = {"Connection": "close"} if err.status == 413 else None
+        return JSONResponse(error_body(err), status_code=err.status, headers=headers)
 
     expected_auth = f"Bearer {api_key}".encode()
 
@@ -316,7 +336,7 @@ def build_app(service: ChatCompletionService, api_key: str | None = None) -> Any
             raise RequestError("missing or wrong API key (Authorization: Bearer ...)", status=401)
 
     async def json_body(request: Request) -> Any:
-        raw = await request.body()
+        raw = await read_limited_body(request, max_request_bytes)
         try:
             return json.loads(raw)
         except ValueError as err:
@@ -346,6 +366,7 @@ def build_app(service: ChatCompletionService, api_key: str | None = None) -> Any
             result = await service.complete(req)
         except RequestError as err:
             return error(err)
+        request.state.usage = (len(result.prompt_ids), len(result.generation_ids))  # access log
         # JSONResponse directly: returning the dict would run FastAPI's jsonable_encoder over
         # every token id and log-prob, the largest cost of a request after the model.
         return JSONResponse(chat_response(service, req, result))
@@ -364,11 +385,37 @@ def build_app(service: ChatCompletionService, api_key: str | None = None) -> Any
     return app
 
 
+async def read_limited_body(request: Request, limit: int) -> bytes:
+    """The body, or a 413 `RequestError` naming `limit` as soon as it is known to be bigger:
+    from ``Content-Length`` before reading anything, else (chunked) while counting chunks."""
+
+    def too_large(size: str) -> RequestError:
+        return RequestError(
+            f"the request body ({size}) is larger than this server's limit of {limit} bytes "
+            f"({CONFIG_PREFIX}.max_request_bytes); send a smaller request",
+            status=413,
+            code="request_too_large",
+        )
+
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large(f"Content-Length {declared}")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large(f"more than {limit} bytes so far")
+    return bytes(body)
+
+
 class OpenAIServer:
     """Runs `build_app(service)` under uvicorn in a background thread of this process.
 
     Binds `host` (default 127.0.0.1) once, on `port` (0: the OS picks a free one, no
     find-then-close race) and reports the port it got. Any non-loopback host needs `api_key`.
+    `ssl_certfile` + `ssl_keyfile`: serve https (checked here, before anything binds);
+    `ssl_ca_file`: what clients of ours trust (`ca_file`; default the certificate itself).
+    `access_log`: a JSONL file that gets one row per request (see `AccessLog`).
     """
 
     def __init__(
@@ -377,15 +424,36 @@ class OpenAIServer:
         host: str = "127.0.0.1",
         port: int = 0,
         api_key: str | None = None,
+        *,
+        ssl_certfile: str | None = None,
+        ssl_keyfile: str | None = None,
+        ssl_ca_file: str | None = None,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        access_log: str | None = None,
     ) -> None:
         if not is_loopback(host) and not api_key:
             raise ValueError(
                 f"the generation server would listen on {host}, beyond this machine, without an "
-                "API key; set one (policy.generation.http_server.api_key_env names the "
+                f"API key; set one ({CONFIG_PREFIX}.api_key_env names the "
                 "environment variable that holds it) or bind 127.0.0.1"
             )
+        names = (f"{CONFIG_PREFIX}.ssl_certfile", f"{CONFIG_PREFIX}.ssl_keyfile")
+        tls = check_tls_files(ssl_certfile, ssl_keyfile, names)
+        if ssl_ca_file is not None and (tls is None or not Path(ssl_ca_file).is_file()):
+            raise ValueError(
+                f"{CONFIG_PREFIX}.ssl_ca_file={ssl_ca_file!r} "
+                + ("is set without ssl_certfile/ssl_keyfile (no TLS to trust); remove it"
+                   if tls is None else "does not exist; point it at the CA's PEM certificate")
+            )  # fmt: skip
+        if tls is None and not is_loopback(host):
+            log.warning("the generation server listens on %s over plain http: the API key and "
+                        "every prompt cross the network unencrypted; set %s.ssl_certfile and "
+                        "ssl_keyfile (docs/security.md)", host, CONFIG_PREFIX)  # fmt: skip
         self.service, self.host, self.api_key = service, host, api_key
-        self._http = BackgroundServer(build_app(service, api_key), host, port, "openai-server")
+        self.ca_file = (ssl_ca_file or tls.certfile) if tls else None
+        app = build_app(service, api_key, max_request_bytes)
+        self.access_log = AccessLog(app, access_log) if access_log else None
+        self._http = BackgroundServer(self.access_log or app, host, port, "openai-server", tls)
         self.port = self._http.port
 
     @property
@@ -405,6 +473,8 @@ class OpenAIServer:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._http.stop(timeout_s)
+        if self.access_log is not None:
+            self.access_log.close()
         self.service.close()
 
     def __enter__(self) -> OpenAIServer:

@@ -137,11 +137,9 @@ def init_topology(tp_size: int) -> Topology:
         backend = "gloo"
     if not dist.is_initialized():
         dist.init_process_group(
-            backend=backend,
-            init_method=_init_method(world_size),
-            rank=rank,
-            world_size=world_size,
-        )
+            backend=backend, rank=rank, world_size=world_size,
+            **rendezvous(_init_method(world_size), rank, world_size),
+        )  # fmt: skip
     # A group started earlier in this process (e.g. by a test) is reused as it is.
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if tp_size < 1 or world_size % tp_size:
@@ -171,6 +169,35 @@ def _init_method(world_size: int) -> str:
             )
         port = str(_free_port())
     return f"tcp://{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{port}"
+
+
+def rendezvous(init_method: str, rank: int, world_size: int) -> dict[str, Any]:
+    """``init_process_group`` arguments for `init_method`. ``file://`` (one node: the worker
+    group's private folder) is passed on. ``tcp://HOST:PORT`` becomes a TCPStore that rank 0
+    serves on HOST only -- the address Ray reported for its node, or loopback -- through a
+    socket bound here (torch's own ``tcp://`` store listens on every interface). The store
+    has no authentication: whoever reaches HOST:PORT during start-up can join or disturb the
+    rendezvous (docs/cluster.md)."""
+    if not init_method.startswith("tcp://"):
+        return {"init_method": init_method}
+    host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+    return {"store": tcp_store(host.strip("[]"), int(port), rank, world_size)}
+
+
+def tcp_store(host: str, port: int, rank: int, world_size: int) -> dist.TCPStore:
+    """The rendezvous store: rank 0 listens on `host`:`port` (that address only), the others
+    connect to it."""
+    from torch.distributed.constants import default_pg_timeout
+
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, False, default_pg_timeout)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    # detach: the store owns the descriptor from here (a GC'd socket object would close it)
+    return dist.TCPStore(host, port, world_size, True, default_pg_timeout,
+                         wait_for_workers=False, master_listen_fd=sock.detach())  # fmt: skip
 
 
 def _free_port() -> int:
