@@ -83,6 +83,16 @@ class AsyncSteps:
             phases=self.phases,
         )
         self._started = False
+        # Generation workers and environment actors run one call at a time: a resource query
+        # from the trainer would queue behind the collector's batch and stall the step, so
+        # the collector samples them itself, between its batches.
+        self.collector_monitor = None
+        if run.monitor is not None:
+            from tempering.utils.resources import ResourceMonitor
+
+            moved = {r: run.monitor.sources.pop(r) for r in ("generation", "environment")
+                     if r in run.monitor.sources}  # fmt: skip
+            self.collector_monitor = ResourceMonitor(moved) if moved else None
 
     def _produce(self, step: int) -> BatchedDataDict:
         """The collector's work for one step: GRPO's own rollouts, seeded by the step."""
@@ -96,6 +106,8 @@ class AsyncSteps:
         made = {"timing/generation_s": time.perf_counter() - t0}
         made.update(grpo.environment_metrics(run, batch["rewards"])())
         made.update(grpo.server_metrics(run.chat, server_before))
+        if self.collector_monitor is not None:
+            made.update(self.collector_monitor.sample())
         self.made[step] = made
         return batch
 

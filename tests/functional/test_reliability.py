@@ -52,7 +52,7 @@ def _run(out: Path, *extra: str, env: dict[str, str] | None = None) -> subproces
         f"logger.log_dir={out}/logs", f"checkpointing.checkpoint_dir={out}/ckpt", *extra,
     ]  # fmt: skip
     return subprocess.run(
-        cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+        cmd, cwd=REPO, capture_output=True, text=True, timeout=900,
         env={**os.environ, "TEMPERING_FAULT": "", **(env or {})},
     )  # fmt: skip
 
