@@ -11,6 +11,13 @@ scores 0 and is counted (``env/math_timeouts``). Unparseable answers score 0 and
 (``env/math_parse_failures``), as are verifier exceptions (``env/math_errors``). Nothing here
 crashes the training step.
 
+The workers are confined (`sandbox.py`: limits, no network, an empty environment, no file
+reads outside Python's own folders) and untrusted: a worker's reply crosses back as a JSON
+object in a size-limited frame, read without blocking and checked field by field
+(`_parse_reply`), never unpickled. A malformed reply scores its sample as an error, counted in
+``env/math_protocol_errors``, and the worker is replaced; what the sandbox refused is counted
+in ``env/math_sandbox_refusals`` (a worker that had something refused is replaced too).
+
 Workers are started with the ``forkserver`` method: safe inside threaded Ray actors, and a
 replacement worker forks from a server that has math-verify (sympy) imported already, so it
 is ready in milliseconds instead of the seconds a fresh interpreter needs. This module does

@@ -19,16 +19,22 @@ What :func:`confine` does, for good (an audit hook cannot be removed, PEP 578):
   (``unshare(CLONE_NEWNET)``, or with a user namespace), and in every case the audit hook;
 - adds an audit hook that refuses: sockets, subprocesses, ``exec``/``fork``/``kill``, all of
   ``ctypes`` (native calls, raw memory), changing resource limits, file writes, removals,
-  renames and permission changes, ``putenv``, ``gc.get_objects``/``get_referrers``/
-  ``get_referents``, ``sys._current_frames``, and every ``open``, ``os.listdir``,
-  ``os.scandir`` and native-extension import outside the read-only allow-list: Python's
-  standard library and site-packages (the real paths, symlinks resolved). ``/etc``,
+  renames and permission changes, ``putenv``, ``chdir``, ``gc.get_objects``/
+  ``get_referrers``/``get_referents``, ``sys._current_frames``, and every ``open``,
+  ``os.listdir``, ``os.scandir`` and native-extension import outside the read-only
+  allow-list: Python's standard library and site-packages, paths resolved as the kernel would
+  (relative to the working directory, symlinks and ``..`` followed). ``/etc``,
   ``/proc/self/environ``, the user's home and project, ``/tmp``: refused, reading included.
-  Modules the verifier needs from elsewhere must be imported before :func:`confine` (the
-  pool's worker imports its verify function's module first).
+  Directories may be listed but not opened (no directory descriptors, so no ``dir_fd``
+  tricks), descriptors are never accepted as paths. Modules the verifier needs from
+  elsewhere must be imported before :func:`confine` (the pool's worker has its verify
+  function's module imported by then).
 
-Each refusal raises `SandboxViolation` (a ``PermissionError``) and is counted
-(:func:`refusals`); the pool retires a worker whose sample made the sandbox refuse anything.
+The hook is a closure over C functions and immutable values: code in the worker can rebind
+any module global or builtin (``sandbox._REFUSED_EVENTS``, ``os.path.realpath``,
+``isinstance``) without changing what it refuses. Each refusal raises `SandboxViolation` (a
+``PermissionError``) and is counted (:func:`refusals`); the pool replaces a worker whose
+sample made the sandbox refuse anything.
 
 What is NOT confined (and why the parent treats every reply as hostile bytes):
 
@@ -39,11 +45,14 @@ What is NOT confined (and why the parent treats every reply as hostile bytes):
   boundary, not the hook. Likewise stdout/stderr stay open: a worker can write to the logs.
 - ``os.stat`` and friends are not audited: a worker can learn whether a path exists, its size
   and times, never its contents.
-- The hook binds Python code only; native code already loaded (sympy has none of its own,
-  ``gmpy2`` may) is bound by the kernel limits and the network namespace, not the file rules.
+- Signals through ``os.pidfd_open`` + ``signal.pidfd_send_signal`` are not audited: a worker
+  could signal processes of its own user, the parent included (a seccomp filter would close
+  this; the parent's death is an environment-actor failure, not a leak).
+- The hook binds Python code only; native code already loaded is bound by the kernel limits
+  and the network namespace, not by the file rules.
 - A worker serves many samples: code that ran in it could change how it scores later ones
-  (monkey-patching needs no refused event). It retires after any refusal; a quiet attacker
-  is not detected. ``os.stat``-free guesses aside, nothing outside the process is reachable.
+  (monkey-patching needs no refused event). It is replaced after any refusal; a quiet
+  attacker that touches nothing refused is not detected.
 """
 
 from __future__ import annotations

@@ -166,6 +166,9 @@ def test_verifier_sandbox_refuses_what_model_text_could_run(math_env, attack, tm
     assert float(out.rewards[1]) == 1.0  # the next answer is scored as usual
     metrics = math_env.global_post_process_and_metrics({})[1]
     assert metrics["env/math_errors"] == 1
+    # each attempt is refused once and reported; the memory cap is the kernel's, not a refusal
+    assert metrics["env/math_sandbox_refusals"] == (0 if attack == "memory" else 1)
+    assert metrics["env/math_protocol_errors"] == 0
 
 
 def test_model_text_reaching_sympy_eval_runs_nothing(math_env, tmp_path):
