@@ -145,23 +145,14 @@ def _new_network_namespace() -> bool:
     return False
 
 
-def _make_hook(roots: tuple[str, ...]) -> tuple[Callable[[str, tuple], None], list[int]]:
-    """The audit hook, and its refusal counter.
-
-    Code running under the hook can rebind any module global and builtin (and patch mutable
-    types such as ``os.stat_result``), so the hook uses none: every name it calls is bound
-    here to a C function, a method of an immutable built-in type or an immutable value.
-    """
-    refused_events, refused_prefixes, write_flags = _REFUSED_EVENTS, _REFUSED_PREFIXES, _WRITE_FLAGS
-    root_set, under_root = frozenset(roots), tuple(r.rstrip("/") + "/" for r in roots)
-    lstat, stat_, readlink, getcwd = os.lstat, os.stat, os.readlink, os.getcwd
-    is_link, is_dir, item, type_ = S_ISLNK, S_ISDIR, tuple.__getitem__, type
-    str_, bytes_, int_, oserror, violation = str, bytes, int, OSError, SandboxViolation
+def _make_resolver() -> Callable[[object], str | None]:
+    """``resolve(path)``: the path made absolute, with ``..`` and symlinks followed as the
+    kernel would; None for anything but a plain str or bytes path. Bound like the hook."""
+    lstat, readlink, getcwd, is_link = os.lstat, os.readlink, os.getcwd, S_ISLNK
+    item, type_, str_, bytes_, oserror = tuple.__getitem__, type, str, bytes, OSError
     encoding, errors = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()
-    count = [0]
 
     def resolve(path: object) -> str | None:
-        """``path`` made absolute with symlinks resolved as the kernel would; None if not."""
         if type_(path) is bytes_:
             path = path.decode(encoding, errors)
         if type_(path) is not str_ or "\0" in path:
@@ -185,14 +176,27 @@ def _make_hook(roots: tuple[str, ...]) -> tuple[Callable[[str, tuple], None], li
                     resolved = candidate
                     continue
                 links += 1
-                target = readlink(candidate)
-                if links > 40:
+                if links > 40:  # a symlink loop
                     return None
+                target = readlink(candidate)
                 resolved = "" if target.startswith("/") else resolved
                 pending.extend(target.split("/")[::-1])
         except oserror:
             return None
         return resolved or "/"
+
+    return resolve
+
+
+def _make_hook(roots: tuple[str, ...]) -> tuple[Callable[[str, tuple], None], list[int]]:
+    """The audit hook and its refusal counter. Code under the hook can rebind any global or
+    builtin and patch mutable types (``os.stat_result``), so the hook uses none: each name it
+    calls is bound here to a C function, an immutable built-in type's method or value."""
+    refused_events, refused_prefixes, write_flags = _REFUSED_EVENTS, _REFUSED_PREFIXES, _WRITE_FLAGS
+    root_set, under_root = frozenset(roots), tuple(r.rstrip("/") + "/" for r in roots)
+    resolve, stat_, is_dir, item = _make_resolver(), os.stat, S_ISDIR, tuple.__getitem__
+    type_, str_, int_, oserror, violation = type, str, int, OSError, SandboxViolation
+    count = [0]
 
     def readable(path: object, directory: bool) -> bool:
         """Under the allow-list; a file (no directory descriptors) unless ``directory``."""
@@ -210,9 +214,8 @@ def _make_hook(roots: tuple[str, ...]) -> tuple[Callable[[str, tuple], None], li
         if event == "open":
             path, mode, flags = args
             text = mode if type_(mode) is str_ else ""
-            if "w" in text or "a" in text or "x" in text or "+" in text:
-                return f"open({path!r}) for writing"
-            if type_(flags) is not int_ or flags & write_flags:
+            writes = "w" in text or "a" in text or "x" in text or "+" in text
+            if writes or type_(flags) is not int_ or flags & write_flags:
                 return f"open({path!r}) for writing"
             if not readable(path, False):
                 return f"open({path!r}) outside the standard library and site-packages"

@@ -29,7 +29,7 @@ from tempering.environments.math import (
 )
 from tempering.environments.sandbox import FrameReader, ProtocolViolation
 
-TIMEOUT_S = 3.0
+TIMEOUT_S = 10.0  # generous: a fresh worker imports parts of sympy on its first sample
 
 PAYLOAD_VERIFY_SOURCE = """
 from tempering.environments.math import math_verify_score
