@@ -11,6 +11,13 @@ scores 0 and is counted (``env/math_timeouts``). Unparseable answers score 0 and
 (``env/math_parse_failures``), as are verifier exceptions (``env/math_errors``). Nothing here
 crashes the training step.
 
+The workers are confined (`sandbox.py`: limits, no network, an empty environment, no file
+reads outside Python's own folders) and untrusted: a worker's reply crosses back as a JSON
+object in a size-limited frame, read without blocking and checked field by field
+(`_parse_reply`), never unpickled. A malformed reply scores its sample as an error, counted in
+``env/math_protocol_errors``, and the worker is replaced; what the sandbox refused is counted
+in ``env/math_sandbox_refusals`` (a worker that had something refused is replaced too).
+
 Workers are started with the ``forkserver`` method: safe inside threaded Ray actors, and a
 replacement worker forks from a server that has math-verify (sympy) imported already, so it
 is ready in milliseconds instead of the seconds a fresh interpreter needs. This module does
@@ -22,7 +29,12 @@ The class is plain (unit-testable without Ray); the controller runs it as an act
 
 from __future__ import annotations
 
+import itertools
+import json
+import logging
+import math
 import multiprocessing as mp
+import resource
 import time
 from collections import deque
 from collections.abc import Callable
@@ -38,6 +50,15 @@ from tempering.environments.interfaces import (
     last_assistant_content,
     samples,
 )
+from tempering.environments.sandbox import (
+    FrameReader,
+    ProtocolViolation,
+    confine,
+    read_frame,
+    send_frame,
+    write_frame,
+)
+from tempering.environments.sandbox import refusals as sandbox_refusals
 
 __all__ = [
     "MathEnvironment",
@@ -46,6 +67,8 @@ __all__ = [
     "make_math_environment_actor",
     "math_verify_score",
 ]
+
+log = logging.getLogger(__name__)
 
 # verify_fn(response, ground_truth) -> (reward, extracted answer or None when unparseable)
 VerifyFn = Callable[[str, str], tuple[float, str | None]]
@@ -75,33 +98,115 @@ class VerifyOutcome(NamedTuple):
     answer: str | None
 
 
+# The wire protocol between the pool and its confined workers: JSON objects in length-
+# prefixed frames (`sandbox.send_frame` / `FrameReader`), never pickles. Parent -> worker:
+# {"id": n, "response": str, "ground_truth": str}. Worker -> parent: first
+# {"ready": true, "network_namespace": bool}, then one reply per request:
+# {"id": n, "status": "ok"|"parse_failure"|"error", "reward": float, "answer": str|null,
+#  "retire": bool, "refused": int}. `_parse_reply` checks every field; anything else is a
+# protocol violation: the sample scores as an error and the worker is replaced.
+MAX_REPLY_BYTES = 1 << 16
+MAX_ANSWER_CHARS = 4096  # an extracted answer is for logs; longer ones are cut, and say so
+MAX_ERROR_CHARS = 1000
+_REPLY_KEYS = frozenset({"id", "status", "reward", "answer", "retire", "refused"})
+
+
+def _encode(message: dict[str, Any]) -> bytes:
+    return json.dumps(message, ensure_ascii=True, allow_nan=False).encode("ascii")
+
+
+def _shorten(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}...[{len(text) - limit} more chars]"
+
+
+def _json_object(frame: bytes, keys: frozenset[str]) -> dict[str, Any]:
+    """The frame as a JSON object with exactly ``keys``; ProtocolViolation otherwise."""
+    try:
+        message = json.loads(frame, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:  # not UTF-8 / not JSON / nested too deep
+        raise ProtocolViolation(f"not a JSON message ({type(exc).__name__})") from None
+    if type(message) is not dict or message.keys() != keys:
+        found = sorted(message) if type(message) is dict else type(message).__name__
+        raise ProtocolViolation(f"expected a JSON object with keys {sorted(keys)}, got {found}")
+    return message
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a number")
+
+
+def _parse_ready(frame: bytes) -> bool:
+    """The worker's first message; returns whether it runs in its own network namespace."""
+    message = _json_object(frame, frozenset({"ready", "network_namespace"}))
+    if message["ready"] is not True or type(message["network_namespace"]) is not bool:
+        raise ProtocolViolation(f"malformed ready message {frame[:200]!r}")
+    return message["network_namespace"]
+
+
+def _parse_reply(frame: bytes, request_id: int) -> tuple[VerifyOutcome, bool, int]:
+    """One reply, checked field by field: (outcome, retire, sandbox refusals)."""
+    m = _json_object(frame, _REPLY_KEYS)
+    status, reward, answer = m["status"], m["reward"], m["answer"]
+    problems = []
+    if type(m["id"]) is not int or m["id"] != request_id:
+        problems.append(f"id {m['id']!r} is not the request's {request_id}")
+    if type(reward) is not float or not math.isfinite(reward):
+        problems.append(f"reward {reward!r} is not a finite float")
+    expected_answer = {"ok": str, "parse_failure": type(None), "error": str}.get(status)
+    if expected_answer is None:
+        problems.append(f"status {status!r} is not ok, parse_failure or error")
+    elif type(answer) is not expected_answer:
+        problems.append(f"answer {str(answer)[:100]!r} does not go with status {status!r}")
+    elif status != "ok" and reward != 0.0:
+        problems.append(f"reward {reward!r} with status {status!r} (expected 0.0)")
+    if type(m["retire"]) is not bool:
+        problems.append(f"retire {m['retire']!r} is not a bool")
+    if type(m["refused"]) is not int or m["refused"] < 0:
+        problems.append(f"refused {m['refused']!r} is not a count")
+    if problems:
+        raise ProtocolViolation("; ".join(problems))
+    return VerifyOutcome(status, reward, answer), m["retire"], m["refused"]
+
+
+def _verify_one(verify_fn: VerifyFn, response: str, ground_truth: str) -> dict[str, Any]:
+    """Run `verify_fn` on one sample; its outcome as reply fields (never raises)."""
+    try:
+        reward, answer = verify_fn(response, ground_truth)
+        if answer is None:
+            return {"status": "parse_failure", "reward": 0.0, "answer": None}
+        reward = float(reward)
+        if not math.isfinite(reward):
+            raise ValueError(f"the verify function returned a non-finite reward {reward!r}")
+        return {"status": "ok", "reward": reward, "answer": _shorten(str(answer), MAX_ANSWER_CHARS)}
+    except Exception as exc:  # a bad sample must not kill the worker
+        error = _shorten(f"{type(exc).__name__}: {exc}", MAX_ERROR_CHARS)
+        return {"status": "error", "reward": 0.0, "answer": error}
+
+
 def _worker_main(conn: Connection, verify_fn: VerifyFn, limits: tuple[int, int] | None) -> None:
     """Worker process loop: confine this process (``limits`` = (memory bytes, CPU seconds),
-    see `sandbox.py`), then receive (response, ground_truth) and send a VerifyOutcome tuple
-    plus whether the worker retires after it (its CPU budget nearly spent)."""
-    import resource
-
-    from tempering.environments.sandbox import confine
-
+    see `sandbox.py`), then answer requests (see the wire protocol above). It retires (exits
+    after its reply) when its CPU budget is nearly spent or the sandbox refused anything
+    during the sample (code that tried once may have changed this process)."""
+    fd = conn.fileno()  # `conn` stays referenced: it owns the descriptor
     netns = confine(*limits).network_namespace if limits else False
-    conn.send(("ready", netns))
+    write_frame(fd, _encode({"ready": True, "network_namespace": netns}))
     while True:
         try:
-            task = conn.recv()
-        except EOFError:
+            frame = read_frame(fd)
+        except OSError:  # reset: the pool closed the channel with our ready message unread
             return
-        if task is None:
+        if frame is None:  # the pool closed the channel
             return
-        response, ground_truth = task
-        try:
-            reward, answer = verify_fn(response, ground_truth)
-            status = "ok" if answer is not None else "parse_failure"
-            outcome = (status, float(reward) if answer is not None else 0.0, answer)
-        except Exception as exc:  # a bad sample must not kill the worker
-            outcome = ("error", 0.0, f"{type(exc).__name__}: {exc}")
+        request = json.loads(frame)
+        before = sandbox_refusals()
+        reply = _verify_one(verify_fn, request["response"], request["ground_truth"])
+        refused = sandbox_refusals() - before
         used = resource.getrusage(resource.RUSAGE_SELF)
-        retire = bool(limits) and used.ru_utime + used.ru_stime > 0.8 * limits[1]
-        conn.send((*outcome, retire))
+        retire = bool(limits) and (refused > 0 or used.ru_utime + used.ru_stime > 0.8 * limits[1])
+        write_frame(
+            fd, _encode({"id": request["id"], **reply, "retire": retire, "refused": refused})
+        )
         if retire:
             return
 
@@ -114,6 +219,7 @@ class _Worker:
         )
         self.process.start()
         child.close()
+        self.reader = FrameReader(self.conn.fileno(), MAX_REPLY_BYTES)
         self.ready = False
         self.network_namespace = False
         self.started_at = time.monotonic()
@@ -123,6 +229,12 @@ class _Worker:
             self.process.kill()
         self.process.join(timeout=5)
         self.conn.close()
+
+
+class _Job(NamedTuple):
+    index: int  # the item's place in `map`'s input
+    deadline: float  # time.monotonic() by which the reply must have arrived
+    request_id: int
 
 
 class VerifierPool:
@@ -136,8 +248,13 @@ class VerifierPool:
 
     Each worker is confined (`sandbox.confine`): at most ``memory_limit_mb`` of address
     space and ``cpu_limit_s`` of CPU over its life (it retires, and is replaced, after the
-    sample that takes it past 80% of that), no network, no subprocesses, no file writes.
-    ``memory_limit_mb=None`` runs unconfined (trusted verify functions only).
+    sample that takes it past 80% of that), an empty environment, no network, no
+    subprocesses, no file writes, no reads outside the standard library and site-packages.
+    Replies are untrusted bytes: a reply that is not a well-formed JSON message for the
+    sample asked (too long, not JSON, wrong fields or types, another sample's id, a message
+    nobody asked for) scores that sample as an ``"error"``, is counted in
+    `num_protocol_errors` and logged, and the worker is replaced. ``memory_limit_mb=None``
+    runs unconfined (trusted verify functions only).
     """
 
     def __init__(
@@ -164,6 +281,9 @@ class VerifierPool:
         self.startup_timeout_s = startup_timeout_s
         self.num_replaced = 0
         self.num_retired = 0
+        self.num_protocol_errors = 0  # replies that broke the wire protocol
+        self.num_refusals = 0  # operations the sandbox refused, as the workers report them
+        self._request_ids = itertools.count(1)
         self._workers = [self._start() for _ in range(num_workers)]
 
     def _start(self) -> _Worker:
@@ -192,57 +312,107 @@ class VerifierPool:
         """Verify ``(response, ground_truth)`` pairs; outcomes come back in input order."""
         results: list[VerifyOutcome | None] = [None] * len(items)
         pending = deque(enumerate(items))
-        busy: dict[_Worker, tuple[int, float]] = {}  # worker -> (item index, deadline)
+        busy: dict[_Worker, _Job] = {}
         while pending or busy:
-            for worker in list(self._workers):
-                if pending and worker.ready and worker not in busy:
-                    index, item = pending.popleft()
-                    worker.conn.send(item)
-                    busy[worker] = (index, time.monotonic() + self.timeout_s)
+            self._dispatch(pending, busy, results)
             starting = [w for w in self._workers if not w.ready]
             if any(time.monotonic() > w.started_at + self.startup_timeout_s for w in starting):
                 raise self._startup_error(f"did not start within {self.startup_timeout_s} s")
-            deadlines = [deadline for _, deadline in busy.values()]
+            deadlines = [job.deadline for job in busy.values()]
             deadlines += [w.started_at + self.startup_timeout_s for w in starting]
-            wait_s = max(0.0, min(deadlines) - time.monotonic())
+            wait_s = max(0.0, min(deadlines, default=0.0) - time.monotonic())
             watched = {w.conn: w for w in self._workers if w in busy or not w.ready}
             for conn in wait(list(watched), timeout=wait_s):
-                worker = watched[conn]
-                try:
-                    message = conn.recv()
-                except (EOFError, OSError):  # the worker died
-                    if not worker.ready:
-                        raise self._startup_error(
-                            f"exited during start-up (exit code {worker.process.exitcode})"
-                        ) from None
-                    if worker in busy:
-                        index, _ = busy.pop(worker)
-                        results[index] = VerifyOutcome("error", 0.0, "verifier process died")
-                    self._replace(worker)
-                    continue
-                if message[0] == "ready":
-                    worker.ready, worker.network_namespace = True, message[1]
-                    continue
-                index, _ = busy.pop(worker)
-                *outcome, retire = message
-                results[index] = VerifyOutcome(*outcome)
-                if retire:  # its CPU budget is nearly spent: a fresh one takes its place
-                    self._replace(worker)
-                    self.num_retired += 1
+                if watched[conn] in self._workers:  # not replaced by an earlier reply
+                    self._receive(watched[conn], busy, results)
             now = time.monotonic()
-            for worker, (index, deadline) in list(busy.items()):
-                if now >= deadline:
+            for worker, job in list(busy.items()):
+                if now >= job.deadline:
                     busy.pop(worker)
-                    results[index] = VerifyOutcome("timeout", 0.0, None)
+                    results[job.index] = VerifyOutcome("timeout", 0.0, None)
                     self._replace(worker)
         return [r for r in results if r is not None]
 
+    def _dispatch(self, pending: deque, busy: dict[_Worker, _Job], results: list) -> None:
+        """Send the next samples to the ready, idle workers."""
+        for worker in list(self._workers):
+            if not pending or not worker.ready or worker in busy:
+                continue
+            index, (response, ground_truth) = pending.popleft()
+            job = _Job(index, time.monotonic() + self.timeout_s, next(self._request_ids))
+            request = {"id": job.request_id, "response": response, "ground_truth": ground_truth}
+            try:
+                send_frame(worker.conn.fileno(), _encode(request), job.deadline)
+            except TimeoutError:  # it stopped reading: as good as a sample that never ends
+                results[index] = VerifyOutcome("timeout", 0.0, None)
+                self._replace(worker)
+                continue
+            except OSError:
+                results[index] = VerifyOutcome("error", 0.0, "verifier process died")
+                self._replace(worker)
+                continue
+            busy[worker] = job
+
+    def _receive(self, worker: _Worker, busy: dict[_Worker, _Job], results: list) -> None:
+        """Take what ``worker`` sent: its ready message, or its reply to the sample it has."""
+        try:
+            frames = worker.reader.read()
+        except (EOFError, OSError):  # the worker died
+            if not worker.ready:
+                raise self._startup_error(
+                    f"exited during start-up (exit code {worker.process.exitcode})"
+                ) from None
+            if worker in busy:
+                results[busy.pop(worker).index] = VerifyOutcome(
+                    "error", 0.0, "verifier process died"
+                )
+            self._replace(worker)
+            return
+        except ProtocolViolation as exc:
+            return self._violation(worker, busy, results, str(exc))
+        for frame in frames:
+            if not worker.ready:  # sent before any model text ran in it: a bug, not an attack
+                try:
+                    worker.network_namespace = _parse_ready(frame)
+                except ProtocolViolation as exc:
+                    raise self._startup_error(f"sent a malformed ready message ({exc})") from None
+                worker.ready = True
+                continue
+            if worker not in busy:
+                return self._violation(worker, busy, results, "a message nobody asked for")
+            try:
+                outcome, retire, refused = _parse_reply(frame, busy[worker].request_id)
+            except ProtocolViolation as exc:
+                return self._violation(worker, busy, results, str(exc))
+            results[busy.pop(worker).index] = outcome
+            self.num_refusals += refused
+            if retire:  # its CPU budget is nearly spent, or the sandbox refused something
+                self._replace(worker)
+                self.num_retired += 1
+                return
+
+    def _violation(
+        self, worker: _Worker, busy: dict[_Worker, _Job], results: list, reason: str
+    ) -> None:
+        """A worker broke the protocol: its sample is an error, the worker is replaced."""
+        self.num_protocol_errors += 1
+        job = busy.pop(worker, None)
+        if job is not None:
+            results[job.index] = VerifyOutcome(
+                "error", 0.0, f"verifier protocol violation: {reason}"
+            )
+        log.warning(
+            "math verifier worker (pid %s) broke the reply protocol: %s; it is replaced and "
+            "its sample scores as a verifier error",
+            worker.process.pid,
+            reason,
+        )
+        self._replace(worker)
+
     def close(self) -> None:
         for worker in self._workers:
-            try:
-                worker.conn.send(None)
-            except (OSError, BrokenPipeError):
-                pass
+            worker.conn.close()  # the worker reads end-of-file and exits
+        for worker in self._workers:
             worker.process.join(timeout=2)
             worker.kill()
         self._workers = []
@@ -282,6 +452,8 @@ class MathEnvironment(EnvironmentInterface):
         )
         self._counts = dict.fromkeys(("timeout", "parse_failure", "error", "ok"), 0)
         self._replaced_reported = 0
+        self._protocol_errors_reported = 0
+        self._refusals_reported = 0
 
     def step(
         self, message_logs: list[MessageLog], metadata: list[dict[str, Any]]
@@ -338,10 +510,18 @@ class MathEnvironment(EnvironmentInterface):
             "env/math_parse_failures": float(self._counts["parse_failure"]),
             "env/math_errors": float(self._counts["error"]),
             "env/math_workers_replaced": float(self._pool.num_replaced - self._replaced_reported),
+            # replies that broke the wire protocol (each scored as an error, worker replaced)
+            "env/math_protocol_errors": float(
+                self._pool.num_protocol_errors - self._protocol_errors_reported
+            ),
+            # operations the sandbox refused (file reads, network, ...): attempts to escape
+            "env/math_sandbox_refusals": float(self._pool.num_refusals - self._refusals_reported),
             # 1: the verifiers have no network at the kernel level (else only the audit hook)
             "env/math_sandbox_netns": float(self._pool.network_namespace),
         }
         self._replaced_reported = self._pool.num_replaced
+        self._protocol_errors_reported = self._pool.num_protocol_errors
+        self._refusals_reported = self._pool.num_refusals
         if "rewards" in batch:
             import torch
 

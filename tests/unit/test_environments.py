@@ -44,8 +44,8 @@ def faulty_verify(response, ground_truth):
         os._exit(3)
     if response.startswith("HOSTILE "):  # what eval'd model text could try, run as-is
         exec(response.removeprefix("HOSTILE "))
-    if "BURN" in response:  # until this process has used 1.65 s of CPU
-        while time.process_time() < 1.65:
+    if "BURN" in response:  # until this process has used 2.45 s of CPU
+        while time.process_time() < 2.45:
             pass
     return math_verify_score(response, ground_truth)
 """
@@ -166,6 +166,9 @@ def test_verifier_sandbox_refuses_what_model_text_could_run(math_env, attack, tm
     assert float(out.rewards[1]) == 1.0  # the next answer is scored as usual
     metrics = math_env.global_post_process_and_metrics({})[1]
     assert metrics["env/math_errors"] == 1
+    # each attempt is refused once and reported; the memory cap is the kernel's, not a refusal
+    assert metrics["env/math_sandbox_refusals"] == (0 if attack == "memory" else 1)
+    assert metrics["env/math_protocol_errors"] == 0
 
 
 def test_model_text_reaching_sympy_eval_runs_nothing(math_env, tmp_path):
@@ -179,11 +182,11 @@ def test_model_text_reaching_sympy_eval_runs_nothing(math_env, tmp_path):
 def test_verifier_retires_before_its_cpu_budget_runs_out(math_env):
     module = importlib.import_module("tempering_test_faulty_verify")  # math_env put it on the path
     env = MathEnvironment(
-        num_workers=1, timeout_s=10, verify_fn=module.faulty_verify, cpu_limit_s=2
+        num_workers=1, timeout_s=10, verify_fn=module.faulty_verify, cpu_limit_s=3
     )
     try:
         out = env.step([log("BURN \\boxed{4}"), log("\\boxed{4}")], [{"ground_truth": "4"}] * 2)
-        # the burning sample still counts (past 80% of 2 s, under the kill at 2 s)
+        # the burning sample still counts (past 80% of 3 s; the kill at 3 s leaves room for load)
         assert out.rewards.tolist() == [1.0, 1.0]
         assert env._pool.num_retired == 1
         assert env.global_post_process_and_metrics({})[1]["env/math_workers_replaced"] == 1
