@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 Series = dict[str, tuple[list[int], list[float]]]
 
@@ -123,8 +124,13 @@ def plot_metrics(
             axes[row + j // ncols][j % ncols].set_visible(False)
         row += group_rows
     fig.suptitle(str(log_dir), fontsize=9)
+    return _save(fig, Path(out) if out is not None else log_dir / "metrics.png")
+
+
+def _save(fig: Any, out_path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
-    out_path = Path(out) if out is not None else log_dir / "metrics.png"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_path, dpi=100)
     plt.close(fig)
@@ -188,9 +194,4 @@ def plot_timeline(
     ax.legend(handles, phases, loc="upper right", fontsize=8, ncols=min(len(phases), 6))
     ax.set_title(f"{log_dir}: phases per role", fontsize=9)
     ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    out_path = Path(out) if out is not None else log_dir / "timeline.png"
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_path, dpi=100)
-    plt.close(fig)
-    return out_path
+    return _save(fig, Path(out) if out is not None else log_dir / "timeline.png")

@@ -84,3 +84,23 @@ def test_plot_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     err = capsys.readouterr().err
     assert "--keys train/nope not found" in err and "train/loss" in err
     assert not (tmp_path / "metrics.png").exists()
+
+
+def test_timeline_draws_each_role_and_names_a_missing_file(tmp_path, capsys):
+    from tempering.utils.plot import plot_timeline, read_timeline
+
+    with pytest.raises(FileNotFoundError, match="async_grpo.enabled"):
+        plot_timeline(tmp_path)
+    rows = [
+        {"role": "collector", "phase": "generation", "step": 1, "start": 0.0, "end": 1.0},
+        {"role": "trainer", "phase": "train", "step": 1, "start": 0.5, "end": 1.5},
+    ]
+    text = "\n".join(json.dumps(r) for r in rows) + '\n{"role": "trainer", "pha'
+    (tmp_path / "timeline.jsonl").write_text(text)
+    assert [r["role"] for r in read_timeline(tmp_path / "timeline.jsonl")] == [
+        "collector",
+        "trainer",
+    ]
+    assert "skipped malformed line(s) [3]" in capsys.readouterr().err
+    out = plot_timeline(tmp_path)
+    assert out == tmp_path / "timeline.png" and out.read_bytes()[:4] == b"\x89PNG"
