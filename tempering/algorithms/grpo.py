@@ -30,6 +30,7 @@ import torch
 
 from tempering.algorithms import common
 from tempering.algorithms.dynamic_sampling import DynamicSampler, mask_overlong_samples
+from tempering.algorithms.signal_watch import SignalWatch, step_signal
 from tempering.config.schemas import DataConfig, GRPOMasterConfig
 from tempering.distributed.batched_data_dict import BatchedDataDict
 from tempering.utils import faults
@@ -170,6 +171,7 @@ class GRPORun:
     prior_wall_time_s: float = 0.0  # training time of the runs this one resumed
     history: list[dict[str, float]] = field(default_factory=list)
     monitor: Any = None  # per-role resource metrics (logger.monitor_gpus)
+    signal: SignalWatch = field(default_factory=SignalWatch)  # warns of no-signal steps
 
     def close(self) -> None:
         """Free what the run started: server, logger, generation, environments, policy
@@ -470,6 +472,7 @@ def _train_loop(run: GRPORun, stepper: Any) -> dict[str, Any]:
         "start_success": first_val.get("success"),
         "end_success": val.get("success"),
         "wall_time_s": run.prior_wall_time_s + deadline.elapsed,
+        "warning": run.signal.warning,
     }
 
 
@@ -497,6 +500,8 @@ def summary_text(s: dict[str, Any], cfg: GRPOMasterConfig) -> str:
             f"resumed at step {r['resumed_at']} after {r['setup_s']:.0f} s of set-up, "
             f"{redone} step(s) redone"
         )
+    if s.get("warning"):
+        lines.append(f"  WARNING: {s['warning']}")
     lines.append(f"  metrics: {cfg.logger.log_dir}/metrics.jsonl")
     lines.append(f"  final model (HF folder): {s['final_model']}")
     lines.append(f"  checkpoints: {cfg.checkpointing.checkpoint_dir}")
@@ -533,8 +538,9 @@ def grpo_step(run: GRPORun, loss_fn: Any, step: int | None = None) -> dict[str, 
         run.generation.reseed(step_seed(cfg.seed, step))
     with timer.time("generation"):  # prompts -> episodes -> rewards -> advantages
         faults.maybe_fault("controller", "generation")
-        batch = rollout_batch(run, run.dataloader.next_batch(), cfg.num_generations_per_prompt)
-    rewards_seen = batch["rewards"]
+        problems = run.dataloader.next_batch()
+        batch = rollout_batch(run, problems, cfg.num_generations_per_prompt)
+    rewards_seen, logs_seen = batch["rewards"], batch["message_logs"]
     batch, extra = refill_zero_variance_groups(run, batch, timer)
     run.generation.finish_generation()  # colocated vLLM sleeps: the GPUs are the trainer's
     if cfg.overlong_filtering:
@@ -551,7 +557,24 @@ def grpo_step(run: GRPORun, loss_fn: Any, step: int | None = None) -> dict[str, 
     metrics.update(extra)
     metrics.update(env_metrics())
     metrics.update(server_metrics(run.chat, server_before))
+    watch_signal(run, step or 0, problems, logs_seen, rewards_seen, metrics)
     return metrics
+
+
+def watch_signal(
+    run: GRPORun, step: int, problems: list[Problem], logs: list[Any], rewards: Any, metrics: Any
+) -> None:
+    """Feed the step (as first sampled) to ``run.signal`` (signal_watch.py), which warns once
+    when the run has had no learning signal for several steps."""
+    G = run.cfg.grpo.num_generations_per_prompt
+
+    def sample(i: int) -> str:
+        p = problems[i // G]
+        return f"{p.prompt[-120:]!r} -> {completion_text(logs[i])[:120]!r} -> {p.answer!r}"
+
+    warning = run.signal.observe(step, step_signal(rewards, G, metrics, sample))
+    if warning:
+        log.warning("GRPO: %s", warning)
 
 
 def refill_zero_variance_groups(

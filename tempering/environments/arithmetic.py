@@ -3,6 +3,9 @@
 The completion (last assistant message) must start, after optional whitespace, with an
 integer (optional sign) equal to ``metadata[i]["ground_truth"]``; anything after it is
 ignored. ``" 42 because..."`` scores 1 for ground truth 42; ``"the answer is 42"`` scores 0.
+A leading integer longer than `MAX_DIGITS` digits scores 0 and is counted
+(``env/arithmetic_too_long``): Python refuses to convert one of over 4300 digits, and a model
+that writes a megabyte of nines must not end the run.
 Plain, fast and deterministic: used for the CPU GRPO recipe and tests.
 """
 
@@ -21,22 +24,52 @@ from tempering.environments.interfaces import (
     samples,
 )
 
-__all__ = ["ArithmeticEnvironment", "ArithmeticRetryEnvironment", "first_integer"]
+__all__ = [
+    "MAX_DIGITS",
+    "ArithmeticEnvironment",
+    "ArithmeticRetryEnvironment",
+    "first_integer",
+    "leading_integer",
+]
 
-_LEADING_INT = re.compile(r"\s*([+-]?\d+)")
+_LEADING_INT = re.compile(r"\s*([+-]?)0*(\d+)")
+MAX_DIGITS = 1000  # longer leading integers are not converted (Python's own limit is 4300)
+
+
+def leading_integer(text: str) -> tuple[int | None, str]:
+    """``(value, why)``: the integer at the start of `text` after optional whitespace and
+    ``"ok"``, or None and ``"no_integer"`` / ``"too_long"`` (over `MAX_DIGITS` digits)."""
+    match = _LEADING_INT.match(text)
+    if not match:
+        return None, "no_integer"
+    if len(match.group(2)) > MAX_DIGITS:
+        return None, "too_long"
+    return int(match.group(1) + match.group(2)), "ok"
 
 
 def first_integer(text: str) -> int | None:
-    """The integer at the start of `text` after optional whitespace, or None."""
-    match = _LEADING_INT.match(text)
-    return int(match.group(1)) if match else None
+    """The integer at the start of `text` after optional whitespace, or None (also when it
+    has more than `MAX_DIGITS` digits)."""
+    return leading_integer(text)[0]
+
+
+def _ground_truth(i: int, meta: dict[str, Any]) -> int:
+    """The sample's integer ground truth (the dataset's, so a bad one is an error naming it)."""
+    try:
+        return int(meta["ground_truth"])
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"Sample {i}: metadata['ground_truth']={str(meta['ground_truth'])[:80]!r} is not an "
+            "integer; the arithmetic environments score integer answers (use task 'math' for "
+            "other answers)"
+        ) from None
 
 
 class ArithmeticEnvironment(EnvironmentInterface):
     """Reward 1.0 when the completion's leading integer equals the ground truth, else 0.0."""
 
     def __init__(self) -> None:
-        self._counts = {"samples": 0, "no_integer": 0}
+        self._counts = {"samples": 0, "no_integer": 0, "too_long": 0}
 
     def step(
         self, message_logs: list[MessageLog], metadata: list[dict[str, Any]]
@@ -45,11 +78,11 @@ class ArithmeticEnvironment(EnvironmentInterface):
         for i, log, meta in samples("ArithmeticEnvironment", message_logs, metadata):
             if not meta or "ground_truth" not in meta:
                 raise KeyError(f"Sample {i} has no metadata['ground_truth'] (metadata={meta!r}).")
-            value = first_integer(last_assistant_content(log))
+            value, why = leading_integer(last_assistant_content(log))
             self._counts["samples"] += 1
             if value is None:
-                self._counts["no_integer"] += 1
-            rewards.append(1.0 if value is not None and value == int(meta["ground_truth"]) else 0.0)
+                self._counts[why] += 1
+            rewards.append(1.0 if value is not None and value == _ground_truth(i, meta) else 0.0)
             answers.append(None if value is None else str(value))
         return EnvironmentReturn(
             observations=[
@@ -65,11 +98,9 @@ class ArithmeticEnvironment(EnvironmentInterface):
     def global_post_process_and_metrics(
         self, batch: dict[str, Any]
     ) -> tuple[dict[str, Any], dict[str, float]]:
-        """Report (and reset) ``env/arithmetic_no_integer``; accuracy when ``rewards`` given."""
-        metrics = {
-            "env/arithmetic_samples": float(self._counts["samples"]),
-            "env/arithmetic_no_integer": float(self._counts["no_integer"]),
-        }
+        """Report (and reset) ``env/arithmetic_samples``, ``env/arithmetic_no_integer`` and
+        ``env/arithmetic_too_long``; ``env/arithmetic_accuracy`` when ``rewards`` given."""
+        metrics = {f"env/arithmetic_{k}": float(v) for k, v in self._counts.items()}
         if "rewards" in batch:
             metrics["env/arithmetic_accuracy"] = float(
                 torch.as_tensor(batch["rewards"]).float().mean()
@@ -111,7 +142,7 @@ class ArithmeticRetryEnvironment(EnvironmentInterface):
                 )
             attempt = int(meta.get("attempt", 0)) + 1
             value = first_integer(last_assistant_content(log))
-            correct = value is not None and value == int(meta["ground_truth"])
+            correct = value is not None and value == _ground_truth(i, meta)
             ended = correct or attempt >= self.max_attempts
             if ended:
                 self._solved_at[attempt if correct else 0] += 1

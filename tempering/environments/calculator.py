@@ -61,6 +61,8 @@ def evaluate_expression(expression: str) -> float | int:
         if isinstance(node, ast.Expression):
             return walk(node.body)
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            if not abs(node.value) <= _MAX_MAGNITUDE:  # 1e309 is inf
+                raise ValueError("number out of range")
             return node.value
         if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
             return _UNARY[type(node.op)](walk(node.operand))
@@ -74,7 +76,7 @@ def evaluate_expression(expression: str) -> float | int:
                 raise ValueError("division by zero") from err
             except OverflowError as err:  # float ** float beyond the float range
                 raise ValueError("result out of range") from err
-            if isinstance(value, complex) or abs(value) > _MAX_MAGNITUDE:
+            if isinstance(value, complex) or not abs(value) <= _MAX_MAGNITUDE:  # nan too
                 raise ValueError("result out of range")
             return value
         raise ValueError(f"{type(node).__name__} is not allowed (numbers and + - * / ** only)")
@@ -82,15 +84,28 @@ def evaluate_expression(expression: str) -> float | int:
     return walk(tree)
 
 
-def _run_call(call: dict[str, Any]) -> str:
-    fn = call.get("function") or {}
+_MAX_ARGUMENT_CHARS = 10_000  # a tool call's arguments JSON; longer is refused unparsed
+
+
+def _run_call(call: Any) -> str:
+    """The tool's answer to one model-written call (any shape): its value, or ``error: ...``
+    that the model reads -- never an exception (deep JSON, huge numbers, odd types)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict):
+        return 'error: a tool call must be {"function": {"name": ..., "arguments": ...}}'
     if fn.get("name") != "calculator":
-        return f"error: unknown tool {fn.get('name')!r}; the only tool is calculator"
+        return f"error: unknown tool {str(fn.get('name'))[:80]!r}; the only tool is calculator"
+    arguments = fn.get("arguments") or "{}"
+    if isinstance(arguments, str) and len(arguments) > _MAX_ARGUMENT_CHARS:
+        return f"error: arguments longer than {_MAX_ARGUMENT_CHARS} characters"
     try:
-        args = json.loads(fn.get("arguments") or "{}")
-        value = evaluate_expression(str(args["expression"]))
-    except (ValueError, KeyError, TypeError) as err:
-        return f"error: {err}"
+        args = json.loads(arguments) if isinstance(arguments, str) else arguments
+        expression = args.get("expression") if isinstance(args, dict) else None
+        if type(expression) not in (str, int, float):
+            raise TypeError('arguments must be {"expression": "<arithmetic>"}')
+        value = evaluate_expression(str(expression))
+    except (ValueError, TypeError, RecursionError) as err:  # RecursionError: deep JSON
+        return f"error: {type(err).__name__ if isinstance(err, RecursionError) else err}"
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     return str(round(value, 6) if isinstance(value, float) else value)
@@ -137,6 +152,8 @@ class CalculatorEnvironment(EnvironmentInterface):
         for i, log in enumerate(message_logs):
             last = log[-1] if log else {}
             calls = (last.get("tool_calls") or []) if last.get("role") == "assistant" else []
+            if not isinstance(calls, list):  # a malformed call still costs one from the budget
+                calls = [calls]
             if not calls:
                 final.append(i)
                 continue
@@ -152,7 +169,7 @@ class CalculatorEnvironment(EnvironmentInterface):
             observations[i] = {
                 "role": "tool",
                 "content": "\n".join(results),
-                "tool_call_id": calls[0].get("id"),
+                "tool_call_id": calls[0].get("id") if isinstance(calls[0], dict) else None,
             }
         if final:
             scored = self.math.step([message_logs[i] for i in final], [metadata[i] for i in final])

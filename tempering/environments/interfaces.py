@@ -21,6 +21,8 @@ if TYPE_CHECKING:  # torch stays out of import time: verifier worker processes i
 
 __all__ = [
     "EnvironmentInterface",
+    "ScoringErrorRateExceeded",
+    "check_error_rate",
     "EnvironmentReturn",
     "Message",
     "MessageLog",
@@ -87,11 +89,35 @@ def samples(
         yield i, log, meta
 
 
+class ScoringErrorRateExceeded(RuntimeError):
+    """More of a step's answers failed to score than the environment's ``max_error_rate``
+    allows: a broken scorer would otherwise give every sample 0 while the run trains on."""
+
+
+def check_error_rate(
+    env: str, errors: list[tuple[int, str, str]], n: int, max_error_rate: float, fix: str
+) -> None:
+    """Raise `ScoringErrorRateExceeded` when ``len(errors) / n > max_error_rate``.
+
+    One model answer that makes a scorer raise is scored 0 and counted (it must not end the
+    run); many mean the scorer itself is broken. ``errors`` holds ``(sample index, answer,
+    error text)`` per failed sample; the message names the count, the rate, the first failure
+    and ``fix``."""
+    if not n or len(errors) / n <= max_error_rate:
+        return
+    i, answer, error = errors[0]
+    raise ScoringErrorRateExceeded(
+        f"{env} failed on sample {i} (and {len(errors) - 1} more of {n} in this step: "
+        f"{len(errors) / n:.0%} > max_error_rate={max_error_rate}): {error}; the answer was "
+        f"{answer[-200:]!r}. {fix}"
+    )
+
+
 def last_assistant_content(message_log: MessageLog) -> str:
     """Content of the last assistant message ("" when the log has none)."""
     for message in reversed(message_log):
         if message.get("role") == "assistant":
-            return str(message.get("content", ""))
+            return str(message.get("content") or "")  # a tool-call turn has content None
     return ""
 
 
@@ -101,4 +127,4 @@ def prompt_text(message_log: MessageLog) -> str:
         (i for i, m in enumerate(message_log) if m.get("role") == "assistant"),
         default=len(message_log),
     )
-    return "\n".join(str(m.get("content", "")) for m in message_log[:last])
+    return "\n".join(str(m.get("content") or "") for m in message_log[:last])

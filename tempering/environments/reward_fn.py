@@ -8,14 +8,18 @@
 where ``prompt`` is the text of the messages before the last assistant message (joined by
 newlines) and ``completion`` is the last assistant message. Paths may be written
 ``"pkg.mod:fn"``, ``"pkg.mod.fn"`` or ``"path/to/file.py:fn"`` (a file loaded directly,
-relative to the current directory). A function that raises fails the step with the sample
-index in the message: a reward bug should be fixed, not averaged away.
+relative to the current directory). A function that raises, or returns something that is
+not a finite number, scores that sample 0 and is counted (``env/reward_fn_errors``): one odd
+answer from the model must not end the run. When more than ``max_error_rate`` of a step's
+samples fail, the step raises `ScoringErrorRateExceeded` naming the first failing sample: a
+reward bug should be fixed, not averaged away.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +30,7 @@ from tempering.environments.interfaces import (
     EnvironmentInterface,
     EnvironmentReturn,
     MessageLog,
+    check_error_rate,
     last_assistant_content,
     prompt_text,
     samples,
@@ -84,23 +89,33 @@ def load_reward_fn(path: str) -> RewardFn:
 class RewardFunctionEnvironment(EnvironmentInterface):
     """Single-turn environment whose reward is ``fn(prompt, completion, metadata)``."""
 
-    def __init__(self, reward_fn: str) -> None:
+    def __init__(self, reward_fn: str, max_error_rate: float = 0.05) -> None:
         self.reward_fn_path = reward_fn
+        self.max_error_rate = max_error_rate
         self._fn = load_reward_fn(reward_fn)
+        self._counts = {"samples": 0, "errors": 0}
 
     def step(
         self, message_logs: list[MessageLog], metadata: list[dict[str, Any]]
     ) -> EnvironmentReturn:
-        rewards = []
+        rewards: list[float] = []
+        errors: list[tuple[int, str, str]] = []
         for i, log, meta in samples("RewardFunctionEnvironment", message_logs, metadata):
+            completion = last_assistant_content(log)
             try:
-                value = float(self._fn(prompt_text(log), last_assistant_content(log), meta or {}))
-            except Exception as exc:
-                raise RuntimeError(
-                    f"reward function '{self.reward_fn_path}' failed on sample {i}: "
-                    f"{type(exc).__name__}: {exc}"
-                ) from exc
+                value = float(self._fn(prompt_text(log), completion, meta or {}))
+                if not math.isfinite(value):
+                    raise ValueError(f"returned {value}, not a finite number")
+            except Exception as exc:  # the function's bug or an answer it cannot take
+                errors.append((i, completion, f"{type(exc).__name__}: {exc}"))
+                value = 0.0
             rewards.append(value)
+        self._counts["samples"] += len(rewards)
+        self._counts["errors"] += len(errors)
+        check_error_rate(
+            f"reward function '{self.reward_fn_path}'", errors, len(rewards), self.max_error_rate,
+            "Fix the function (it must return a finite float for any text).",
+        )  # fmt: skip
         return EnvironmentReturn(
             observations=[{"role": "environment", "content": f"reward {r:g}"} for r in rewards],
             metadata=list(metadata),
@@ -109,3 +124,11 @@ class RewardFunctionEnvironment(EnvironmentInterface):
             terminateds=torch.ones(len(rewards), dtype=torch.bool),
             answers=[None] * len(rewards),
         )
+
+    def global_post_process_and_metrics(
+        self, batch: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, float]]:
+        """Report (and reset) ``env/reward_fn_samples`` and ``env/reward_fn_errors``."""
+        metrics = {f"env/reward_fn_{k}": float(v) for k, v in self._counts.items()}
+        self._counts = dict.fromkeys(self._counts, 0)
+        return batch, metrics

@@ -2,7 +2,9 @@
 
 Each algorithm runs two steps through `setup()`/`train()` on the committed tiny-arith; its
 `<checkpoint_dir>/final_hf` must load with plain transformers and generate (the reward model:
-load as a sequence classifier and score). GRPO runs on a user's own problems file in
+load as a sequence classifier and score). For SFT and DPO, final_hf must hold the trained
+weights: its log-probs on fixed text equal the live trained policy's (within 1e-5) and differ
+from the initial model's. GRPO runs on a user's own problems file in
 OpenMathInstruct-2's shape (`problem` / `expected_answer`), scored by math-verify. The GRPO
 step checkpoint goes through `tempering export`: the exported model's log-probs equal the
 live policy's within 1e-6 (fp32), and a partial checkpoint is refused.
@@ -48,6 +50,26 @@ def _generates(folder: Path) -> str:
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
+def _hf_logprobs(folder: str | Path, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``[B, S-1]`` log-probs of each next token under the HF model in `folder` (fp32)."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    mask = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits.float()
+    return torch.log_softmax(logits[:, :-1], -1).gather(2, ids[:, 1:, None])[..., 0]
+
+
+def _fixed_batch(tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids of a few fixed arithmetic lines, and their lengths."""
+    texts = ["Q: 23+45=? A: 68", "Q: 7+8=? A: 15", "Q: 90+9=? A: 99", "Q: 1+1=? A: 2"]
+    rows = [tokenizer(t)["input_ids"] for t in texts]
+    lengths = torch.tensor([len(r) for r in rows])
+    ids = torch.full((len(rows), int(lengths.max())), tokenizer.pad_token_id or 0)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+    return ids, lengths
+
+
 def _omi2_file(path: Path, n: int) -> Path:
     from tempering.models.tiny_arith import make_problems
 
@@ -78,6 +100,8 @@ def test_grpo_on_own_problems_leaves_final_hf_and_exports_any_step(ray_session, 
     try:
         assert {p.task_name for p in run.train_problems} == {"math"}  # math-verify by default
         summary = grpo.train(run)
+        assert run.signal.observed == 2  # every step reached the no-signal watch
+        assert "warning" in summary  # and the summary carries its verdict (None: too short)
         rewards = [json.loads(line).get("train/reward_mean") for line in
                    (tmp_path / "logs/metrics.jsonl").read_text().splitlines()]  # fmt: skip
         assert max(r for r in rewards if r is not None) > 0  # math-verify scored " 68" as 68
@@ -93,13 +117,9 @@ def test_grpo_on_own_problems_leaves_final_hf_and_exports_any_step(ray_session, 
     final = Path(summary["final_model"])
     assert final == tmp_path / "ckpt/final_hf"
     _generates(final)
-    model = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
     ids, lengths = probe["input_ids"], probe["input_lengths"]
-    mask = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask).logits.float()
-    lp = torch.log_softmax(logits[:, :-1], -1).gather(2, ids[:, 1:, None])[..., 0]
-    valid = mask[:, 1:].bool()
+    lp = _hf_logprobs(exported, ids, lengths)
+    valid = (torch.arange(ids.shape[1])[None] < lengths[:, None])[:, 1:]
     diff = (lp - live[:, 1:]).abs()[valid].max()
     assert diff < 1e-6, f"exported vs checkpoint log-probs differ by {float(diff):.2e}"
     # a checkpoint that was never finished is refused, by name
@@ -129,10 +149,26 @@ def test_sft_dpo_rm_leave_final_hf(ray_session, tmp_path, algorithm):
         module.train(run)
         if algorithm == "rm":
             folder = rm.export(run)
+        else:  # the trained weights, as the live policy holds them
+            from tempering.distributed.batched_data_dict import BatchedDataDict
+
+            ids, lengths = _fixed_batch(AutoTokenizer.from_pretrained(tmp_path / "ckpt/final_hf"))
+            policy = run.model if algorithm == "dpo" else run.policy  # PreferenceRun: .model
+            live = policy.get_logprobs(BatchedDataDict(input_ids=ids, input_lengths=lengths))
     finally:
         run.close()
     if algorithm != "rm":
-        _generates(tmp_path / "ckpt/final_hf")
+        from tempering.models.registry import resolve_model_path
+
+        final = tmp_path / "ckpt/final_hf"
+        _generates(final)
+        valid = (torch.arange(ids.shape[1])[None] < lengths[:, None])[:, 1:]
+        trained = live["logprobs"][:, 1:][valid]
+        vs_live = (_hf_logprobs(final, ids, lengths)[valid] - trained).abs().max()
+        initial = _hf_logprobs(resolve_model_path(cfg.policy.model_name), ids, lengths)[valid]
+        vs_initial = (initial - trained).abs().max()
+        assert vs_live < 1e-5, f"final_hf is not the trained policy: log-probs differ by {vs_live}"
+        assert vs_initial > 1e-3, f"training left the model as it was (max change {vs_initial})"
         return
     from transformers import AutoModelForSequenceClassification
 

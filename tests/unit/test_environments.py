@@ -215,6 +215,24 @@ def test_arithmetic_env_first_integer():
     assert metrics["env/arithmetic_accuracy"] == pytest.approx(0.5)
 
 
+def test_arithmetic_env_survives_an_integer_python_will_not_convert():
+    """A 5000-digit answer raised ValueError (Python's 4300-digit limit) out of step."""
+    from tempering.environments.arithmetic import ArithmeticRetryEnvironment
+
+    huge = ["9" * 5000, "-" + "1" * 2_000_000, "0" * 5000 + "12"]
+    env = ArithmeticEnvironment()
+    ret = env.step([log(a) for a in huge], [{"ground_truth": 12}] * 3)
+    assert ret.rewards.tolist() == [0.0, 0.0, 1.0]  # leading zeros are still the number
+    _, metrics = env.global_post_process_and_metrics({})
+    assert metrics["env/arithmetic_too_long"] == 2 and metrics["env/arithmetic_no_integer"] == 0
+    retry = ArithmeticRetryEnvironment().step(
+        [log("9" * 5000)], [{"ground_truth": 1, "prompt": "Q"}]
+    )
+    assert retry.rewards.tolist() == [0.0] and retry.terminateds.tolist() == [False]
+    with pytest.raises(ValueError, match=r"Sample 0: metadata\['ground_truth'\]='1.5'"):
+        env.step([log("1")], [{"ground_truth": "1.5"}])
+
+
 def test_reward_fn_loading_and_scoring(monkeypatch):
     monkeypatch.syspath_prepend(str(REPO))
     env = RewardFunctionEnvironment("examples.custom_reward:length_penalty")
@@ -258,6 +276,27 @@ def test_reward_fn_receives_prompt_and_completion(tmp_path, monkeypatch):
     assert ret.rewards.tolist() == [5 * 100 + 3 + 0.5]
     with pytest.raises(RuntimeError, match="failed on sample 0.*boom"):
         RewardFunctionEnvironment("my_rewards_mod:broken").step([log("x")], [{}])
+
+
+def test_reward_fn_failing_on_one_answer_scores_it_zero_and_counts_it(tmp_path, monkeypatch):
+    """One answer the function cannot take (or a NaN it returns) must not end the run: it
+    scores 0 and is counted; more than max_error_rate of a step still stops it (issue 27)."""
+    module = tmp_path / "picky_rewards_mod.py"
+    module.write_text(
+        "def picky(prompt, completion, metadata):\n"
+        "    if completion == 'nan':\n"
+        "        return float('nan')\n"
+        "    return float(int(completion))  # ValueError on anything but an integer\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = RewardFunctionEnvironment("picky_rewards_mod:picky", max_error_rate=0.25)
+    answers = ["1", "2", "x" * 10, "3", "4", "5", "nan", "6"]
+    ret = env.step([log(a) for a in answers], [{}] * len(answers))
+    assert ret.rewards.tolist() == [1.0, 2.0, 0.0, 3.0, 4.0, 5.0, 0.0, 6.0]
+    _, metrics = env.global_post_process_and_metrics({})
+    assert metrics == {"env/reward_fn_samples": 8.0, "env/reward_fn_errors": 2.0}
+    with pytest.raises(RuntimeError, match=r"failed on sample 0 \(and 1 more of 2.*'a'"):
+        env.step([log("a"), log("b")], [{}, {}])
 
 
 class _Constant(EnvironmentInterface):
@@ -376,6 +415,11 @@ def test_retry_environment_rewards_by_attempt_and_asks_again():
                        "env/retry_failed": 1.0}  # fmt: skip
 
 
+def _calc_call(arguments) -> dict:
+    return {"id": "c", "type": "function",
+            "function": {"name": "calculator", "arguments": arguments}}  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "expression,value",
     [("2+3*4", 14), ("(2+3)*4", 20), ("7/2", 3.5), ("2**10", 1024), ("-3 - -4", 1), ("17 % 5", 2)],
@@ -405,6 +449,28 @@ def test_calculator_refuses_everything_but_arithmetic(expression, needle):
 
     with pytest.raises(ValueError, match=needle):
         evaluate_expression(expression)
+
+
+@pytest.mark.parametrize(
+    "call,needle",
+    [
+        (_calc_call("[" * 100_000 + "]" * 100_000), "longer than"),  # RecursionError in json
+        (_calc_call("[" * 5_000 + "]" * 5_000), "RecursionError|arguments must be"),
+        (_calc_call('{"expression": "1e309"}'), "out of range"),  # inf, a literal
+        (_calc_call('{"expression": "1e309 - 1e309"}'), "out of range"),  # nan
+        (_calc_call('{"expression": ["1"]}'), "arguments must be"),
+        (_calc_call({"expression": "2+2"}), "^4$"),  # arguments already an object
+        ("not a call", "must be"),  # AttributeError on str.get
+        ({"function": "calculator"}, "must be"),
+    ],
+)
+def test_calculator_tool_answers_any_call_with_a_value_or_an_error(call, needle):
+    """Model-written tool calls of any shape get an answer, never an exception."""
+    import re
+
+    from tempering.environments.calculator import _run_call
+
+    assert re.search(needle, _run_call(call)), _run_call(call)
 
 
 def test_calculator_environment_answers_tool_calls_then_scores_the_final_answer():
