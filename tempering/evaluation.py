@@ -80,8 +80,8 @@ def task_problems(
     problem_key: str,
     answer_key: str,
 ) -> list[Any]:
-    """The task's problems (`tempering.algorithms.grpo.Problem`), as GRPO builds them."""
-    from tempering.algorithms.grpo import Problem, reasoning_gym_problems
+    """The task's problems (`tempering.data.grpo_problems.Problem`), as GRPO builds them."""
+    from tempering.data.grpo_problems import Problem, reasoning_gym_problems
 
     if task in ("arithmetic", "arithmetic_retry"):
         from tempering.models.tiny_arith import make_problems

@@ -64,11 +64,13 @@ class AsyncSteps:
         # environments' and the server's counters (collected per batch, so they do not
         # depend on thread timing); checkpointed with the buffer
         self.made: dict[int, dict[str, float]] = {}
+        self.problems: dict[int, list[tuple[str, str, str]]] = {}  # step -> its prompts, answers
         next_step = run.start_step + 1
         state = _load_state(run)
         if state is not None:
             self.buffer.load_state_dict(state["buffer"])
             self.made = state["made"]
+            self.problems = state["problems"]
             next_step = state["collector"]["next_step"]
         self.collector = RolloutCollector(
             self._produce,
@@ -103,6 +105,7 @@ class AsyncSteps:
         run.generation.reseed(grpo.step_seed(cfg.seed, step))
         problems = run.dataloader.next_batch()
         batch = grpo.rollout_batch(run, problems, cfg.num_generations_per_prompt)
+        self.problems[step] = [(p.prompt, p.answer, p.task_name) for p in problems]
         made = {"timing/generation_s": time.perf_counter() - t0}
         made.update(grpo.environment_metrics(run, batch["rewards"])())
         made.update(grpo.server_metrics(run.chat, server_before))
@@ -145,6 +148,8 @@ class AsyncSteps:
         metrics.update(extra)
         metrics.update(taken)
         metrics.update(made)  # the environments' and the server's counters of this batch
+        problems = [grpo.Problem(*p) for p in self.problems.pop(step)]
+        grpo.watch_signal(run, step, problems, batch["message_logs"], rewards_seen, metrics)
         return metrics
 
     def paused(self) -> contextlib.AbstractContextManager[None]:
@@ -161,6 +166,7 @@ class AsyncSteps:
                 "buffer": self.buffer.state_dict(),
                 "collector": self.collector.state_dict(),
                 "made": dict(self.made),
+                "problems": dict(self.problems),
             }
 
             def write(folder: Path) -> None:

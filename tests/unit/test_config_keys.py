@@ -78,6 +78,7 @@ ALGORITHM_MODULES: dict[type, tuple[str, ...]] = {
         "tempering/algorithms/advantages.py",
         "tempering/experience/*.py",
         "tempering/data/problems.py",
+        "tempering/data/grpo_problems.py",
         "tempering/data/prompts.py",
         "tempering/data/nemo_gym.py",
         "examples/run_grpo_*.py",

@@ -78,8 +78,8 @@ def test_dataset_names_in_the_schema_are_the_loaders_names():
     assert set(SFT_DATASETS) == {"arithmetic", "gsm8k", *SFT_LOADERS}
     assert set(PREFERENCE_DATASETS) == {"arithmetic", "arithmetic_parity", "gsm8k",
                                         *PREFERENCE_LOADERS}  # fmt: skip
-    from tempering.algorithms.grpo import _dataset_problems
     from tempering.config.schemas import DataConfig
+    from tempering.data.grpo_problems import _dataset_problems
 
     with pytest.raises(ValueError, match="has no GRPO prompts"):
         _dataset_problems(DataConfig(dataset_name="squad"), None)

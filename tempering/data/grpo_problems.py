@@ -1,0 +1,119 @@
+"""GRPO's problems: prompts with ground-truth answers and the environment that scores them,
+from a built-in dataset (arithmetic, gsm8k), your file (JSONL / Hugging Face), NeMo Gym rows,
+or reasoning-gym generators; `data.prompt_file` and `data.system_prompt_file` applied."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tempering.config.schemas import DataConfig
+
+
+@dataclass
+class Problem:
+    prompt: str
+    answer: str
+    task_name: str
+    row: dict[str, Any] | None = None  # a NeMo Gym row (task "nemo_gym")
+    system: str | None = None  # a system message before the prompt (data.system_prompt_file)
+
+
+def load_problems(
+    data_cfg: DataConfig, gym_route: str | None = None
+) -> tuple[list[Problem], list[Problem]]:
+    """(train, held-out) prompts with ground-truth answers and their environment's name; the
+    train prompts gain `data.reasoning_gym_tasks` problems when that list is set. NeMo Gym rows
+    without routing fields go to `gym_route` (env.nemo_gym.default_route)."""
+    from tempering.data.problems import apply_prompt_template, read_prompt_file
+
+    train, val = _dataset_problems(data_cfg, gym_route)
+    for task in data_cfg.reasoning_gym_tasks:
+        train += reasoning_gym_problems(task, data_cfg.reasoning_gym_samples, data_cfg.seed)
+    template = read_prompt_file(data_cfg.prompt_file, "prompt_file")
+    system = read_prompt_file(data_cfg.system_prompt_file, "system_prompt_file")
+    for p in train + val:
+        if p.row is None:  # NeMo Gym rows carry their own messages
+            p.prompt, p.system = apply_prompt_template(template, p.prompt), system
+    return train, val
+
+
+def reasoning_gym_problems(task: str, n: int, seed: int) -> list[Problem]:
+    """`n` seeded problems from the `reasoning-gym` generator `task`, for the math environment."""
+    import reasoning_gym
+    from reasoning_gym.factory import DATASETS
+
+    from tempering.data.gsm8k import gsm8k_user_prompt
+
+    if task not in DATASETS:
+        raise ValueError(
+            f"data.reasoning_gym_tasks has {task!r}, which reasoning-gym does not know; pick "
+            f"from {sorted(DATASETS)[:12]}... (e.g. basic_arithmetic, chain_sum)"
+        )
+    rows = reasoning_gym.create_dataset(task, size=n, seed=seed)
+    return [Problem(gsm8k_user_prompt(r["question"]), str(r["answer"]), "math") for r in rows]
+
+
+def _dataset_problems(
+    data_cfg: DataConfig, gym_route: str | None
+) -> tuple[list[Problem], list[Problem]]:
+    name = data_cfg.dataset_name
+    if name == "arithmetic":
+        from tempering.models.tiny_arith import make_problems
+
+        def mk(n: int, split: str) -> list[Problem]:
+            rows = make_problems(n, seed=data_cfg.seed, split=split)
+            return [Problem(r["prompt"], r["answer"], "arithmetic") for r in rows]
+
+        return mk(data_cfg.num_train_samples, "train"), mk(data_cfg.num_val_samples, "test")
+    if name == "gsm8k":
+        from tempering.data.gsm8k import gsm8k_rl_pairs, gsm8k_user_prompt
+
+        def gsm(split: str) -> list[Problem]:
+            return [Problem(gsm8k_user_prompt(q), a, "math") for q, a in gsm8k_rl_pairs(split)]
+
+        return gsm("train"), gsm("test")[: data_cfg.num_val_samples]
+    if name == "problems":
+        return _file_problems(data_cfg)
+    if name == "nemo_gym":
+        train = _gym_problems(data_cfg.train_data_path, gym_route)
+        return train, _gym_problems(data_cfg.val_data_path, gym_route)[: data_cfg.num_val_samples]
+    raise ValueError(
+        f"data.dataset_name={name!r} has no GRPO prompts; use 'arithmetic', 'gsm8k', 'problems' "
+        "(your JSONL / Hugging Face dataset) or 'nemo_gym'"
+    )
+
+
+def _file_problems(data_cfg: DataConfig) -> tuple[list[Problem], list[Problem]]:
+    """Your problems (tempering/data/problems.py), scored by math-verify unless
+    env.task_name says otherwise; without a validation file, num_val_samples are held out of
+    the training file (deterministically)."""
+    from tempering.data.problems import load_problem_rows
+    from tempering.data.records import split_off_val
+
+    if not data_cfg.train_data_path:
+        raise ValueError("data.dataset_name=problems needs data.train_data_path (JSONL or HF)")
+
+    def rows(path: str, split: str) -> list[Problem]:
+        pairs = load_problem_rows(
+            path, data_cfg.problem_key, data_cfg.answer_key, split, data_cfg.on_bad_row
+        )
+        return [Problem(q, a, "math") for q, a in pairs]
+
+    train = rows(data_cfg.train_data_path, data_cfg.train_split)
+    if data_cfg.val_data_path:
+        val = rows(data_cfg.val_data_path, data_cfg.val_split)[: data_cfg.num_val_samples]
+        return train, val
+    return split_off_val(train, min(data_cfg.num_val_samples, len(train) // 2), data_cfg.seed)
+
+
+def _gym_problems(path: str | None, default_route: str | None) -> list[Problem]:
+    """NeMo Gym JSONL rows (checked with file:line errors) as problems for task nemo_gym."""
+    from tempering.data.nemo_gym import load_gym_rows, row_prompt_text
+
+    if path is None:
+        return []
+    rows = load_gym_rows(path, default_route=default_route)
+    return [
+        Problem(row_prompt_text(r), str(r.get("expected_answer", "")), "nemo_gym", r) for r in rows
+    ]
