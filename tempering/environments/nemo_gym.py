@@ -255,6 +255,21 @@ def _messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return msgs
 
 
+def _reward(value: Any, where: str) -> float:
+    """A /run result's reward: a finite number (missing or null is 0); anything else names the
+    row, since it would poison every advantage of its group."""
+    import math
+
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise GymResultError(
+            f"{where}: the /run result's reward is {str(value)[:80]!r}, not a finite number; "
+            "check the Gym resource server's verify()"
+        )
+    return float(value)
+
+
 def episode_from_result(
     result: dict[str, Any],
     *,
@@ -266,7 +281,19 @@ def episode_from_result(
     """One /run result -> an EpisodeRecord (see the module docstring). `where` names the row."""
     stats = stats if stats is not None else Counter()
     response = result.get("response") or {}
-    output = response.get("output") or []
+    output = response.get("output") or [] if isinstance(response, dict) else None
+    if not isinstance(output, list):
+        raise GymResultError(
+            f"{where}: the /run result's response is not an object with an output list (got "
+            f"{type(response).__name__})"
+        )
+    bad = [k for k, item in enumerate(output) if not isinstance(item, dict)]
+    if bad:
+        raise GymResultError(
+            f"{where}: the /run result's output item {bad[0] + 1} is a "
+            f"{type(output[bad[0]]).__name__}, not an object (an OpenAI Responses output item)"
+        )
+    reward = _reward(result.get("reward"), where)
     masked = bool(result.get("mask_sample"))
     seen: list[int] = []
     spans: list[tuple[int, list[int], list[float]]] = []
@@ -309,7 +336,7 @@ def episode_from_result(
     return EpisodeRecord(
         ids=seen or [0],
         spans=spans,
-        reward=float(result.get("reward") or 0.0),
+        reward=reward,
         turns=len(spans),
         truncated=cut or incomplete,
         finish_reason="length" if cut or incomplete else "stop",

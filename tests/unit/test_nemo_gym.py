@@ -212,6 +212,27 @@ def test_noncontiguous_calls_are_refused_or_truncated_and_counted():
         )
 
 
+@pytest.mark.parametrize(
+    "result,message",
+    [
+        ({"reward": "lots", "response": {"output": [_call([1], [2])]}}, "reward is 'lots'"),
+        ({"reward": float("nan"), "response": {"output": [_call([1], [2])]}}, "reward is 'nan'"),
+        ({"reward": True, "response": {"output": [_call([1], [2])]}}, "reward is 'True'"),
+        (
+            {"reward": 1.0, "response": {"output": [_call([1], [2]), "text"]}},
+            "output item 2 is a str",
+        ),
+        ({"reward": 1.0, "response": ["x"]}, "response is not an object"),
+    ],
+)
+def test_a_hostile_gym_result_is_named_not_a_crash(result, message):
+    # Each of these raised ValueError/AttributeError from deep inside, or (NaN) poisoned its
+    # group's advantages silently.
+    with pytest.raises(GymResultError, match=message) as info:
+        episode_from_result(result, where="row 3", max_seq_len=64)
+    assert str(info.value).startswith("row 3: ")
+
+
 def test_gym_row_files_fail_with_file_line_and_field(tmp_path):
     good = problem_row("Q: 1+1=? A:", "2") | {"agent_ref": {"name": "a"}}
     path = tmp_path / "rows.jsonl"
