@@ -84,11 +84,11 @@ def main() -> None:
     print(f"\nGRPO step, {a.scale}: median of {a.runs} runs (min-max), each the median of "
           f"{steps - WARMUP} steps after {WARMUP} warm-up")  # fmt: skip
     cols = ("step_s", "tok_per_s", *PHASES)
-    print(f"{'':16s}" + "".join(f"{c.removeprefix('timing/'):>24s}" for c in cols))
+    print(f"{'':16s}" + "".join(f"{c.removeprefix('timing/'):>27s}" for c in cols))
     for name, rows in per.items():
         cells = [spread([row[c] for row in rows], ".0f" if c == "tok_per_s" else ".3f")
                  for c in cols]  # fmt: skip
-        print(f"{name:16s}" + "".join(f"{c:>24s}" for c in cells))
+        print(f"{name:16s}" + "".join(f"{c:>27s}" for c in cells))
     for base in ("sync, colocated", "sync, split"):
         ratios = [s["step_s"] / x["step_s"] for s, x in zip(per[base], per["async, split"], strict=True)]  # fmt: skip
         print(f"async speed-up over {base}, s/step: {spread(ratios)}x (measured)")
