@@ -77,6 +77,7 @@ class RolloutCollector:
         weight_version: int,
         last_step: int | None = None,
         max_failures: int = 0,
+        failures: int = 0,
         stall_timeout_s: float = 600.0,
         phases: Any = None,
     ) -> None:
@@ -90,7 +91,7 @@ class RolloutCollector:
         self.max_failures = max_failures
         self.stall_timeout_s = stall_timeout_s
         self.phases = phases
-        self.failures = 0
+        self.failures = failures  # retried batches so far in the run (a resumed run's too)
         self._cv = threading.Condition()
         self._busy = False  # a batch is being generated
         self._paused = 0  # quiesce() holders
@@ -127,18 +128,22 @@ class RolloutCollector:
                         return
                     self._busy = True
                     step, version = self.next_step, self.weight_version
+                groups = None
                 try:
                     batch = self._produce_with_retries(step)
-                    for i in range(0, batch.size, self.group_size):
-                        group = batch.select_indices(range(i, i + self.group_size))
-                        self.buffer.push(group, version)
+                    groups = [batch.select_indices(range(i, i + self.group_size))
+                              for i in range(0, batch.size, self.group_size)]  # fmt: skip
                 finally:
+                    # One locked block: whoever sees the collector idle (a checkpoint under
+                    # quiesce, the drain before a refit) sees the step's groups in the buffer
+                    # and next_step past it, never one without the other.
                     with self._cv:
+                        if groups is not None:
+                            for group in groups:
+                                self.buffer.push(group, version)
+                            self.next_step = step + 1
                         self._busy = False
                         self._cv.notify_all()
-                with self._cv:
-                    self.next_step = step + 1
-                    self._cv.notify_all()
         except BaseException as e:  # noqa: BLE001 -- handed to the trainer, which raises it
             with self._cv:
                 self._error = e

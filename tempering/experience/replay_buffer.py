@@ -33,7 +33,8 @@ Policies, each chosen so that nothing is lost or waited on silently:
   ``torch.load(weights_only=True)`` reads back) plus every counter; `load_state_dict` restores
   a buffer whose further `take`s are identical.
 
-A plain class, not thread-safe: the pipeline wraps it in a Ray actor, which serialises calls.
+A plain class, not thread-safe: async GRPO's collector (`tempering.experience.collector`)
+calls it only under its own lock, from its thread and the trainer's.
 """
 
 from __future__ import annotations

@@ -15,10 +15,12 @@ replace a killed worker within the same process and finish.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -51,10 +53,22 @@ def _run(out: Path, *extra: str, env: dict[str, str] | None = None) -> subproces
         sys.executable, "examples/run_grpo_math.py", *COMMON,
         f"logger.log_dir={out}/logs", f"checkpointing.checkpoint_dir={out}/ckpt", *extra,
     ]  # fmt: skip
-    return subprocess.run(
-        cmd, cwd=REPO, capture_output=True, text=True, timeout=900,
-        env={**os.environ, "TEMPERING_FAULT": "", **(env or {})},
+    # Its own process group, killed whole afterwards: a run that hangs, or a killed run's
+    # stragglers, cannot load the machine under the tests that follow.
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "TEMPERING_FAULT": "", **(env or {})}, start_new_session=True,
     )  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{cmd} ran past 900 s:\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def _records(out: Path) -> list[dict]:

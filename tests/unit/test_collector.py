@@ -5,6 +5,7 @@ on the collector's own condition, bounded by its stall deadline."""
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import pytest
@@ -176,3 +177,37 @@ def test_quiesce_holds_the_collector_between_batches():
         assert state["next_step"] == n + 1
     finally:
         c.stop()
+
+
+def test_every_state_seen_under_quiesce_holds_whole_steps():
+    """What a checkpoint saves: the groups pushed are exactly those of the steps before
+    ``next_step``. A batch's groups and its step count land in one locked block; when they were
+    two, a checkpoint between them saved a pushed step as still to generate, and the resumed
+    run generated it twice. Threads switch every microsecond here to reach such windows."""
+    steps = 300
+    c, _ = make(max_age=1, last_step=steps)
+    errors: list[BaseException] = []
+
+    def trainer() -> None:
+        try:
+            train_steps(c, 1, steps)
+        except BaseException as e:  # noqa: BLE001 -- re-raised below
+            errors.append(e)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    worker = threading.Thread(target=trainer)
+    c.start()
+    worker.start()
+    seen = 0
+    try:
+        while worker.is_alive():
+            with c.quiesce():
+                assert c.buffer.pushed == P * (c.state_dict()["next_step"] - 1)
+                seen += 1
+    finally:
+        sys.setswitchinterval(interval)
+        worker.join(60)
+        c.stop()
+    assert not errors, errors
+    assert seen > steps  # the checks interleaved with the run
