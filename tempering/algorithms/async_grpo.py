@@ -54,6 +54,12 @@ class AsyncSteps:
     def __init__(self, run: grpo.GRPORun) -> None:
         cfg = run.cfg
         a = cfg.grpo.async_grpo
+        if a.group_timeout_s is not None and "nemo_gym" in run.environments:
+            raise ValueError(
+                f"grpo.async_grpo.group_timeout_s={a.group_timeout_s} cannot bound NeMo Gym "
+                "episodes, which Gym's agents run; bound each with nemo_gym.request_timeout_s "
+                "and set group_timeout_s=null"
+            )
         self.run = run
         self.loss_fn = grpo.make_loss(cfg)
         self.num_groups = cfg.grpo.num_prompts_per_step
@@ -65,13 +71,15 @@ class AsyncSteps:
         # depend on thread timing); checkpointed with the buffer
         self.made: dict[int, dict[str, float]] = {}
         self.problems: dict[int, list[tuple[str, str, str]]] = {}  # step -> its prompts, answers
-        next_step = run.start_step + 1
+        self._drawn: dict[int, list[Any]] = {}  # step -> problems of a batch being generated
+        next_step, failures = run.start_step + 1, 0
         state = _load_state(run)
         if state is not None:
             self.buffer.load_state_dict(state["buffer"])
             self.made = state["made"]
             self.problems = state["problems"]
             next_step = state["collector"]["next_step"]
+            failures = state["collector"]["failures"]
         self.collector = RolloutCollector(
             self._produce,
             self.buffer,
@@ -81,6 +89,7 @@ class AsyncSteps:
             weight_version=run.start_step,
             last_step=cfg.grpo.max_num_steps,
             max_failures=a.max_generation_failures,
+            failures=failures,
             stall_timeout_s=a.starvation_timeout_s,
             phases=self.phases,
         )
@@ -103,8 +112,13 @@ class AsyncSteps:
         server_before = run.chat.stats_snapshot()
         faults.maybe_fault("collector", "generation")
         run.generation.reseed(grpo.step_seed(cfg.seed, step))
-        problems = run.dataloader.next_batch()
-        batch = grpo.rollout_batch(run, problems, cfg.num_generations_per_prompt)
+        if step not in self._drawn:  # once per step: a retried batch rolls out the same prompts
+            self._drawn[step] = run.dataloader.next_batch()
+        problems = self._drawn[step]
+        batch = grpo.rollout_batch(
+            run, problems, cfg.num_generations_per_prompt, cfg.async_grpo.group_timeout_s
+        )
+        del self._drawn[step]
         self.problems[step] = [(p.prompt, p.answer, p.task_name) for p in problems]
         made = {"timing/generation_s": time.perf_counter() - t0}
         made.update(grpo.environment_metrics(run, batch["rewards"])())
@@ -128,6 +142,10 @@ class AsyncSteps:
         if run.cfg.grpo.overlong_filtering:
             batch, n_masked = mask_overlong_samples(batch)
             extra["train/overlong_masked"] = float(n_masked)
+        if "deadline_cut" in batch:  # grpo.async_grpo.group_timeout_s
+            cut = batch["deadline_cut"].view(-1, run.cfg.grpo.num_generations_per_prompt)
+            extra["train/deadline_cut_episodes"] = float(cut.sum())
+            extra["train/deadline_cut_groups"] = float(cut.any(1).sum())
         rewards_seen = batch["rewards"]
         data = BatchedDataDict({k: batch[k] for k in grpo.TRAIN_KEYS})
         with self.phases.phase("trainer", "train", step):

@@ -569,9 +569,17 @@ def server_metrics(chat: Any, before: dict[str, float]) -> dict[str, float]:
     }
 
 
-def rollouts(run: GRPORun, problems: list[Problem], greedy: bool, repeat: int = 1) -> Any:
+def rollouts(
+    run: GRPORun,
+    problems: list[Problem],
+    greedy: bool,
+    repeat: int = 1,
+    deadline_s: float | None = None,
+) -> Any:
     """``repeat`` episodes per problem (each prompt encoded once) through the rollout loop:
-    single- or multi-turn, in-process or over HTTP (tempering/experience/rollouts.py)."""
+    single- or multi-turn, in-process or over HTTP (tempering/experience/rollouts.py), with
+    the loop's ``deadline_s`` (NeMo Gym runs its episodes itself: async GRPO refuses a
+    deadline there)."""
     from tempering.data.prompts import prompt_token_ids
     from tempering.environments.registry import get_environment_class
     from tempering.experience.rollouts import InProcessTurnClient, RolloutSample, run_rollouts
@@ -608,20 +616,23 @@ def rollouts(run: GRPORun, problems: list[Problem], greedy: bool, repeat: int = 
         max_turns=cfg.grpo.max_rollout_turns,
         max_seq_len=cfg.policy.max_total_sequence_length,
         greedy=greedy,
+        deadline_s=deadline_s,
     )
 
 
 _TOOL_TASKS = {"calculator"}  # environments whose `tools` the model is offered
 
 
-def rollout_batch(run: GRPORun, problems: list[Problem], group_size: int) -> Any:
+def rollout_batch(
+    run: GRPORun, problems: list[Problem], group_size: int, deadline_s: float | None = None
+) -> Any:
     """Sample `group_size` episodes per problem and score them. Returns one flat per-sample
     BatchedDataDict: the train keys plus rewards, turns, truncated, generation_lengths,
-    finish_reasons and message logs."""
+    finish_reasons and message logs (and ``deadline_cut`` with a ``deadline_s``)."""
     from tempering.algorithms.advantages import leave_one_out_advantages, mean_baseline_advantages
 
     cfg = run.cfg
-    batch = rollouts(run, problems, greedy=False, repeat=group_size)
+    batch = rollouts(run, problems, greedy=False, repeat=group_size, deadline_s=deadline_s)
     baseline = (
         leave_one_out_advantages
         if cfg.grpo.use_leave_one_out_baseline

@@ -37,6 +37,13 @@ class AsyncGRPOConfig(Section):
         description="the trainer waits this long at most for the collector's next batch (or "
         "for its drain before a refit); then a named error with the collector's stack",
     )
+    group_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="a batch's rollouts start no turn after this many seconds; episodes still "
+        "running end there, truncated and counted (train/deadline_cut_episodes). Not with "
+        "NeMo Gym, whose episodes nemo_gym.request_timeout_s bounds",
+    )
 
 
 class GRPOConfig(Section):

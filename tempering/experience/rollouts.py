@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+import torch
 
 from tempering.data.episodes import EpisodeRecord, build_batch
 from tempering.distributed.batched_data_dict import BatchedDataDict
@@ -192,6 +195,7 @@ class _Episode:
     turns: int = 0
     done: bool = False
     truncated: bool = False
+    cut: bool = False  # ended by the batch's deadline
 
 
 def run_rollouts(
@@ -203,16 +207,27 @@ def run_rollouts(
     max_turns: int,
     max_seq_len: int,
     greedy: bool = False,
+    deadline_s: float | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> BatchedDataDict:
-    """Roll every sample out to the end of its episode (see the module docstring)."""
+    """Roll every sample out to the end of its episode (see the module docstring).
+
+    ``deadline_s`` (async GRPO's ``group_timeout_s``): no turn after the first starts once
+    this many seconds have passed since the call; episodes still running end there, truncated,
+    and the batch gains ``deadline_cut`` [B] (1 where the deadline ended the episode), counted
+    and logged. A turn in flight is bounded by the generation and environment deadlines."""
     from tempering.environments.registry import route_step
 
     episodes = [
         _Episode(s, list(s.messages), dict(s.metadata), sampling) for s in samples
     ]  # fmt: skip
+    start = clock()
     for turn in range(max_turns):
         active = [e for e in episodes if not e.done]
         if not active:
+            break
+        if turn and deadline_s is not None and clock() - start > deadline_s:
+            _cut(active, turn, deadline_s)
             break
         requests = [_request(e, greedy, turn == 0, max_seq_len) for e in active]
         results = client.complete(requests)
@@ -245,7 +260,21 @@ def run_rollouts(
     for ep in episodes:
         if not ep.done:  # the turn limit ended an episode its environment had not ended
             ep.truncated = True
-    return build_batch([_record(e) for e in episodes])
+    batch = build_batch([_record(e) for e in episodes])
+    if deadline_s is not None:
+        batch["deadline_cut"] = torch.tensor([int(e.cut) for e in episodes])
+    return batch
+
+
+def _cut(active: list[_Episode], turn: int, deadline_s: float) -> None:
+    """End the episodes still running when the batch's deadline passed (truncated, counted)."""
+    for ep in active:
+        ep.done = ep.truncated = ep.cut = True
+    log.warning(
+        "rollouts: %d episode(s) still running after %d turn(s) passed the batch deadline of "
+        "%.0f s (grpo.async_grpo.group_timeout_s); ended there as truncated",
+        len(active), turn, deadline_s,
+    )  # fmt: skip
 
 
 def _request(ep: _Episode, greedy: bool, first: bool, max_seq_len: int) -> ChatRequest:

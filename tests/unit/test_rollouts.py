@@ -120,3 +120,45 @@ def test_budget_and_turn_limit_end_episodes_as_truncated(service, tokenizer):
                          max_turns=3, max_seq_len=20, **kwargs)  # fmt: skip
     assert (short["input_lengths"] <= 20).all() and (short["turns"] == 1).all()
     assert torch.equal(short["truncated"], short["rewards"] == 0)
+
+
+class _Clock:
+    """The rollout loop's clock, advanced by the environment instead of by waiting."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _StragglingRetry(ArithmeticRetryEnvironment):
+    """Each step of this scorer takes 10 s of the loop's clock: a straggler."""
+
+    def __init__(self, clock: _Clock) -> None:
+        super().__init__(max_attempts=3, discount=0.5)
+        self.clock = clock
+
+    def step(self, message_logs, metadata):
+        self.clock.now += 10.0
+        return super().step(message_logs, metadata)
+
+
+def test_a_straggling_batch_meets_its_deadline(service, tokenizer):
+    """async GRPO's group_timeout_s: with a 15 s deadline and 10 s environment steps, turn 2
+    (clock 10 s) starts and turn 3 (clock 20 s) does not; the episodes still running there end
+    truncated and are marked ``deadline_cut``. Without the deadline they get their third turn."""
+    kwargs = {"sampling": SAMPLING, "greedy": True, "max_turns": 3, "max_seq_len": 64}
+    free = run_rollouts(InProcessTurnClient(service), _samples(32, tokenizer),
+                        {"retry": _StragglingRetry(_Clock())}, **kwargs)  # fmt: skip
+    assert "deadline_cut" not in free and (free["turns"] == 3).any()
+    clock = _Clock()
+    cut = run_rollouts(InProcessTurnClient(service), _samples(32, tokenizer),
+                       {"retry": _StragglingRetry(clock)}, deadline_s=15.0, clock=clock,
+                       **kwargs)  # fmt: skip
+    assert clock.now == 20.0  # two environment steps, no third
+    running = free["turns"] == 3  # episodes the environment had not ended after two turns
+    assert torch.equal(cut["deadline_cut"].bool(), running)
+    assert (cut["turns"] <= 2).all() and cut["truncated"][running].all()
+    # what the cut episodes did before the deadline is kept, rewards included
+    assert torch.equal(cut["rewards"][~running], free["rewards"][~running])
