@@ -201,12 +201,20 @@ def test_async_run_keeps_staleness_within_its_bound_and_overlaps(async_baseline)
     assert (out / "logs" / "timeline.png").stat().st_size > 10_000
 
 
-def test_async_kill_in_the_collector_and_rerun_reproduces_the_run(async_baseline, tmp_path):
+def test_async_kills_in_the_collector_and_the_trainer_and_reruns_reproduce_the_run(
+    async_baseline, tmp_path
+):
+    """Killed twice, resumed from two checkpoints with the buffer restored: first in the
+    collector's batch of step 5 (made while step 4 trains, before step 4's checkpoint: the
+    rerun resumes at step 2), then in the rerun's third training call (step 5, after step 4's
+    checkpoint: the last run resumes at step 4 with the batch of step 5 in the buffer)."""
     _, baseline_rows = async_baseline
-    fault = "collector:generation:5:0.1"  # the batch of step 5, after step 4's checkpoint
-    killed = _run(tmp_path, *ASYNC, env={"TEMPERING_FAULT": fault})
-    assert killed.returncode != 0, f"{fault}: the fault never fired"
+    for fault, resumed in (("collector:generation:5:0.1", None), ("policy:train:3", "step_2")):
+        killed = _run(tmp_path, *ASYNC, env={"TEMPERING_FAULT": fault})
+        assert killed.returncode != 0, f"{fault}: the fault never fired"
+        if resumed:
+            assert "resuming from" in killed.stderr and resumed in killed.stderr, fault
     rerun = _run(tmp_path, *ASYNC)
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
-    assert "resuming from" in rerun.stderr
-    _assert_same_run(_records(tmp_path), baseline_rows, f"async, fault {fault}")
+    assert "resuming from" in rerun.stderr and "step_4" in rerun.stderr
+    _assert_same_run(_records(tmp_path), baseline_rows, "async, killed in collector then policy")
