@@ -52,7 +52,9 @@ class ColocatedGenerationView:
     def reseed(self, seed: int) -> None:
         """Restart the colocated engine's sampling stream from the controller's step seed."""
         if self._engine is None:
-            raise RuntimeError("generation.reseed: call generation.init first (Policy.init_colocated_generation)")
+            raise RuntimeError(
+                "generation.reseed: call generation.init first (Policy.init_colocated_generation)"
+            )
         self._engine.reseed(seed + 1000 * self.state.topo.rank)
 
     def refit(self) -> None:
