@@ -5,6 +5,8 @@ that lowers a fixed batch's loss, and the tensor-parallel plan (or its refusal).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -173,3 +175,46 @@ def test_tp_plan_names_linear_modules_or_is_refused_with_a_reason(name, folders)
 
 def test_a_model_type_no_family_claims_gets_the_llama_plan():
     assert tp_plan_for("smollm-like-unknown") == LLAMA_TP_PLAN
+
+
+# ---- the policy worker's start-up uses the registry's plan ---------------------------------
+
+
+class _Split(Exception):
+    """Raised by the stand-in `_tensor_parallel`: the plan load_sharded chose, no sharding."""
+
+
+def _load_with_tp(folder: str, monkeypatch) -> dict:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from tempering.models.policy import model_setup
+
+    def split(layer, tp_mesh, plan):
+        raise _Split(plan)
+
+    monkeypatch.setattr(model_setup, "_tensor_parallel", split)
+    topo = model_setup.Topology(0, 2, 1, 2, torch.device("cpu"), None, None, object(), None)
+    with pytest.raises(_Split) as caught:
+        model_setup.load_sharded(
+            model_setup.ModelSource(folder), topo, MixedPrecisionPolicy(),
+            activation_checkpointing=False, lean_loading=False,
+        )  # fmt: skip
+    return caught.value.args[0]
+
+
+def test_policy_start_up_splits_layers_by_the_family_plan(folders, monkeypatch):
+    # A plan of gemma3's own (not the Llama default object): the lookup goes by model_type.
+    plan = {**LLAMA_TP_PLAN, "mlp.down_proj": "rowwise"}
+    monkeypatch.setitem(FAMILIES, "gemma3", dataclasses.replace(FAMILIES["gemma3"], tp_plan=plan))
+    assert _load_with_tp(folders("gemma3"), monkeypatch) is plan
+
+
+def test_policy_start_up_refuses_tp_for_a_family_without_a_plan(folders, monkeypatch):
+    from tempering.models.policy import model_setup
+
+    def no_read(self):
+        raise AssertionError("weights were read before the refusal")
+
+    monkeypatch.setattr(model_setup.ModelSource, "read", no_read)
+    with pytest.raises(ValueError, match="'phi3'.*fused.*tensor_parallel_size=1"):
+        _load_with_tp(folders("phi3"), monkeypatch)
