@@ -42,6 +42,7 @@ __all__ = [
     "build_tokenizer",
     "family_for_model_type",
     "register_family",
+    "tool_parser_for_eot",
     "tp_plan_for",
 ]
 
@@ -80,6 +81,7 @@ class ModelFamily:
     tp_refusal: str = ""  # why tp_plan is None
     config_kwargs: dict[str, Any] = field(default_factory=dict)  # overrides of TINY_SHAPE
     notes: str = ""  # what this family needed beyond the shared recipe
+    tool_parser: str = "hermes"  # generation/chat.py TOOL_CALL_PARSERS name for its tool calls
 
 
 # ---- chat templates (our own Jinja, minimal but in each family's real format) --------------
@@ -168,7 +170,9 @@ FAMILIES: dict[str, ModelFamily] = {
             "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64}},
-        notes="llama3 RoPE scaling (original context shrunk to 64 to fit the tiny model).",
+        notes="llama3 RoPE scaling (original context shrunk to 64 to fit the tiny model); "
+        "JSON tool calls.",
+        tool_parser="llama3_json",
     ),
     "mistral": ModelFamily(
         "mistral", "mistral", "MistralConfig", "MistralForCausalLM",
@@ -251,6 +255,14 @@ def tp_plan_for(model_type: str) -> dict[str, str]:
             "policy.dtensor_cfg.tensor_parallel_size=1 (FSDP2 alone shards this model)."
         )
     return family.tp_plan
+
+
+def tool_parser_for_eot(eot_token: str) -> str | None:
+    """The tool-call parser of the families whose chat format ends turns with `eot_token`
+    (the chat format, not the architecture, decides it: SmolLM2 is a Llama with ChatML), or
+    None when no family uses that token or the families using it disagree."""
+    parsers = {f.tool_parser for f in FAMILIES.values() if f.eot_token == eot_token}
+    return parsers.pop() if len(parsers) == 1 else None
 
 
 # ---- building ----------------------------------------------------------------------------
