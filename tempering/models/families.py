@@ -41,6 +41,7 @@ __all__ = [
     "build_tiny",
     "build_tokenizer",
     "family_for_model_type",
+    "get_family",
     "register_family",
     "tool_parser_for_eot",
     "tp_plan_for",
@@ -146,26 +147,38 @@ _QWEN3_SPECIALS = (*_QWEN_SPECIALS, "<think>", "</think>", "<tool_call>", "</too
 
 FAMILIES: dict[str, ModelFamily] = {
     "qwen2": ModelFamily(
-        "qwen2", "qwen2", "Qwen2Config", "Qwen2ForCausalLM",
-        (*_QWEN_SPECIALS, "<tool_call>", "</tool_call>"), "<|im_end|>", "<|endoftext|>", None,
-        QWEN2_TEMPLATE, "Qwen2.5-Instruct tokenizer_config.json (ChatML)",
-        LLAMA_TP_PLAN, config_kwargs={"tie_word_embeddings": True},
+        name="qwen2", model_type="qwen2",
+        config_class="Qwen2Config", model_class="Qwen2ForCausalLM",
+        special_tokens=(*_QWEN_SPECIALS, "<tool_call>", "</tool_call>"),
+        eot_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None,
+        chat_template=QWEN2_TEMPLATE,
+        template_source="Qwen2.5-Instruct tokenizer_config.json (ChatML)",
+        tp_plan=LLAMA_TP_PLAN,
+        config_kwargs={"tie_word_embeddings": True},
         notes="q/k/v projections carry biases; column-split biases shard with their weights.",
     ),
     "qwen3": ModelFamily(
-        "qwen3", "qwen3", "Qwen3Config", "Qwen3ForCausalLM",
-        _QWEN3_SPECIALS, "<|im_end|>", "<|endoftext|>", None,
-        QWEN3_TEMPLATE, "Qwen3 tokenizer_config.json (ChatML, enable_thinking)",
-        LLAMA_TP_PLAN, config_kwargs={"tie_word_embeddings": True},
+        name="qwen3", model_type="qwen3",
+        config_class="Qwen3Config", model_class="Qwen3ForCausalLM",
+        special_tokens=_QWEN3_SPECIALS,
+        eot_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None,
+        chat_template=QWEN3_TEMPLATE,
+        template_source="Qwen3 tokenizer_config.json (ChatML, enable_thinking)",
+        tp_plan=LLAMA_TP_PLAN,
+        config_kwargs={"tie_word_embeddings": True},
         notes="q_norm/k_norm act per head (head_dim), so a column split by heads keeps them.",
     ),
     "llama3": ModelFamily(
-        "llama3", "llama", "LlamaConfig", "LlamaForCausalLM",
-        ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-         "<|eot_id|>", "<|eom_id|>", "<|python_tag|>", "<|finetune_right_pad_id|>"),
-        "<|eot_id|>", "<|finetune_right_pad_id|>", "<|begin_of_text|>",
-        LLAMA3_TEMPLATE, "Meta Llama 3.1 model card, 'Prompt format'",
-        LLAMA_TP_PLAN,
+        name="llama3", model_type="llama",
+        config_class="LlamaConfig", model_class="LlamaForCausalLM",
+        special_tokens=("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+                        "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>",
+                        "<|finetune_right_pad_id|>"),
+        eot_token="<|eot_id|>", pad_token="<|finetune_right_pad_id|>",
+        bos_token="<|begin_of_text|>",
+        chat_template=LLAMA3_TEMPLATE,
+        template_source="Meta Llama 3.1 model card, 'Prompt format'",
+        tp_plan=LLAMA_TP_PLAN,
         config_kwargs={"rope_parameters": {
             "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -175,45 +188,55 @@ FAMILIES: dict[str, ModelFamily] = {
         tool_parser="llama3_json",
     ),
     "mistral": ModelFamily(
-        "mistral", "mistral", "MistralConfig", "MistralForCausalLM",
-        ("<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
-         "[TOOL_CALLS]"),
-        "</s>", "<pad>", "<s>",
-        MISTRAL_TEMPLATE, "mistral-common V7-tekken (Mistral-Small-24B-Instruct-2501)",
-        LLAMA_TP_PLAN, config_kwargs={"sliding_window": 4096},
+        name="mistral", model_type="mistral",
+        config_class="MistralConfig", model_class="MistralForCausalLM",
+        special_tokens=("<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]",
+                        "[/SYSTEM_PROMPT]", "[TOOL_CALLS]"),
+        eot_token="</s>", pad_token="<pad>", bos_token="<s>",
+        chat_template=MISTRAL_TEMPLATE,
+        template_source="mistral-common V7-tekken (Mistral-Small-24B-Instruct-2501)",
+        tp_plan=LLAMA_TP_PLAN,
         notes="No generation prompt: the assistant answers right after [/INST].",
     ),
     "gemma3": ModelFamily(
-        "gemma3", "gemma3_text", "Gemma3TextConfig", "Gemma3ForCausalLM",
-        ("<start_of_turn>", "<end_of_turn>"), "<end_of_turn>", "<pad>", "<bos>",
-        GEMMA3_TEMPLATE, "Gemma 3 model card / ai.google.dev 'Gemma formatting'",
-        LLAMA_TP_PLAN,
+        name="gemma3", model_type="gemma3_text",
+        config_class="Gemma3TextConfig", model_class="Gemma3ForCausalLM",
+        special_tokens=("<start_of_turn>", "<end_of_turn>"),
+        eot_token="<end_of_turn>", pad_token="<pad>", bos_token="<bos>",
+        chat_template=GEMMA3_TEMPLATE,
+        template_source="Gemma 3 model card / ai.google.dev 'Gemma formatting'",
+        tp_plan=LLAMA_TP_PLAN,
         config_kwargs={"layer_types": ["sliding_attention", "full_attention"],
                        "sliding_window": 512, "query_pre_attn_scalar": 16},
         notes="One sliding-window and one full-attention layer (the engine caches both kinds); "
         "no system role: the template folds it into the first user turn.",
     ),
     "phi3": ModelFamily(
-        "phi3", "phi3", "Phi3Config", "Phi3ForCausalLM",
-        ("<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
-        "<|end|>", "<|endoftext|>", None,
-        PHI3_TEMPLATE, "Phi-3.5-mini-instruct model card, 'Chat format'",
-        None,
-        "Phi-3 fuses q/k/v into one qkv_proj and gate/up into one gate_up_proj; a column split "
-        "of a fused weight gives rank 0 all of q and none of v, so it needs a per-part split "
-        "that tempering does not implement yet",
-        config_kwargs={"head_dim": None},
+        name="phi3", model_type="phi3",
+        config_class="Phi3Config", model_class="Phi3ForCausalLM",
+        special_tokens=("<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
+        eot_token="<|end|>", pad_token="<|endoftext|>", bos_token=None,
+        chat_template=PHI3_TEMPLATE,
+        template_source="Phi-3.5-mini-instruct model card, 'Chat format'",
+        tp_plan=None,
+        tp_refusal="Phi-3 fuses q/k/v into one qkv_proj and gate/up into one gate_up_proj; a "
+        "column split of a fused weight gives rank 0 all of q and none of v, so it needs a "
+        "per-part split that tempering does not implement yet",
+        config_kwargs={"head_dim": None},  # Phi3Config derives it (hidden / heads)
         notes="Phi3Config's default pad/bos/eos ids (32000, 1, 32000) lie outside a small vocab: "
         "set from the tokenizer.",
     ),
     "qwen3_moe": ModelFamily(
-        "qwen3_moe", "qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-        _QWEN3_SPECIALS, "<|im_end|>", "<|endoftext|>", None,
-        QWEN3_TEMPLATE, "Qwen3 tokenizer_config.json (ChatML, enable_thinking)",
-        None,
-        "Qwen3-MoE keeps its experts as one fused 3-D parameter per layer (mlp.experts."
-        "gate_up_proj/down_proj), not nn.Linear modules: ColwiseParallel/RowwiseParallel cannot "
-        "shard them and expert parallelism is not implemented",
+        name="qwen3_moe", model_type="qwen3_moe",
+        config_class="Qwen3MoeConfig", model_class="Qwen3MoeForCausalLM",
+        special_tokens=_QWEN3_SPECIALS,
+        eot_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None,
+        chat_template=QWEN3_TEMPLATE,
+        template_source="Qwen3 tokenizer_config.json (ChatML, enable_thinking)",
+        tp_plan=None,
+        tp_refusal="Qwen3-MoE keeps its experts as one fused 3-D parameter per layer "
+        "(mlp.experts.gate_up_proj/down_proj), not nn.Linear modules: ColwiseParallel/"
+        "RowwiseParallel cannot shard them and expert parallelism is not implemented",
         config_kwargs={"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                        "tie_word_embeddings": True},
         notes="Mixture of experts (4 experts, top-2).",
@@ -230,7 +253,10 @@ def register_family(family: ModelFamily) -> None:
     FAMILIES[family.name] = family
 
 
-def get_family(name: str) -> ModelFamily:
+def get_family(name: str | ModelFamily) -> ModelFamily:
+    """A registered family by name (a `ModelFamily` passes through)."""
+    if isinstance(name, ModelFamily):
+        return name
     if name not in FAMILIES:
         raise ValueError(f"model family {name!r} is unknown; registered: {sorted(FAMILIES)}")
     return FAMILIES[name]
@@ -270,7 +296,7 @@ def tool_parser_for_eot(eot_token: str) -> str | None:
 
 def build_tokenizer(family: ModelFamily | str) -> PreTrainedTokenizerFast:
     """tiny-arith's BPE + the family's special tokens, chat template, EOS (= end of turn)."""
-    fam = get_family(family) if isinstance(family, str) else family
+    fam = get_family(family)
     base = Tokenizer.from_file(str(TINY_ARITH_DIR / "tokenizer.json"))
     return PreTrainedTokenizerFast(
         tokenizer_object=base,
@@ -301,7 +327,7 @@ def tiny_config(family: ModelFamily, tokenizer: PreTrainedTokenizerFast) -> Any:
 
 def build_tiny(family: ModelFamily | str, out_dir: str | Path, seed: int = 0) -> Path:
     """Save a tiny random-weight model of `family` (seeded) + its tokenizer to `out_dir`."""
-    fam = get_family(family) if isinstance(family, str) else family
+    fam = get_family(family)
     out_dir = Path(out_dir)
     tokenizer = build_tokenizer(fam)
     config = tiny_config(fam, tokenizer)

@@ -1,7 +1,7 @@
 """Chat prompts as token ids (tempering/models/generation/chat.py): end-of-turn detection, the
 on-policy splice, non-contiguous history, tools, Hermes and Llama 3 JSON tool-call parsing.
-Tokenizers are tiny-arith's (EOS ends assistant turns) and a ChatML variant of it whose end-of-turn token
-``<|im_end|>`` is not the EOS, as in SmolLM2 or Qwen."""
+Tokenizers are tiny-arith's (EOS ends assistant turns) and a ChatML variant of it whose
+end-of-turn token ``<|im_end|>`` is not the EOS, as in SmolLM2 or Qwen."""
 
 from __future__ import annotations
 
