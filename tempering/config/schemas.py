@@ -160,7 +160,9 @@ class HttpServerConfig(Section):
     on_noncontiguous: Literal["error", "truncate"] = Field(
         "error", description="history whose token ids cannot be continued: 400, or fall back"
     )
-    tool_parser: Literal["hermes"] = "hermes"
+    tool_parser: Literal["hermes", "llama3_json", "auto"] = Field(
+        "hermes", description="tool-call format; auto: the model family's, by end-of-turn token"
+    )
     eot_token: str | None = Field(
         None, description="the chat template's end-of-turn token; default: detected"
     )

@@ -1,7 +1,7 @@
 """Chat prompts as token ids (tempering/models/generation/chat.py): end-of-turn detection, the
-on-policy splice, non-contiguous history, tools and Hermes tool-call parsing. Tokenizers are
-tiny-arith's (EOS ends assistant turns) and a ChatML variant of it whose end-of-turn token
-``<|im_end|>`` is not the EOS, as in SmolLM2 or Qwen."""
+on-policy splice, non-contiguous history, tools, Hermes and Llama 3 JSON tool-call parsing.
+Tokenizers are tiny-arith's (EOS ends assistant turns) and a ChatML variant of it whose
+end-of-turn token ``<|im_end|>`` is not the EOS, as in SmolLM2 or Qwen."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from tempering.models.generation.chat import (
     ChatPromptBuilder,
     NonContiguousHistoryError,
     parse_hermes_tool_calls,
+    parse_llama3_json_tool_calls,
 )
 from tempering.models.tiny_arith import build_tokenizer
 
@@ -191,3 +192,42 @@ def test_hermes_parser_reports_an_unclosed_block_and_plain_text_passes():
     assert "no closing" in cut.errors[0]
     plain = parse_hermes_tool_calls(" 42")
     assert plain.content == " 42" and plain.tool_calls == [] and plain.errors == []
+
+
+def test_llama3_json_parser_reads_one_or_several_calls():
+    one = parse_llama3_json_tool_calls(
+        '{"name": "calculator", "parameters": {"expression": "1+2"}}'
+    )
+    assert one.content is None and one.errors == []
+    assert one.tool_calls[0]["function"]["name"] == "calculator"
+    assert json.loads(one.tool_calls[0]["function"]["arguments"]) == {"expression": "1+2"}
+    two = parse_llama3_json_tool_calls(
+        '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"x": 1}}'
+    )
+    assert [c["function"]["name"] for c in two.tool_calls] == ["a", "b"]
+    assert json.loads(two.tool_calls[1]["function"]["arguments"]) == {"x": 1}
+
+
+def test_llama3_json_parser_keeps_plain_and_bad_replies_as_content():
+    plain = parse_llama3_json_tool_calls(" 42")
+    assert plain.content == " 42" and plain.tool_calls == [] and plain.errors == []
+    bad_replies = ('{"name": "calc', '{"parameters": {}}', '{"name": "a", "parameters": {}} then',
+                   '{"name": "a", "parameters": [1]}')  # fmt: skip
+    for bad in bad_replies:
+        parsed = parse_llama3_json_tool_calls(bad)
+        assert parsed.tool_calls == [] and parsed.content == bad, bad
+        assert len(parsed.errors) == 1 and "unparseable" in parsed.errors[0], bad
+
+
+def test_auto_tool_parser_follows_the_model_family_of_the_template(chatml):
+    from tempering.models.families import build_tokenizer
+
+    llama3 = ChatPromptBuilder(build_tokenizer("llama3"), tool_parser="auto")
+    assert llama3.tool_parser == "llama3_json"
+    assert llama3.parse_tool_calls('{"name": "f", "parameters": {}}').tool_calls
+    assert ChatPromptBuilder(chatml, tool_parser="auto").tool_parser == "hermes"  # ChatML: Qwen
+    assert ChatPromptBuilder(build_tokenizer("qwen3"), tool_parser="auto").tool_parser == "hermes"
+    # Our Llama 3 template does not render `tools`, and the default prompt teaches Hermes.
+    tool = {"type": "function", "function": {"name": "calculator", "parameters": {}}}
+    with pytest.raises(ValueError, match="llama3_json"):
+        llama3.render([_user("hi")], tools=[tool])

@@ -58,6 +58,7 @@ __all__ = [
     "PromptIds",
     "message_text",
     "parse_hermes_tool_calls",
+    "parse_llama3_json_tool_calls",
     "register_tool_call_parser",
 ]
 
@@ -121,9 +122,51 @@ def parse_hermes_tool_calls(text: str) -> ParsedToolCalls:
     return ParsedToolCalls(content or None, calls, errors)
 
 
+_PYTHON_TAG = "<|python_tag|>"
+_JSON = json.JSONDecoder()
+
+
+def parse_llama3_json_tool_calls(text: str) -> ParsedToolCalls:
+    """Llama 3.1+ JSON tool calls: the whole reply is ``{"name": ..., "parameters": {...}}``
+    (Meta's Llama 3.1 model card, "JSON based tool calling"), optionally after
+    ``<|python_tag|>`` and several separated by ``;`` (as vLLM's ``llama3_json`` parser reads).
+
+    A reply that does not start with ``{`` (or the tag) is plain content. One that does but is
+    not a list of valid calls -- bad JSON, no name, trailing text -- yields no calls: the text
+    stays the content and ``errors`` says why (all or nothing, so no half-read call runs)."""
+    body = text.strip()
+    if body.startswith(_PYTHON_TAG):
+        body = body[len(_PYTHON_TAG) :].lstrip()
+    elif not body.startswith("{"):
+        return ParsedToolCalls(text or None, [])
+    calls: list[dict[str, Any]] = []
+    pos = 0
+    try:
+        while pos < len(body):
+            obj, pos = _JSON.raw_decode(body, pos)
+            args = obj.get("parameters", obj.get("arguments", {})) if isinstance(obj, dict) else 0
+            if not isinstance(args, dict) or not isinstance(obj.get("name"), str):
+                raise ValueError('expected {"name": str, "parameters": object}')
+            calls.append(
+                {
+                    "id": f"call_{uuid.uuid4().hex[:24]}",
+                    "type": "function",
+                    "function": {"name": obj["name"], "arguments": json.dumps(args)},
+                }
+            )
+            pos = len(body) - len(body[pos:].lstrip().removeprefix(";").lstrip())
+    except ValueError as err:  # JSONDecodeError is a ValueError
+        return ParsedToolCalls(text, [], [f"unparseable tool call {body[pos : pos + 80]!r}: {err}"])
+    return ParsedToolCalls(None, calls)
+
+
 TOOL_CALL_PARSERS: dict[str, Callable[[str], ParsedToolCalls]] = {
     "hermes": parse_hermes_tool_calls,
+    "llama3_json": parse_llama3_json_tool_calls,
 }
+# Parsers whose format the default tool prompt (`default_tool_prompt`) teaches; with another
+# parser the chat template itself must render ``tools``.
+_DEFAULT_PROMPT_PARSERS = ("hermes",)
 
 
 def register_tool_call_parser(name: str, parser: Callable[[str], ParsedToolCalls]) -> None:
@@ -174,8 +217,10 @@ class ChatPromptBuilder:
     Args:
         tokenizer: an HF tokenizer with a chat template (or pass `chat_template`).
         chat_template: a Jinja template overriding the tokenizer's.
-        tool_parser: a `TOOL_CALL_PARSERS` name; also decides the default tool prompt's format
-            for templates that do not render ``tools`` themselves.
+        tool_parser: a `TOOL_CALL_PARSERS` name, or "auto": the parser of the model family
+            whose end-of-turn token the template uses (`models.families.tool_parser_for_eot`;
+            ``<|eot_id|>`` -> llama3_json), else hermes. Also decides the default tool prompt's
+            format for templates that do not render ``tools`` themselves.
         eot_token: the end-of-turn token (text); default: found from the template.
     """
 
@@ -193,11 +238,11 @@ class ChatPromptBuilder:
                 f"tokenizer {getattr(tokenizer, 'name_or_path', tokenizer)!r} has no chat "
                 "template; set policy.tokenizer.chat_template to a Jinja template"
             )
-        if tool_parser not in TOOL_CALL_PARSERS:
+        if tool_parser not in TOOL_CALL_PARSERS and tool_parser != "auto":
             raise ValueError(
-                f"tool_parser={tool_parser!r} is unknown; registered: {sorted(TOOL_CALL_PARSERS)}"
+                f"tool_parser={tool_parser!r} is unknown; use 'auto' or one of "
+                f"{sorted(TOOL_CALL_PARSERS)}"
             )
-        self.parse_tool_calls = TOOL_CALL_PARSERS[tool_parser]
         # The Rust tokenizer directly: transformers' __call__ wrapper costs ~3x the encoding.
         self._fast = getattr(tokenizer, "backend_tokenizer", None)
         self.template_renders_tools = "tools" in self.chat_template
@@ -207,6 +252,12 @@ class ChatPromptBuilder:
         if eot_id is None or eot_id == tokenizer.unk_token_id:
             raise ValueError(f"end-of-turn token {self.eot_token!r} is not in the vocabulary")
         self.eot_token_id = int(eot_id)
+        if tool_parser == "auto":
+            from tempering.models.families import tool_parser_for_eot
+
+            tool_parser = tool_parser_for_eot(self.eot_token) or "hermes"
+        self.tool_parser = tool_parser
+        self.parse_tool_calls = TOOL_CALL_PARSERS[tool_parser]
 
     # ---- rendering -----------------------------------------------------------------------
     def render(
@@ -223,6 +274,13 @@ class ChatPromptBuilder:
         kwargs = dict(chat_template_kwargs or {})
         if tools and self.template_renders_tools:
             kwargs["tools"] = list(tools)
+        elif tools and self.tool_parser not in _DEFAULT_PROMPT_PARSERS:
+            raise ValueError(
+                f"tools were given, but the chat template does not render `tools` and the default "
+                f"tool prompt teaches {_DEFAULT_PROMPT_PARSERS} calls, not tool_parser="
+                f"{self.tool_parser!r}. Fix: a chat template that renders `tools`, or tool_parser="
+                "'hermes'"
+            )
         elif tools:
             msgs = _with_tool_prompt(msgs, tools)
         try:

@@ -8,7 +8,9 @@ responsibilities are split out too; see `tempering.models.policy.fsdp2_worker`):
   the collectives over the data-parallel ranks every step needs;
 - `load_sharded` loads the HF model (`tempering.models.hf`: a registry name or a local folder)
   and shards it with ``fully_shard`` per decoder layer and at the root, after splitting each
-  layer over the tensor-parallel ranks (`TP_PLAN`). Memory-lean with several ranks: only rank 0
+  layer over the tensor-parallel ranks by its family's plan (`models.families.tp_plan_for`,
+  by ``config.model_type``: the Llama-style split by default; a family whose layers cannot be
+  split is refused before any weight is read). Memory-lean with several ranks: only rank 0
   reads the checkpoint, the others build the model on the meta device and receive their shards;
 - `shared_prefix_ratio` decides whether rows that start alike may share their prefix's compute;
 - `PolicyState` holds what set-up produced, shared by the worker's components.
@@ -29,6 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from tempering.models.families import tp_plan_for
 from tempering.models.policy.packed_attention import use_packed_sdpa
 from tempering.models.policy.shared_prefix import BOOL_MASK_ATTENTION, attention_cost_ratio
 
@@ -38,15 +41,6 @@ PRECISIONS = ("float32", "bfloat16")
 # What the model ends in: next-token logits (a policy), or one score per sequence (a reward
 # model: AutoModelForSequenceClassification with one label, trained with BradleyTerryLoss).
 HEADS = ("causal_lm", "score")
-
-# Megatron-style split of a Llama/Qwen2/Mistral decoder layer: q/k/v and gate/up by output
-# columns, o/down by input rows, so each layer needs one all-reduce in attention and one in
-# the MLP. Embeddings, norms and lm_head stay whole on every TP rank (FSDP2 shards them).
-TP_PLAN = {
-    "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
-    "self_attn.o_proj": "rowwise",
-    "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise",
-}  # fmt: skip
 
 
 def check_options(precision: str, head: str, pad_token_id: int | None) -> None:
@@ -224,19 +218,21 @@ class ModelSource:
             return load_sequence_classifier(self.model_path, self.pad_token_id)
         return load_causal_lm(self.model_path, dtype=torch.float32)
 
-    def empty(self) -> torch.nn.Module:
-        """The model's architecture on the meta device: no weights read, no memory used."""
-        from transformers import (
-            AutoConfig,
-            AutoModelForCausalLM,
-            AutoModelForSequenceClassification,
-        )
+    def config(self) -> Any:
+        """The model's transformers config (config.json only: no weights read)."""
+        from transformers import AutoConfig
 
         from tempering.models.registry import hub_offline, resolve_model_path
 
-        config = AutoConfig.from_pretrained(
+        return AutoConfig.from_pretrained(
             resolve_model_path(self.model_path), local_files_only=hub_offline()
         )
+
+    def empty(self) -> torch.nn.Module:
+        """The model's architecture on the meta device: no weights read, no memory used."""
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+        config = self.config()
         auto = AutoModelForCausalLM
         if self.head == "score":
             config.num_labels, config.pad_token_id = 1, self.pad_token_id
@@ -271,6 +267,8 @@ def load_sharded(
     with several ranks (``lean_loading``): only rank 0 reads the checkpoint; the others build
     the model on the meta device (no memory), shard it, and receive their shards from rank 0
     (`_fill_from_rank0`)."""
+    # Refuse a family whose layers cannot be split before any weight is read.
+    tp_plan = tp_plan_for(source.config().model_type) if topo.tp_size > 1 else None
     lean = lean_loading and topo.world_size > 1
     full_state = None
     if lean:  # every rank shards the same empty model (TP and FSDP2 then need no data)
@@ -292,9 +290,9 @@ def load_sharded(
         # and DTensor dispatch cost ~20% of a tiny-arith step (bench/bench_floor.py).
         # Checkpoints stay DCP, so they load into any layout.
         return model.to(topo.device)
-    if topo.tp_mesh is not None:
+    if topo.tp_mesh is not None and tp_plan is not None:
         for layer in layers:
-            _tensor_parallel(layer, topo.tp_mesh)
+            _tensor_parallel(layer, topo.tp_mesh, tp_plan)
     for layer in layers:
         fully_shard(layer, mesh=topo.dp_mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=topo.dp_mesh, mp_policy=mp_policy)
@@ -314,7 +312,8 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
-def _tensor_parallel(layer: torch.nn.Module, tp_mesh: Any) -> None:
+def _tensor_parallel(layer: torch.nn.Module, tp_mesh: Any, plan: dict[str, str]) -> None:
+    """Split one decoder layer over the TP ranks by `plan` (module name -> colwise/rowwise)."""
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -322,14 +321,15 @@ def _tensor_parallel(layer: torch.nn.Module, tp_mesh: Any) -> None:
     )
 
     names = {n for n, _ in layer.named_modules()}
-    missing = sorted(set(TP_PLAN) - names)
+    missing = sorted(set(plan) - names)
     if missing:
         raise ValueError(
-            f"tensor parallelism: {type(layer).__name__} has no {missing}; the TP plan covers "
-            "Llama/Qwen2/Mistral-style layers (set policy.dtensor_cfg.tensor_parallel_size=1)"
+            f"tensor parallelism: {type(layer).__name__} has no {missing}; its TP plan (from "
+            "tempering.models.families, by config.model_type) does not fit this layer. Fix: set "
+            "policy.dtensor_cfg.tensor_parallel_size=1, or register the family with its plan"
         )
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    parallelize_module(layer, tp_mesh, {n: styles[kind]() for n, kind in TP_PLAN.items()})
+    parallelize_module(layer, tp_mesh, {n: styles[kind]() for n, kind in plan.items()})
 
 
 def _fill_from_rank0(
