@@ -88,7 +88,9 @@ def test_smollm2_gsm8k_sft_steps_lower_the_loss(ray_session):
     logs = gsm8k_sft_message_logs("train").examples[:4]
     examples, _ = tokenize_message_logs(logs, tokenizer, 256)
     batch = collate_sft(examples, pad_token_id_of(tokenizer))
-    cluster = build_cluster(make_plan(cfg, model_shape(cfg.policy.model_name)).policy, cfg.cluster, "sft-smollm2")
+    cluster = build_cluster(
+        make_plan(cfg, model_shape(cfg.policy.model_name)).policy, cfg.cluster, "sft-smollm2"
+    )
     policy = build_policy_from_config(cfg.policy, cluster, total_steps=3)
     try:
         losses = [policy.train(batch, NLLLoss())["loss"] for _ in range(3)]

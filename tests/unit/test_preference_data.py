@@ -223,6 +223,7 @@ def test_collate_preference_drops_pair_when_one_side_truncated_away(tokenizer):
 
 def test_arithmetic_synthetic_pairs():
     from tempering.models import tiny_arith
+
     data = arithmetic_preference_pairs(50, seed=1)
     problems = tiny_arith.make_problems(50, 1)
     for pair, problem in zip(data.examples, problems, strict=True):
