@@ -3,11 +3,12 @@ tokens per second, with each phase, so it shows where the time goes.
 
     uv run bench/bench_async.py [--scale tiny|smollm2] [--steps N] [--runs 3]
 
-Three shapes run interleaved, ``--runs`` times each, on the scale's workload
+Four shapes run interleaved, ``--runs`` times each, on the scale's workload
 (bench_grpo_vs_trl.py's SCALES; ``smollm2`` is grpo_math_smollm2.yaml, whose async twin is
 grpo_math_smollm2_async.yaml): synchronous with colocated generation (the CPU default),
-synchronous with split generation (the same workers as async, taking turns), and asynchronous
-(``grpo.async_grpo.enabled=true``, max_trajectory_age_steps=1). Per run, the median of the
+synchronous with split generation (the same workers as async, taking turns), asynchronous
+(``grpo.async_grpo.enabled=true``, max_trajectory_age_steps=1), and asynchronous with in-flight
+weight updates (the refit does not wait for the batch in progress). Per run, the median of the
 steps after the first two (warm-up, and async's first batch has nothing to overlap with),
 then the median of the runs with their spread (min-max). No validation, no checkpoints: the
 steps alone.
@@ -32,9 +33,12 @@ SHAPES = {
     "sync, colocated": (),
     "sync, split": (SPLIT,),
     "async, split": (SPLIT, "grpo.async_grpo.enabled=true"),
-}
+    "async, in-flight": (SPLIT, "grpo.async_grpo.enabled=true",
+                         "grpo.async_grpo.in_flight_weight_updates=true"),
+}  # fmt: skip
 PHASES = ("timing/generation_s", "timing/train_s", "timing/refit_s",
-          "timing/idle/buffer_starvation_s", "timing/idle/refit_bubble_s")  # fmt: skip
+          "timing/idle/buffer_starvation_s", "timing/idle/refit_bubble_s",
+          "train/mixed_version_samples")  # fmt: skip
 WARMUP = 2
 
 
@@ -84,14 +88,15 @@ def main() -> None:
     print(f"\nGRPO step, {a.scale}: median of {a.runs} runs (min-max), each the median of "
           f"{steps - WARMUP} steps after {WARMUP} warm-up")  # fmt: skip
     cols = ("step_s", "tok_per_s", *PHASES)
-    print(f"{'':16s}" + "".join(f"{c.removeprefix('timing/'):>27s}" for c in cols))
+    print(f"{'':16s}" + "".join(f"{c.split('/')[-1]:>27s}" for c in cols))
     for name, rows in per.items():
         cells = [spread([row[c] for row in rows], ".0f" if c == "tok_per_s" else ".3f")
                  for c in cols]  # fmt: skip
         print(f"{name:16s}" + "".join(f"{c:>27s}" for c in cells))
-    for base in ("sync, colocated", "sync, split"):
-        ratios = [s["step_s"] / x["step_s"] for s, x in zip(per[base], per["async, split"], strict=True)]  # fmt: skip
-        print(f"async speed-up over {base}, s/step: {spread(ratios)}x (measured)")
+    for shape in ("async, split", "async, in-flight"):
+        for base in ("sync, colocated", "sync, split"):
+            ratios = [s["step_s"] / x["step_s"] for s, x in zip(per[base], per[shape], strict=True)]  # fmt: skip
+            print(f"{shape} speed-up over {base}, s/step: {spread(ratios)}x (measured)")
     split = per["sync, split"]
     gen, train, refit = (statistics.median(r[k] for r in split) for k in PHASES[:3])
     sync_s, async_s = gen + train + refit, max(gen, train) + refit

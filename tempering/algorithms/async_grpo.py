@@ -41,6 +41,22 @@ from tempering.utils.timers import PhaseLog, Timer
 log = logging.getLogger(__name__)
 
 STATE_FILE = "async_state.pt"
+VERSIONS = "generation_weight_versions"  # [B, S]: each generated token's weights (in-flight)
+
+
+def token_version_metrics(versions: torch.Tensor, trainer_version: int) -> dict[str, float]:
+    """With in-flight weight updates: the share of samples whose tokens came from more than
+    one weight version, and the tokens' mean and largest age against the trainer's weights."""
+    generated = versions >= 0
+    newest = torch.where(generated, versions, -1).amax(1)
+    oldest = torch.where(generated, versions, 1 << 62).amin(1)
+    has = generated.any(1)
+    ages = (trainer_version - versions)[generated].float()
+    return {
+        "train/mixed_version_samples": float(((newest > oldest) & has).float().mean()),
+        "train/avg_token_age": float(ages.mean()) if ages.numel() else 0.0,
+        "train/max_token_age": float(ages.max()) if ages.numel() else 0.0,
+    }
 
 
 def train(run: grpo.GRPORun) -> dict[str, Any]:
@@ -61,6 +77,7 @@ class AsyncSteps:
                 "and set group_timeout_s=null"
             )
         self.run = run
+        self.in_flight = a.in_flight_weight_updates
         self.loss_fn = grpo.make_loss(cfg)
         self.num_groups = cfg.grpo.num_prompts_per_step
         self.phases = PhaseLog(str(Path(cfg.logger.log_dir) / "timeline.jsonl"))
@@ -137,8 +154,10 @@ class AsyncSteps:
         t0 = time.perf_counter()
         with timer.time("idle/buffer_starvation"), self.phases.phase("trainer", "wait", step):
             groups, taken = self.collector.take(step, self.num_groups)
-        batch = BatchedDataDict.from_batches(groups)
+        batch = BatchedDataDict.from_batches(groups, {VERSIONS: -1})
         extra: dict[str, float] = {}
+        if VERSIONS in batch:  # in-flight weight updates
+            extra.update(token_version_metrics(batch[VERSIONS], trainer_version=step - 1))
         if run.cfg.grpo.overlong_filtering:
             batch, n_masked = mask_overlong_samples(batch)
             extra["train/overlong_masked"] = float(n_masked)
@@ -151,12 +170,19 @@ class AsyncSteps:
         with self.phases.phase("trainer", "train", step):
             grpo.behaviour_logprobs(run, data, timer)
             train_metrics = grpo.train_policy(run, data, self.loss_fn, timer)
-        with timer.time("idle/refit_bubble"), self.phases.phase("trainer", "drain", step):
-            self.collector.wait_for_drain(step)
+        if self.in_flight:  # the refit goes to the batch in progress: nothing to wait for
+            timer.record("idle/refit_bubble", 0.0)
+        else:  # drain-then-refit: no batch mixes weight versions
+            with timer.time("idle/refit_bubble"), self.phases.phase("trainer", "drain", step):
+                self.collector.wait_for_drain(step)
         with self.phases.phase("trainer", "refit", step):
             with timer.time("refit"):
                 faults.maybe_fault("controller", "refit")
-                run.chat.refit(lambda: run.generation.refit(run.policy), version=step)
+                run.chat.refit(
+                    lambda: run.generation.refit(run.policy, version=step),
+                    version=step,
+                    drain=not self.in_flight,
+                )
             self.collector.weights_loaded(step)
         step_s = time.perf_counter() - t0
 

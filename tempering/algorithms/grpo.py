@@ -124,8 +124,9 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any]) -> GRPORun:
         gpu_share=colocated_gpu_share(plan),
     )
     generation = build_generation(
-        cfg.policy.generation, policy, model_path, tokenizer, plan, cfg.cluster
-    )
+        cfg.policy.generation, policy, model_path, tokenizer, plan, cfg.cluster,
+        in_flight_weight_updates=cfg.grpo.async_grpo.in_flight_weight_updates,
+    )  # fmt: skip
     chat = build_chat_service(
         cfg.policy.generation, generation, tokenizer, cfg.policy.max_total_sequence_length
     )
@@ -142,7 +143,7 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any]) -> GRPORun:
     checkpointer = common.build_checkpointer(cfg.checkpointing)
     start_step, info = common.maybe_resume(checkpointer, policy, dataloader)
     if start_step:
-        chat.refit(lambda: generation.refit(policy), version=start_step)
+        chat.refit(lambda: generation.refit(policy, version=start_step), version=start_step)
     logger = common.build_logger(cfg.logger, resolved, start_step)
     return GRPORun(
         cfg,

@@ -23,7 +23,9 @@ class AsyncGRPOConfig(Section):
         "(0 = on-policy, the synchronous schedule)",
     )
     in_flight_weight_updates: bool = Field(
-        False, description="load new weights between decode steps (not implemented: refused)"
+        False,
+        description="the refit reaches generation workers mid-batch: new weights load between "
+        "decode steps and every token records its weight version (torch engine)",
     )
     max_generation_failures: int = Field(
         0,

@@ -644,10 +644,17 @@ class GRPOMasterConfig(_Master):
 def _check_async(cfg: GRPOMasterConfig) -> None:
     """What asynchronous GRPO cannot do yet, refused at load with the reason."""
     a = cfg.grpo.async_grpo
-    if a.in_flight_weight_updates:
+    if a.in_flight_weight_updates and not a.enabled:
         raise ValueError(
-            "grpo.async_grpo.in_flight_weight_updates=true is not supported yet: refits drain "
-            "the collector's batch first; set it to false"
+            "grpo.async_grpo.in_flight_weight_updates=true loads new weights into a collector's "
+            "batch in progress, which only asynchronous GRPO has: set "
+            "grpo.async_grpo.enabled=true, or in_flight_weight_updates=false"
+        )
+    if a.in_flight_weight_updates and cfg.policy.generation.backend != "torch":
+        raise ValueError(
+            "grpo.async_grpo.in_flight_weight_updates=true is implemented for the torch "
+            f"engine; policy.generation.backend={cfg.policy.generation.backend!r} refits "
+            "between batches (drain-then-refit): set in_flight_weight_updates=false"
         )
     if not a.enabled:
         return

@@ -9,7 +9,9 @@ It lives in data/ so that both import it from below, and neither imports the oth
   token_mask [B, S] (1 on every generated token of every turn, 0 elsewhere), sample_mask [B],
   generation_logprobs [B, S] (the sampler's log-probs on generated tokens, 0 elsewhere),
   rewards [B] (summed over turns), turns [B], truncated [B], generation_lengths [B],
-  finish_reasons, message_logs.
+  finish_reasons, message_logs; with in-flight weight updates, when every episode's turns
+  carry them, generation_weight_versions [B, S] (the weight version of each generated token,
+  -1 elsewhere).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class EpisodeRecord:
     finish_reason: str
     messages: list[dict[str, Any]]
     masked: bool = False  # sample_mask 0: the episode counts for nothing
+    versions: list[list[int]] | None = None  # per span, each token's weight version
 
 
 def build_batch(episodes: Sequence[EpisodeRecord], pad_token_id: int = 0) -> BatchedDataDict:
@@ -57,7 +60,7 @@ def build_batch(episodes: Sequence[EpisodeRecord], pad_token_id: int = 0) -> Bat
     input_ids = torch.tensor(ids_rows, dtype=torch.long)
     token_mask = torch.tensor(mask_rows, dtype=torch.float32)
     logprobs = torch.tensor(lp_rows, dtype=torch.float32)
-    return BatchedDataDict(
+    batch = BatchedDataDict(
         input_ids=input_ids,
         input_lengths=torch.tensor([max(len(e.ids), 1) for e in episodes], dtype=torch.long),
         token_mask=token_mask,
@@ -70,3 +73,16 @@ def build_batch(episodes: Sequence[EpisodeRecord], pad_token_id: int = 0) -> Bat
         finish_reasons=[e.finish_reason for e in episodes],
         message_logs=[e.messages for e in episodes],
     )
+    if all(e.versions is not None for e in episodes):
+        batch["generation_weight_versions"] = _version_rows(episodes, S)
+    return batch
+
+
+def _version_rows(episodes: Sequence[EpisodeRecord], S: int) -> torch.Tensor:
+    rows = []
+    for ep in episodes:
+        row = [-1] * S
+        for (start, gen, _), versions in zip(ep.spans, ep.versions or [], strict=True):
+            row[start : start + len(gen)] = versions
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.long)

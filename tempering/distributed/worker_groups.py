@@ -219,6 +219,9 @@ class RayWorkerGroup:
         bundle_indices: put the workers on these bundles of ``cluster`` only (in rank
             order); default: one worker on every bundle.
         env_vars_per_rank: more environment variables, one dict per rank.
+        max_concurrency: calls a worker runs at once (Ray threads; default 1: one at a
+            time). Generation workers with in-flight weight updates take a refit's calls
+            while a ``generate`` runs.
     """
 
     def __init__(
@@ -235,6 +238,7 @@ class RayWorkerGroup:
         tensor_parallel_size: int = 1,
         bundle_indices: Sequence[int] | None = None,
         env_vars_per_rank: Sequence[dict[str, str]] | None = None,
+        max_concurrency: int = 1,
     ) -> None:
         self.name = name_prefix
         self.tp_size = tensor_parallel_size
@@ -268,6 +272,7 @@ class RayWorkerGroup:
                 ),
                 runtime_env={"py_executable": python, "env_vars": env},
                 max_restarts=0,
+                max_concurrency=max_concurrency,
             ).remote(builder.fqn, builder.args, builder.kwargs)
             for loc, env in zip(locations, envs, strict=True)
         ]

@@ -12,6 +12,12 @@ thread timing:
 - the refit to version ``u`` waits until every batch ``t <= u + max_age`` is in the buffer
   (drain-then-refit: no batch mixes weight versions).
 
+With in-flight weight updates (``in_flight_weight_updates``) the trainer does not wait for the
+drain: the refit to version ``u`` reaches the generation workers while they generate, and the
+batch in progress goes on with version ``u`` from the next decode step. Its tokens record
+their versions, each group is tagged with its oldest, and ages stay within ``max_age``; a
+run's samples then depend on timing.
+
 With ``max_age = 1`` the batch of step ``t + 1`` is generated while step ``t`` trains: one
 step off-policy, the overlap NeMo RL and verl call one-step-off. ``max_age = 0`` is the
 synchronous schedule (no overlap).
@@ -56,6 +62,17 @@ class CollectorStalledError(TimeoutError):
 def _version_for(step: int, max_age: int) -> int:
     """The weight version the batch of ``step`` is generated with."""
     return max(0, step - 1 - max_age)
+
+
+def _tag(group: Any, started_with: int) -> tuple[int, Any]:
+    """A group's weight version for the buffer: the version its batch started with, or --
+    with in-flight weight updates, whose tokens carry their versions -- the oldest version
+    that generated one of its tokens (a refit may land before its first token)."""
+    versions = group.get("generation_weight_versions")
+    if versions is None:
+        return started_with, None
+    generated = versions[versions >= 0]
+    return (int(generated.min()) if generated.numel() else started_with), versions
 
 
 class RolloutCollector:
@@ -140,7 +157,7 @@ class RolloutCollector:
                     with self._cv:
                         if groups is not None:
                             for group in groups:
-                                self.buffer.push(group, version)
+                                self.buffer.push(group, *_tag(group, version))
                             self.next_step = step + 1
                         self._busy = False
                         self._cv.notify_all()

@@ -179,6 +179,7 @@ def result_from_response(payload: dict[str, Any]) -> ChatResult:
         finish_reason=choice["finish_reason"],
         weight_version=int(payload.get("weight_version", -1)),
         replica=None,
+        generation_weight_versions=message.get("generation_weight_versions"),
     )
 
 
@@ -190,6 +191,7 @@ class _Episode:
     metadata: dict[str, Any]
     sampling: SamplingConfig
     spans: list[tuple[int, list[int], list[float]]] = field(default_factory=list)
+    versions: list[list[int] | None] = field(default_factory=list)  # per span, per token
     last: ChatResult | None = None
     reward: float = 0.0
     turns: int = 0
@@ -299,6 +301,7 @@ def _add_turn(ep: _Episode, result: ChatResult) -> None:
                 "the previous turn's prompt + generation ids; its tokens would train off-policy"
             )
     ep.spans.append((len(result.prompt_ids), result.generation_ids, result.generation_logprobs))
+    ep.versions.append(result.generation_weight_versions)
     ep.last = result
     ep.turns += 1
     ep.messages.append(result.message)
@@ -315,4 +318,5 @@ def _record(ep: _Episode) -> EpisodeRecord:
         finish_reason=last.finish_reason if last else "length",
         messages=ep.messages,
         masked=last is None,
+        versions=ep.versions if all(v is not None for v in ep.versions) else None,
     )

@@ -211,3 +211,38 @@ def test_every_state_seen_under_quiesce_holds_whole_steps():
         c.stop()
     assert not errors, errors
     assert seen > steps  # the checks interleaved with the run
+
+
+def test_in_flight_groups_are_tagged_with_their_oldest_token_version():
+    """With in-flight weight updates a refit may land before a group's first token: the
+    buffer tags each group with the oldest version among its tokens (-1: not generated), so
+    its age bounds every token's; a group without generated tokens keeps the batch's."""
+    versions = torch.tensor([[-1, 1, 2], [-1, 2, 2],  # group 0: tokens of versions 1 and 2
+                             [-1, 2, 2], [-1, 2, -1],  # group 1: all of version 2
+                             [-1, -1, -1], [-1, -1, -1]])  # group 2: nothing generated  # fmt: skip
+
+    def produce(step: int) -> BatchedDataDict:
+        return BatchedDataDict(generation_weight_versions=versions)
+
+    buffer = ReplayBuffer(max_size=P)
+    c = RolloutCollector(produce, buffer, group_size=G, max_age=1, next_step=1, weight_version=1,
+                         last_step=1, stall_timeout_s=20.0)  # fmt: skip
+    c.start()
+    try:
+        with c._cv:
+            assert c._cv.wait_for(lambda: c.next_step == 2 and not c._busy, timeout=20)
+            held = [(g.weight_version, g.token_versions) for g in buffer._groups]
+    finally:
+        c.stop()
+    assert [v for v, _ in held] == [1, 2, 1]
+    assert all(torch.equal(t, versions[2 * i : 2 * i + 2]) for i, (_, t) in enumerate(held))
+
+
+def test_token_version_metrics_by_hand():
+    from tempering.algorithms.async_grpo import token_version_metrics
+
+    versions = torch.tensor([[-1, 3, 4, -1], [-1, 4, 4, 4], [-1, -1, -1, -1]])
+    m = token_version_metrics(versions, trainer_version=4)
+    assert m["train/mixed_version_samples"] == pytest.approx(1 / 3)  # row 0 of 3 rows
+    assert m["train/avg_token_age"] == pytest.approx(1 / 5)  # ages 1, 0, 0, 0, 0
+    assert m["train/max_token_age"] == 1.0

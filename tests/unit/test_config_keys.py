@@ -46,7 +46,6 @@ REFUSED_UNLESS_DEFAULT = {
     "policy.dynamic_batching.sequence_length_round": 64,
     "policy.generation_batch_size": 32,
     "data.max_input_seq_length": 1024,
-    "grpo.async_grpo.in_flight_weight_updates": True,
 }
 # Fields whose only allowed value is their default (a Literal of one), so nothing to read.
 SINGLE_VALUE = {"policy.sequence_packing.algorithm"}
@@ -349,6 +348,34 @@ def test_unimplemented_values_are_refused_by_name(key, value):
         load_config(config, [f"{key}={str(value).lower() if isinstance(value, bool) else value}"],
                     schema=schemas.GRPOMasterConfig)  # fmt: skip
     assert key in str(info.value) and "is not supported" in str(info.value)
+
+
+ASYNC_SPLIT = ["grpo.async_grpo.enabled=true", "policy.generation.colocated.enabled=false"]
+
+
+@pytest.mark.parametrize(
+    "overrides, names",
+    [
+        (["grpo.async_grpo.enabled=true"], "colocated.enabled=false"),
+        ([*ASYNC_SPLIT, "grpo.use_dynamic_sampling=true"], "use_dynamic_sampling"),
+        (["grpo.async_grpo.in_flight_weight_updates=true"], "grpo.async_grpo.enabled=true"),
+        ([*ASYNC_SPLIT, "grpo.async_grpo.in_flight_weight_updates=true",
+          "policy.generation.backend=vllm"], "backend='vllm'"),
+    ],
+)  # fmt: skip
+def test_async_grpo_refuses_what_it_cannot_do_with_the_fix(overrides, names):
+    config = REPO / "examples" / "configs" / "grpo_math_tiny.yaml"
+    with pytest.raises(ConfigError, match=names.replace(".", r"\.").replace("[", r"\[")):
+        load_config(config, overrides, schema=schemas.GRPOMasterConfig)
+
+
+def test_in_flight_weight_updates_load_with_async_and_the_torch_engine():
+    config = REPO / "examples" / "configs" / "grpo_math_tiny.yaml"
+    cfg, _ = load_config(
+        config, [*ASYNC_SPLIT, "grpo.async_grpo.in_flight_weight_updates=true"],
+        schema=schemas.GRPOMasterConfig,
+    )  # fmt: skip
+    assert cfg.grpo.async_grpo.in_flight_weight_updates
 
 
 class _RecordingGroup:

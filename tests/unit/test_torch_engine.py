@@ -251,6 +251,62 @@ def test_update_weights_in_place(tokenizer, batch):
         engine.update_weights({"model.norm.weight": torch.zeros(3)})
 
 
+def test_in_flight_update_loads_between_decode_steps_and_tokens_record_it(tokenizer, batch):
+    """Async GRPO's in-flight weight updates: weights committed while a generation runs load
+    at the next boundary between decode steps, never inside a forward; each token records
+    the version that produced it; staged weights alone change nothing."""
+    model_b = _random_llama(tokenizer, 2)
+    reference = TorchGenerationEngine(_random_llama(tokenizer, 1), tokenizer, max_new_tokens=8)
+    before = reference.generate(batch, greedy=True)
+    engine = TorchGenerationEngine(_random_llama(tokenizer, 1), tokenizer, max_new_tokens=8)
+    engine.in_flight = True
+    names = list(model_b.state_dict())
+    engine.stage_weights({n: model_b.state_dict()[n] for n in names[: len(names) // 2]})
+    engine.stage_weights({n: model_b.state_dict()[n] for n in names[len(names) // 2 :]})
+    assert torch.equal(engine.generate(batch, greedy=True)["output_ids"], before["output_ids"])
+
+    forwards = []
+
+    def commit_during_the_third_forward(module, args, kwargs, output):
+        forwards.append(1)
+        if len(forwards) == 3:  # prefill -> token 0, decode forwards -> tokens 1, 2 (...)
+            engine.commit_weights(1)
+
+    hook = engine.model.register_forward_hook(commit_during_the_third_forward, with_kwargs=True)
+    try:
+        out = engine.generate(batch, greedy=True)
+    finally:
+        hook.remove()
+    assert engine.weight_version == 1
+    for name, value in model_b.state_dict().items():  # all of the new weights, loaded
+        assert torch.equal(engine.model.state_dict()[name], value), name
+    versions = out["token_weight_versions"]
+    long_rows = 0
+    for b in range(len(PROMPTS)):
+        start, n = int(batch["input_lengths"][b]), int(out["generation_lengths"][b])
+        assert (versions[b, :start] == -1).all() and (versions[b, start + n :] == -1).all()
+        expected = [0] * min(n, 3) + [1] * max(n - 3, 0)  # token 3 on: the new weights
+        assert versions[b, start : start + n].tolist() == expected, b
+        # Tokens 0-2 are the old weights' (as without a refit); later ones differ.
+        k = min(n, 3)
+        assert _generated(out, batch, b)[:k] == _generated(before, batch, b)[:k]
+        torch.testing.assert_close(
+            out["logprobs"][b, start : start + k], before["logprobs"][b, start : start + k]
+        )
+        if n > 3 and int(before["generation_lengths"][b]) > 3:
+            long_rows += 1
+            assert not torch.allclose(
+                out["logprobs"][b, start + 3 : start + 4],
+                before["logprobs"][b, start + 3 : start + 4],
+            ), b
+    assert long_rows >= 1
+    # No generation running: a commit loads at once.
+    engine.stage_weights(_random_llama(tokenizer, 1).state_dict())
+    engine.commit_weights(2)
+    assert engine.weight_version == 2
+    assert torch.equal(engine.generate(batch, greedy=True)["output_ids"], before["output_ids"])
+
+
 def test_invalid_sampling_config_names_every_problem():
     with pytest.raises(ValueError) as e:
         SamplingConfig(temperature=0, top_p=1.5, max_new_tokens=0)

@@ -94,8 +94,9 @@ class ColocatedGeneration(_ReplicaGeneration):
         self.sampling = sampling
         policy.init_colocated_generation(dataclasses.asdict(sampling))
 
-    def refit(self, policy: Any) -> None:
-        """Every policy worker copies its trained weights into its engine."""
+    def refit(self, policy: Any, version: int | None = None) -> None:
+        """Every policy worker copies its trained weights into its engine (``version`` is
+        the chat service's to keep)."""
         _run_all(policy.worker_group, "generation.refit")
 
     def reseed(self, seed: int) -> None:
@@ -113,17 +114,27 @@ class SplitGeneration(_ReplicaGeneration):
     """A worker group of generation workers fed new weights through the object store.
 
     ``sleeps``: colocated vLLM (GPU): the engines sleep after generating and the refit wakes
-    them, with the policy's optimizer state off the GPU in between (see module docstring)."""
+    them, with the policy's optimizer state off the GPU in between (see module docstring).
+    ``in_flight``: the torch engines take a refit while they generate (async GRPO's
+    ``in_flight_weight_updates``): the buckets are staged, and ``commit_weights(version)``
+    makes each engine load them between two decode steps."""
 
     generate_method = "generate"
 
     def __init__(
-        self, worker_group: Any, cluster: Any, sleeps: bool = False, refit_dtype: str | None = None
+        self,
+        worker_group: Any,
+        cluster: Any,
+        sleeps: bool = False,
+        refit_dtype: str | None = None,
+        in_flight: bool = False,
     ) -> None:
         self.worker_group = worker_group
         self.cluster = cluster  # None when it shares the policy's (colocated)
         self.sleeps = sleeps
         self.refit_dtype = refit_dtype
+        self.in_flight = in_flight
+        self.version = 0  # the weight version the engines hold (in-flight: their tokens')
         self.last_refit_bytes = 0  # what the last refit put into the object store
         self._policy: Any = None
 
@@ -131,15 +142,23 @@ class SplitGeneration(_ReplicaGeneration):
         """Every worker's sampling stream restarts from ``seed`` (offset by rank)."""
         _run_all(self.worker_group, "reseed", seed)
 
-    def refit(self, policy: Any) -> None:
-        """The policy's current weights into every engine (`refit.stream_weights`)."""
+    def refit(self, policy: Any, version: int | None = None) -> None:
+        """The policy's current weights into every engine (`refit.stream_weights`) as
+        ``version`` (default: the next)."""
         from tempering.models.generation.refit import stream_weights
 
+        self.version = self.version + 1 if version is None else version
         if self.sleeps:  # colocated: optimizer state off the GPU, engines awake to load
             self._policy = policy
             policy.prepare_for_generation()
             _run_all(self.worker_group, "prepare_for_generation")
-        self.last_refit_bytes = stream_weights(policy, self.worker_group, self.refit_dtype)
+        if not self.in_flight:
+            self.last_refit_bytes = stream_weights(policy, self.worker_group, self.refit_dtype)
+            return
+        self.last_refit_bytes = stream_weights(
+            policy, self.worker_group, self.refit_dtype, method="stage_weights"
+        )
+        _run_all(self.worker_group, "commit_weights", self.version)
 
     def finish_generation(self) -> None:
         """Colocated vLLM: the engines sleep, the policy's optimizer state comes back."""
@@ -202,8 +221,11 @@ def build_generation(
     tokenizer: Any,
     plan: Any,
     cluster_cfg: ClusterConfig,
+    in_flight_weight_updates: bool = False,
 ) -> ColocatedGeneration | SplitGeneration:
-    """The generator the placement ``plan`` describes (see the module docstring)."""
+    """The generator the placement ``plan`` describes (see the module docstring);
+    ``in_flight_weight_updates`` (split torch workers only; the config refuses the rest):
+    refits reach workers while they generate."""
     sampling = sampling_from_config(gen, tokenizer)
     if gen.backend == "torch" and gen.colocated.enabled:
         return ColocatedGeneration(policy, sampling)
@@ -213,7 +235,10 @@ def build_generation(
     group_plan = plan.generation
     on_gpus = cluster_cfg.gpus_per_node > 0
     if gen.backend == "torch":
-        builder = RayWorkerBuilder(TORCH_WORKER_FQN, model_path, dataclasses.asdict(sampling))
+        builder = RayWorkerBuilder(
+            TORCH_WORKER_FQN, model_path, dataclasses.asdict(sampling),
+            in_flight=in_flight_weight_updates,
+        )  # fmt: skip
         refit_dtype = None  # the torch engine runs in the policy's dtype
     else:
         v = gen.vllm_cfg
@@ -236,9 +261,14 @@ def build_generation(
         generation = SplitGeneration(group, None, sleeps=True, refit_dtype=refit_dtype)
     else:
         cluster = cluster_for_group(group_plan, cluster_cfg.cpus_per_worker, "generation")
-        group = RayWorkerGroup(cluster, builder, name_prefix=f"gen-{gen.backend}")
-        generation = SplitGeneration(group, cluster, refit_dtype=refit_dtype)
-    generation.refit(policy)  # start from the policy's current weights
+        group = RayWorkerGroup(
+            cluster, builder, name_prefix=f"gen-{gen.backend}",
+            max_concurrency=2 if in_flight_weight_updates else 1,
+        )  # fmt: skip
+        generation = SplitGeneration(
+            group, cluster, refit_dtype=refit_dtype, in_flight=in_flight_weight_updates
+        )
+    generation.refit(policy, version=0)  # start from the policy's current weights
     return generation
 
 

@@ -132,8 +132,10 @@ class ChatResult:
     text: str  # decoded generation (stop string and everything after it removed)
     parsed: ParsedToolCalls | None  # tool calls (None when the request does not parse them)
     finish_reason: str  # "stop" | "length" | "tool_calls"
-    weight_version: int
+    weight_version: int  # with per-token versions: the oldest of them
     replica: int | None
+    # in-flight weight updates: the weight version of each generated token
+    generation_weight_versions: list[int] | None = None
 
     @property
     def message(self) -> dict[str, Any]:
@@ -146,6 +148,8 @@ class ChatResult:
         message["prompt_token_ids"] = self.prompt_ids
         message["generation_token_ids"] = self.generation_ids
         message["generation_log_probs"] = self.generation_logprobs
+        if self.generation_weight_versions is not None:
+            message["generation_weight_versions"] = self.generation_weight_versions
         return message
 
 
@@ -300,9 +304,17 @@ class ChatCompletionService:
         return result
 
     # ---- refit ---------------------------------------------------------------------------
-    def refit(self, load_weights: Callable[[], None], version: int | None = None) -> None:
+    def refit(
+        self, load_weights: Callable[[], None], version: int | None = None, drain: bool = True
+    ) -> None:
         """Run `load_weights` once no backend call is in flight; calls that arrive meanwhile
-        wait. Then ``weight_version`` becomes `version` (default: +1)."""
+        wait. Then ``weight_version`` becomes `version` (default: +1). ``drain=False``
+        (in-flight weight updates): calls in flight go on, and new ones are not held."""
+        if not drain:
+            load_weights()
+            with self._cv:
+                self.weight_version = self.weight_version + 1 if version is None else version
+            return
         with self._cv:
             self._refitting = True
             self._cv.wait_for(lambda: self._in_flight == 0)
@@ -442,6 +454,10 @@ class ChatCompletionService:
             ids = out["top_logprob_ids"][b][start : start + n]
             values = out["top_logprobs"][b][start : start + n]
             top = [list(zip(i, v, strict=True)) for i, v in zip(ids, values, strict=True)]
+        versions = None
+        if "token_weight_versions" in out:  # in-flight weight updates: per token
+            versions = out["token_weight_versions"][b][start : start + n]
+            version = min(versions, default=version)
         text = self.prompts.decode(gen_ids)
         for stop in row.request.sampling.stop_strings:  # OpenAI: the stop text is not returned
             if stop in text:
@@ -458,7 +474,7 @@ class ChatCompletionService:
         return ChatResult(prompt_ids=row.prompt_ids, generation_ids=gen_ids,
                           generation_logprobs=logprobs, top_logprobs=top, text=text,
                           parsed=parsed, finish_reason=finish, weight_version=version,
-                          replica=replica)  # fmt: skip
+                          replica=replica, generation_weight_versions=versions)  # fmt: skip
 
     # ---- for the HTTP layer --------------------------------------------------------------
     def note_ignored_fields(self, names: Sequence[str]) -> None:
@@ -477,7 +493,8 @@ class ChatCompletionService:
         return text
 
 
-_OUTPUT_KEYS = ("output_ids", "logprobs", "generation_lengths", "top_logprob_ids", "top_logprobs")
+_OUTPUT_KEYS = ("output_ids", "logprobs", "generation_lengths", "top_logprob_ids", "top_logprobs",
+                "token_weight_versions")  # fmt: skip
 
 
 def _pad_id(tokenizer: Any) -> int:

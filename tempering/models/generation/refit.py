@@ -21,17 +21,23 @@ DEFAULT_BUCKET_MB = 512
 
 
 def stream_weights(
-    policy: Any, worker_group: Any, dtype: str | None, bucket_mb: int = DEFAULT_BUCKET_MB
+    policy: Any,
+    worker_group: Any,
+    dtype: str | None,
+    bucket_mb: int = DEFAULT_BUCKET_MB,
+    method: str = "update_weights",
 ) -> int:
     """Load the policy's weights (its ``refit`` handle, `RefittablePolicy`) into every worker
-    of ``worker_group`` (``update_weights``); returns the bytes put into the object store."""
+    of ``worker_group`` by its ``method`` (``update_weights``, or ``stage_weights`` for an
+    in-flight update that ``commit_weights`` ends); returns the bytes put into the object
+    store."""
     buckets = policy.refit.buckets(bucket_mb * 2**20)
     moved = 0
     pending: list[Any] = []  # the generation workers' loads of the previous bucket
     for names in buckets:
         ref, nbytes = policy.refit.bucket(names, dtype)  # gathered while the last one loads
         worker_group.get_all_worker_results(pending)
-        pending = worker_group.run_all_workers_single_data("update_weights", ref)
+        pending = worker_group.run_all_workers_single_data(method, ref)
         moved += nbytes
     worker_group.get_all_worker_results(pending)
     return moved

@@ -30,6 +30,7 @@ generating. Implements `GenerationInterface` with the token layout of docs/CONTR
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -85,6 +86,15 @@ class TorchGenerationEngine:
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        # In-flight weight updates (async GRPO): staged weights wait for the next boundary
+        # between decode steps; every generated token records the version that produced it.
+        self.in_flight = False  # set by a worker that takes in-flight updates: see generate
+        self.weight_version = 0
+        self._staged: dict[str, torch.Tensor] = {}
+        self._pending: tuple[dict[str, torch.Tensor], int] | None = None
+        self._weights_lock = threading.Lock()  # guards the model's weights, staged and pending
+        self._generate_lock = threading.Lock()  # one generate call at a time
+        self._generating = False
 
     def reseed(self, seed: int) -> None:
         """Restart the sampling stream from ``seed`` (GRPO reseeds every step from the run's
@@ -122,6 +132,39 @@ class TorchGenerationEngine:
                     )
                 target.copy_(value)
 
+    # ---- in-flight weight updates ----------------------------------------------------------
+
+    def stage_weights(self, weights: Mapping[str, Any]) -> None:
+        """Hold part of the next weights (a refit bucket) without touching the model: a
+        generation running meanwhile goes on with the weights it has."""
+        with self._weights_lock:
+            self._staged.update(weights)
+
+    def commit_weights(self, version: int) -> None:
+        """The staged weights become ``version``: at once when no generation runs, else at the
+        next boundary between decode steps (never inside a forward, never half a refit)."""
+        with self._weights_lock:
+            self._pending, self._staged = (self._staged, int(version)), {}
+            if not self._generating:
+                self._apply_pending()
+
+    def is_generating(self) -> bool:
+        return self._generating
+
+    def _apply_pending(self) -> None:
+        """Load the committed weights (the caller holds ``_weights_lock``)."""
+        if self._pending is not None:
+            weights, version = self._pending
+            self._pending = None
+            self.update_weights(weights)
+            self.weight_version = version
+
+    def _between_steps(self) -> int:
+        """The version the next decode step runs with, after loading committed weights."""
+        with self._weights_lock:
+            self._apply_pending()
+            return self.weight_version
+
     @torch.inference_mode()
     def generate(
         self, data: Mapping[str, Any], greedy: bool = False, sampling: SamplingConfig | None = None
@@ -146,12 +189,19 @@ class TorchGenerationEngine:
         generator = self.generator
         if sampling is not None and sampling.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            decoded = _Decode(self, cfg, greedy, generator).run(input_ids, lengths, row_caps)
-        finally:
-            self.model.train(was_training)
+        with self._generate_lock:
+            was_training = self.model.training
+            self.model.eval()
+            with self._weights_lock:
+                self._generating = True
+            try:
+                decode = _Decode(self, cfg, greedy, generator)
+                decoded = decode.run(input_ids, lengths, row_caps)
+            finally:
+                with self._weights_lock:
+                    self._generating = False
+                    self._apply_pending()  # a commit during the last step
+                self.model.train(was_training)
         generated, gen_logprobs, gen_lengths, stopped, top_ids, top_values = decoded
 
         # Right-padded output: prompt, then generated tokens, then padding.  [B, S + T]
@@ -180,6 +230,14 @@ class TorchGenerationEngine:
             out["top_logprobs"] = torch.zeros((B, S + T, k)).scatter_(
                 1, dest_k, top_values * in_gen[:, :, None]
             )
+        if not self.in_flight:
+            return out
+        # The weight version of every generated token (-1 elsewhere) [B, S + T]
+        versions = torch.full((B, S + T), -1, dtype=torch.long, device=self.device)
+        step_versions = decode.versions[:T].to(self.device)[None, :].expand(B, T)
+        out["token_weight_versions"] = versions.scatter_(
+            1, dest, torch.where(in_gen, step_versions, -1)
+        )
         return out
 
     # ---- internals -------------------------------------------------------------------------
@@ -242,6 +300,7 @@ class _Decode:
         self.stop_ids = torch.tensor(stop_ids, dtype=torch.long, device=engine.device)
         max_chars = max((len(s) for s in cfg.stop_strings), default=0)
         self.stop_window = _BYTES_PER_CHAR * max_chars + _STOP_WINDOW_SLACK
+        self.versions = torch.empty(0, dtype=torch.long)  # [T]: the weights of each step
 
     def run(
         self, input_ids: torch.Tensor, lengths: torch.Tensor, row_caps: torch.Tensor
@@ -250,6 +309,8 @@ class _Decode:
         tokens per row; the result's T <= max(row_caps)."""
         max_new = int(row_caps.max())
         cache = _preallocated_cache(self.model.config, capacity=input_ids.shape[1] + max_new)
+        self.versions = torch.full((max_new,), -1, dtype=torch.long)
+        self.versions[0] = self.engine._between_steps()  # the first token: the prefill's
         logits, attention_mask = self._prefill(input_ids, lengths, cache)
         decoded = _Decoded.empty(len(lengths), max_new, self.cfg.top_logprobs, self.pad, input_ids)
         steps = self._decode(logits, attention_mask, cache, lengths, row_caps, decoded)
@@ -334,6 +395,8 @@ class _Decode:
             attention_mask = torch.cat(
                 [attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1
             )
+            if step + 1 < len(self.versions):  # new weights load here, between two steps
+                self.versions[step + 1] = self.engine._between_steps()
             out = self.model(
                 input_ids=generated[rows, step : step + 1],
                 attention_mask=attention_mask,

@@ -3,6 +3,10 @@
 Used in split mode (`policy.generation.colocated.enabled=false`, backend torch): generation
 lives in its own worker group and receives new weights by refit (a Ray object ref to the
 policy's full state dict, fetched by each worker straight from the object store).
+
+With in-flight weight updates (async GRPO) the actor runs two calls at a time (Ray's
+``max_concurrency=2``): a refit's ``stage_weights`` / ``commit_weights`` arrive while
+``generate`` runs, and the engine loads the committed weights between two decode steps.
 """
 
 from __future__ import annotations
@@ -23,7 +27,11 @@ from tempering.utils import faults
 
 class TorchGenerationWorker:
     def __init__(
-        self, model_path: str, sampling: dict[str, Any], num_threads: int | None = None
+        self,
+        model_path: str,
+        sampling: dict[str, Any],
+        num_threads: int | None = None,
+        in_flight: bool = False,
     ) -> None:
         from tempering.models.hf import load_causal_lm, load_tokenizer
 
@@ -34,6 +42,7 @@ class TorchGenerationWorker:
         self.tokenizer = load_tokenizer(model_path)
         self.sampling = SamplingConfig(**sampling)
         self.engine = TorchGenerationEngine(self.model, self.tokenizer, self.sampling)
+        self.engine.in_flight = in_flight  # outputs carry each token's weight version
 
     def generate(
         self, data: Mapping[str, Any], greedy: bool = False, sampling: SamplingConfig | None = None
@@ -48,6 +57,16 @@ class TorchGenerationWorker:
     def update_weights(self, weights: Mapping[str, Any]) -> None:
         faults.maybe_fault("generation", "refit")
         self.engine.update_weights(weights)
+
+    def stage_weights(self, weights: Mapping[str, Any]) -> None:
+        faults.maybe_fault("generation", "refit")
+        self.engine.stage_weights(weights)
+
+    def commit_weights(self, version: int) -> None:
+        self.engine.commit_weights(version)
+
+    def is_generating(self) -> bool:
+        return self.engine.is_generating()
 
     def prepare_for_generation(self) -> None:
         self.engine.prepare_for_generation()
