@@ -269,6 +269,42 @@ def test_refit_waits_for_in_flight_calls_and_versions_the_responses(backend, tok
         assert later["weight_version"] == 7
 
 
+def test_refit_without_drain_reaches_calls_in_flight_and_tokens_carry_versions(tokenizer):
+    """In-flight weight updates (async GRPO): ``refit(drain=False)`` does not wait for the call
+    in flight; the engine loads the weights before its next decode step, and the training-mode
+    response carries each token's version (the rollout client reads them back)."""
+    from tempering.experience.rollouts import result_from_response
+
+    engine = TorchGenerationEngine(load_causal_lm("tiny-arith"), tokenizer, max_new_tokens=6)
+    engine.in_flight = True
+    backend = CountingBackend(engine)
+    backend.gate = threading.Event()
+    service = _service(backend, tokenizer, batch_wait_ms=0)
+    new = {k: v + 0.01 for k, v in load_causal_lm("tiny-arith").state_dict().items()}
+
+    def load() -> None:
+        engine.stage_weights(new)
+        engine.commit_weights(3)
+
+    with OpenAIServer(service) as srv:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": Q1}]}
+        first: dict = {}
+        t = threading.Thread(
+            target=lambda: first.update(httpx.post(f"{srv.base_url}/chat/completions", json=body, timeout=60).json())
+        )  # fmt: skip
+        t.start()
+        assert backend.entered.wait(30)  # a backend call is in flight
+        service.refit(load, version=3, drain=False)  # returns with the call still held
+        assert t.is_alive() and service.weight_version == 3
+        backend.gate.set()
+        t.join(30)
+    message = first["choices"][0]["message"]
+    n = len(message["generation_token_ids"])
+    assert n > 0 and message["generation_weight_versions"] == [3] * n
+    assert first["weight_version"] == 3
+    assert result_from_response(first).generation_weight_versions == [3] * n
+
+
 class TwoReplicas:
     """Two data-parallel replicas of the same engine, recording which served each row."""
 

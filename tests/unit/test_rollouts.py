@@ -162,3 +162,35 @@ def test_a_straggling_batch_meets_its_deadline(service, tokenizer):
     assert (cut["turns"] <= 2).all() and cut["truncated"][running].all()
     # what the cut episodes did before the deadline is kept, rewards included
     assert torch.equal(cut["rewards"][~running], free["rewards"][~running])
+
+
+def test_in_flight_versions_follow_every_generated_token_across_turns(model, tokenizer):
+    """With in-flight weight updates each token carries its weight version into the batch:
+    a refit between turn 1 and turn 2 (committed from the environment's step here) shows as
+    version 0 on turn 1's tokens and 5 on later turns' -- and -1 exactly where no token was
+    generated."""
+    engine = TorchGenerationEngine(model, tokenizer, max_new_tokens=6, seed=0)
+    engine.in_flight = True
+    settings = ServerSettings(model_name="tiny", max_model_len=64, default_sampling=SAMPLING)
+    service = ChatCompletionService(engine, tokenizer, settings)
+    env = ArithmeticRetryEnvironment(max_attempts=3, discount=0.5)
+    step = env.step
+
+    def step_then_refit(*args, **kwargs):
+        out = step(*args, **kwargs)
+        if engine.weight_version == 0:
+            engine.commit_weights(5)  # nothing staged: same weights, a new version
+        return out
+
+    env.step = step_then_refit
+    batch = run_rollouts(
+        InProcessTurnClient(service), _samples(32, tokenizer), {"retry": env}, sampling=SAMPLING,
+        max_turns=3, max_seq_len=64,
+    )  # fmt: skip
+    versions, mask = batch["generation_weight_versions"], batch["token_mask"].bool()
+    assert torch.equal(versions >= 0, mask)
+    assert (batch["turns"] > 1).any()
+    for b, log in enumerate(batch["message_logs"]):
+        for turn, m in enumerate(a for a in log if a["role"] == "assistant"):
+            start, n = len(m["prompt_token_ids"]), len(m["generation_token_ids"])
+            assert versions[b, start : start + n].tolist() == [0 if turn == 0 else 5] * n
