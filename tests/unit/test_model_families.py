@@ -218,3 +218,70 @@ def test_policy_start_up_refuses_tp_for_a_family_without_a_plan(folders, monkeyp
     monkeypatch.setattr(model_setup.ModelSource, "read", no_read)
     with pytest.raises(ValueError, match="'phi3'.*fused.*tensor_parallel_size=1"):
         _load_with_tp(folders("phi3"), monkeypatch)
+
+
+# ---- mixture of experts: the router's load-balancing loss in training ---------------------
+
+
+@pytest.fixture
+def tiny_llama_dir(folders):
+    """What `make_worker` (tests/conftest.py) builds from: here the mixture-of-experts family."""
+    return folders("qwen3_moe")
+
+
+def _moe_batch(folder: str) -> tuple:
+    from tempering.distributed.batched_data_dict import BatchedDataDict
+
+    tok = load_tokenizer(folder)
+    rows = [
+        tok(t, add_special_tokens=False)["input_ids"] for t in ("Q: 1+2=? A: 3", "Q: 45+5=? A:")
+    ]
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
+    lengths = torch.tensor([len(r) for r in rows])
+    mask = (torch.arange(width)[None] < lengths[:, None]).float()
+    mask[:, 0] = 0
+    return BatchedDataDict(input_ids=ids, input_lengths=lengths, token_mask=mask,
+                           sample_mask=torch.ones(2)), mask  # fmt: skip
+
+
+def test_moe_training_adds_the_router_loss_and_logs_the_expert_load(make_worker, folders):
+    from tempering.losses import NLLLoss
+    from tempering.models.policy.moe import MoERouting
+
+    folder = folders("qwen3_moe")
+    batch, _ = _moe_batch(folder)
+    model = load_causal_lm(folder).eval()
+    attn = torch.arange(batch["input_ids"].shape[1])[None] < batch["input_lengths"][:, None]
+    with torch.no_grad():
+        ref = model(
+            input_ids=batch["input_ids"], attention_mask=attn.long(), output_router_logits=True
+        )
+    routing = MoERouting.of(model)
+    assert routing is not None and routing.aux_loss_coef > 0 and MoERouting.of(
+        load_causal_lm(folders("qwen2"))) is None  # fmt: skip
+    # Hand-computed expert load: top-k assignments of the real tokens, over layers.
+    counts = torch.zeros(routing.num_experts)
+    for layer in ref.router_logits:
+        top = layer.topk(routing.top_k, -1).indices[attn.reshape(-1)]
+        counts += torch.bincount(top.reshape(-1), minlength=routing.num_experts)
+    load = counts / counts.sum()
+
+    worker = make_worker(optimizer="sgd", learning_rate=1.0, max_grad_norm=None)
+    m = worker.train(batch, NLLLoss(), global_batch_size=2, micro_batch_size=2, eval_mode=True)
+    assert m["moe_aux_loss"] == pytest.approx(routing.aux_loss_coef * float(ref.aux_loss), rel=1e-5)
+    assert m["moe_expert_load_max"] == pytest.approx(float(load.max()) * routing.num_experts)
+    assert m["moe_expert_load_min"] == pytest.approx(float(load.min()) * routing.num_experts)
+
+    # The term reaches the router's gradient: one SGD step moves the gates differently
+    # with the coefficient than without it (the objective's loss being the same).
+    gates = {}
+    for coef in (routing.aux_loss_coef * 1000, 0.0):
+        worker = make_worker(optimizer="sgd", learning_rate=1.0, max_grad_norm=None)
+        worker.moe = dataclasses.replace(worker.moe, aux_loss_coef=coef)
+        worker.train(batch, NLLLoss(), global_batch_size=2, micro_batch_size=2)
+        gates[coef] = {k: v.full_tensor().clone() if hasattr(v, "full_tensor") else v.clone()
+                       for k, v in worker.state.model.state_dict().items() if "mlp.gate." in k}  # fmt: skip
+    assert gates[0.0] and any(
+        not torch.allclose(gates[0.0][k], v) for k, v in gates[routing.aux_loss_coef * 1000].items()
+    )

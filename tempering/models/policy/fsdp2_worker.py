@@ -55,6 +55,7 @@ from tempering.models.policy.model_setup import (
     require_head,
     shared_prefix_ratio,
 )
+from tempering.models.policy.moe import MoERouting
 from tempering.models.policy.optim import build_lr_scheduler, build_optimizer
 from tempering.models.policy.training import (
     NonFiniteTrainingError,
@@ -144,6 +145,7 @@ class FSDP2PolicyWorker:
             shared_prefix_ratio(self.state.model, head) if shared_prefix else None,
             pad_token_id,
         )
+        self.moe = MoERouting.of(self.state.model)  # a router's load-balancing loss (moe.py)
         self.optimizer_step: OptimizerStep | None = None
         if init_optimizer:
             self.state.optimizer = build_optimizer(
@@ -316,9 +318,12 @@ class FSDP2PolicyWorker:
                     with torch.no_grad():
                         ref = self.forward_pass.logits(reference, mb, layouts[i])
                         mb["reference_policy_logprobs"] = token_logprobs(ref, mb["input_ids"])
-                logits = self.forward_pass.logits(model, mb, layouts[i])
+                router: list[Any] | None = [] if self.moe is not None else None
+                logits = self.forward_pass.logits(model, mb, layouts[i], router)
                 loss, metrics = loss_fn(logits, mb, *normalisers)
                 loss_sum += float(loss.detach())
+                if router is not None:
+                    loss, metrics = self._add_router_loss(loss, metrics, router, mb, normalisers)
                 mb_metrics.append(metrics)
             else:  # padding pass so every rank joins the same FSDP2 collectives
                 loss = self.forward_pass.padding(model).sum() * 0.0
@@ -326,6 +331,22 @@ class FSDP2PolicyWorker:
                 # FSDP2 averages gradients over DP ranks; the loss is already a global sum.
                 (loss * topo.dp_size).backward()
         return loss_sum, mb_metrics
+
+    def _add_router_loss(
+        self,
+        loss: torch.Tensor,
+        metrics: dict[str, float],
+        router: list[Any],
+        mb: BatchedDataDict,
+        normalisers: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """A mixture-of-experts micro-batch: its load-balancing term joins the loss (`moe.py`)."""
+        assert self.moe is not None and router, "MoE models run whole rows (no shared prefix)"
+        aux, router_logits, mask = router[0]
+        valid = (mb["token_mask"].float() * mb["sample_mask"].float()[:, None]).sum()
+        share = valid / normalisers[0].clamp(min=1.0)
+        term, moe_metrics = self.moe.loss_and_metrics(aux, router_logits, mask, share)
+        return loss + term, {**metrics, **moe_metrics}
 
     # ------------------------------------------------------------- logprobs
     def get_logprobs(

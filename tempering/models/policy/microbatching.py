@@ -18,6 +18,7 @@ their common prefix once; `tempering.models.policy.shared_prefix`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -80,10 +81,16 @@ class ForwardPass:
         )
 
     def logits(
-        self, model: torch.nn.Module, mb: BatchedDataDict, layout: Layout = None
+        self,
+        model: torch.nn.Module,
+        mb: BatchedDataDict,
+        layout: Layout = None,
+        router: list[Any] | None = None,
     ) -> torch.Tensor:
         """``[B, S, V]`` float logits of micro-batch ``mb``, computed in its ``layout`` (see
-        `split`; None: the padded rows); ``[B]`` scores for ``head="score"``."""
+        `split`; None: the padded rows); ``[B]`` scores for ``head="score"``. ``router``
+        (a mixture-of-experts model in training, `moe.py`): the padded and packed layouts
+        append ``(aux_loss, router_logits, token mask or None)`` to it."""
         if isinstance(layout, SharedPrefixPlan):
             return layout.forward(model)  # [B, S, V], each row as if computed alone
         packed = layout
@@ -107,12 +114,20 @@ class ForwardPass:
                 cu_seq_lens_k=cu,
                 max_length_q=packed.max_seqlen,
                 max_length_k=packed.max_seqlen,
+                **({"output_router_logits": True} if router is not None else {}),
             )
+            if router is not None:
+                router.append((out.aux_loss, out.router_logits, None))
             return packed.unpack(out.logits[0].float())  # [n, max_seqlen, V] == mb's layout
         input_ids = mb["input_ids"]
         seq = torch.arange(input_ids.shape[1], device=input_ids.device)
         attention_mask = (seq[None, :] < mb["input_lengths"][:, None]).long()  # [B, S]
-        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        if router is None:
+            out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        else:
+            out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                        output_router_logits=True)  # fmt: skip
+            router.append((out.aux_loss, out.router_logits, attention_mask))
         return out.logits.float()  # [B, S, V]
 
     def padding(self, model: torch.nn.Module) -> torch.Tensor:

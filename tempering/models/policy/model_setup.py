@@ -349,9 +349,18 @@ def _fill_from_rank0(
 
 def shared_prefix_ratio(model: torch.nn.Module, head: str) -> float | None:
     """The cost ratio `plan_shared_prefix` weighs groups with; None (rows computed apart,
-    logged) where the attention cannot take the tree mask; None for a score head (a
+    logged) where the attention cannot take the tree mask or the model routes to experts;
+    None for a score head (a
     sequence's score reads its last token, which a shared prefix does not change)."""
     if head != "causal_lm":
+        return None
+    from tempering.models.policy.moe import MoERouting
+
+    if MoERouting.of(model) is not None:
+        logger.warning(
+            "policy.shared_prefix: off for this mixture-of-experts model: its training adds "
+            "the router's load-balancing loss, read from a whole-row forward (moe.py)"
+        )
         return None
     attention = getattr(model.config, "_attn_implementation", None)
     if attention not in BOOL_MASK_ATTENTION:
