@@ -160,7 +160,7 @@ class HttpServerConfig(Section):
     on_noncontiguous: Literal["error", "truncate"] = Field(
         "error", description="history whose token ids cannot be continued: 400, or fall back"
     )
-    tool_parser: Literal["hermes", "llama3_json", "auto"] = Field(
+    tool_parser: Literal["hermes", "llama3_json", "mistral", "auto"] = Field(
         "hermes", description="tool-call format; auto: the model family's, by end-of-turn token"
     )
     eot_token: str | None = Field(

@@ -196,7 +196,9 @@ FAMILIES: dict[str, ModelFamily] = {
         chat_template=MISTRAL_TEMPLATE,
         template_source="mistral-common V7-tekken (Mistral-Small-24B-Instruct-2501)",
         tp_plan=LLAMA_TP_PLAN,
-        notes="No generation prompt: the assistant answers right after [/INST].",
+        notes="No generation prompt: the assistant answers right after [/INST]; tool calls "
+        "follow [TOOL_CALLS].",
+        tool_parser="mistral",
     ),
     "gemma3": ModelFamily(
         name="gemma3", model_type="gemma3_text",

@@ -14,6 +14,7 @@ from tempering.models.generation.chat import (
     NonContiguousHistoryError,
     parse_hermes_tool_calls,
     parse_llama3_json_tool_calls,
+    parse_mistral_tool_calls,
 )
 from tempering.models.tiny_arith import build_tokenizer
 
@@ -219,6 +220,31 @@ def test_llama3_json_parser_keeps_plain_and_bad_replies_as_content():
         assert len(parsed.errors) == 1 and "unparseable" in parsed.errors[0], bad
 
 
+def test_mistral_parser_reads_both_call_formats_after_the_token():
+    v7 = parse_mistral_tool_calls(
+        'Let me check.[TOOL_CALLS][{"name": "calculator", "arguments": {"expression": "1+2"}},'
+        ' {"name": "clock", "arguments": {}}]'
+    )
+    assert v7.content == "Let me check." and v7.errors == []
+    assert [c["function"]["name"] for c in v7.tool_calls] == ["calculator", "clock"]
+    assert json.loads(v7.tool_calls[0]["function"]["arguments"]) == {"expression": "1+2"}
+    v11 = parse_mistral_tool_calls('[TOOL_CALLS]calculator[ARGS]{"expression": "2*3"}'
+                                   '[TOOL_CALLS]clock[ARGS]{}')  # fmt: skip
+    assert v11.content is None and [c["function"]["name"] for c in v11.tool_calls] == [
+        "calculator", "clock"]  # fmt: skip
+    assert json.loads(v11.tool_calls[0]["function"]["arguments"]) == {"expression": "2*3"}
+
+
+def test_mistral_parser_keeps_plain_and_bad_replies_as_content():
+    plain = parse_mistral_tool_calls(" 42")
+    assert plain.content == " 42" and plain.tool_calls == [] and plain.errors == []
+    for bad in ('[TOOL_CALLS][{"name": "calc"', '[TOOL_CALLS][{"arguments": {}}]',
+                '[TOOL_CALLS]calc[ARGS]{"x": ', '[TOOL_CALLS][{"name": "a", "arguments": [1]}]'):  # fmt: skip
+        parsed = parse_mistral_tool_calls(bad)
+        assert parsed.tool_calls == [] and parsed.content == bad, bad
+        assert len(parsed.errors) == 1 and "unparseable" in parsed.errors[0], bad
+
+
 def test_auto_tool_parser_follows_the_model_family_of_the_template(chatml):
     from tempering.models.families import build_tokenizer
 
@@ -227,6 +253,9 @@ def test_auto_tool_parser_follows_the_model_family_of_the_template(chatml):
     assert llama3.parse_tool_calls('{"name": "f", "parameters": {}}').tool_calls
     assert ChatPromptBuilder(chatml, tool_parser="auto").tool_parser == "hermes"  # ChatML: Qwen
     assert ChatPromptBuilder(build_tokenizer("qwen3"), tool_parser="auto").tool_parser == "hermes"
+    mistral = ChatPromptBuilder(build_tokenizer("mistral"), tool_parser="auto")
+    assert mistral.tool_parser == "mistral"
+    assert mistral.parse_tool_calls('[TOOL_CALLS][{"name": "f", "arguments": {}}]').tool_calls
     # Our Llama 3 template does not render `tools`, and the default prompt teaches Hermes.
     tool = {"type": "function", "function": {"name": "calculator", "parameters": {}}}
     with pytest.raises(ValueError, match="llama3_json"):

@@ -59,6 +59,7 @@ __all__ = [
     "message_text",
     "parse_hermes_tool_calls",
     "parse_llama3_json_tool_calls",
+    "parse_mistral_tool_calls",
     "register_tool_call_parser",
 ]
 
@@ -160,9 +161,44 @@ def parse_llama3_json_tool_calls(text: str) -> ParsedToolCalls:
     return ParsedToolCalls(None, calls)
 
 
+_TOOL_CALLS, _ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+
+def parse_mistral_tool_calls(text: str) -> ParsedToolCalls:
+    """Mistral tool calls after the ``[TOOL_CALLS]`` token (mistral-common): a JSON list of
+    ``{"name", "arguments"}`` (tokenizer V3-V7, e.g. Mistral-Small-24B-Instruct-2501), or
+    ``name[ARGS]{...}`` per call (V11+). Text before the token is the content. As with the
+    Llama 3 parser it is all or nothing: a malformed call list yields no calls, the text stays
+    the content, and ``errors`` says why."""
+    if _TOOL_CALLS not in text:
+        return ParsedToolCalls(text or None, [])
+    head, _, body = text.partition(_TOOL_CALLS)
+    calls: list[dict[str, Any]] = []
+    try:
+        for part in body.split(_TOOL_CALLS):
+            part = part.strip()
+            if _ARGS in part:  # V11+: name[ARGS]{json}
+                name, _, raw = part.partition(_ARGS)
+                pairs = [(name.strip(), json.loads(raw))]
+            else:
+                obj = json.loads(part)
+                items = obj if isinstance(obj, list) else [obj]
+                pairs = [(o.get("name"), o.get("arguments", {})) if isinstance(o, dict)
+                         else (None, None) for o in items]  # fmt: skip
+            for name, args in pairs:
+                if not isinstance(name, str) or not name or not isinstance(args, dict):
+                    raise ValueError('expected {"name": str, "arguments": object}')
+                calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                              "function": {"name": name, "arguments": json.dumps(args)}})  # fmt: skip
+    except ValueError as err:  # JSONDecodeError is a ValueError
+        return ParsedToolCalls(text, [], [f"unparseable tool call {body.strip()[:80]!r}: {err}"])
+    return ParsedToolCalls(head.strip() or None, calls)
+
+
 TOOL_CALL_PARSERS: dict[str, Callable[[str], ParsedToolCalls]] = {
     "hermes": parse_hermes_tool_calls,
     "llama3_json": parse_llama3_json_tool_calls,
+    "mistral": parse_mistral_tool_calls,
 }
 # Parsers whose format the default tool prompt (`default_tool_prompt`) teaches; with another
 # parser the chat template itself must render ``tools``.
