@@ -11,9 +11,9 @@ and through Gym again with asynchronous GRPO (`tests.grpo_runs.ASYNC`: split gen
 workers, Gym's agents generating step t + 1 while step t trains, the importance-sampling
 correction for samples one version old). All start from 39.8% held-out greedy accuracy (256
 problems); each must gain at least 10 points, the Gym path's gain must agree with the
-in-process one's within 5 points, and the asynchronous Gym run's with the synchronous Gym
-run's, which must also show from its own logs that it ran asynchronously (samples one version
-old, generation overlapping training).
+in-process one's within 5 points, and so must the asynchronous Gym run's, which must also
+show from its own logs that it ran asynchronously (samples one version old, generation
+overlapping training).
 
 Measured (2026-11-26, 2-core CPU beside other jobs), end accuracy after 40 steps: in-process
 57.8% (every run); through Gym 55.1-59.8% and through Gym asynchronously 57.0-60.5% (6 runs
@@ -72,23 +72,28 @@ def _gain(name: str, s: dict) -> float:
 
 
 @pytest.fixture(scope="module")
-def gym_sync(ray_session, tmp_path_factory) -> dict:
-    """The synchronous Gym run, shared by both comparisons."""
-    return _train_via_gym(tmp_path_factory.mktemp("gym"), [])
+def in_process(ray_session, tmp_path_factory) -> dict:
+    """The synchronous in-process run: the same config and problems, reproduced exactly run
+    after run (the anchor both Gym runs are compared with)."""
+    return train(CONFIG, STEPS, tmp_path_factory.mktemp("local"), [])
 
 
-def test_gym_path_gain_matches_in_process_gain(ray_session, gym_sync, tmp_path):
-    gains = {
-        "in-process": _gain("in-process", train(CONFIG, STEPS, tmp_path, [])),
-        "gym": _gain("gym", gym_sync),
-    }
+def test_gym_path_gain_matches_in_process_gain(in_process, tmp_path):
+    gains = {"in-process": _gain("in-process", in_process),
+             "gym": _gain("gym", _train_via_gym(tmp_path, []))}  # fmt: skip
     assert min(gains.values()) >= 0.10, gains
     assert abs(gains["gym"] - gains["in-process"]) <= 0.05, gains
 
 
-def test_gym_path_gains_as_much_with_async_on(gym_sync, tmp_path):
+def test_gym_path_gains_as_much_with_async_on(in_process, tmp_path):
+    """Compared with the synchronous in-process run, not a second synchronous Gym run: the
+    Gym path batches the agents' requests in arrival order, so two Gym runs differ by a few
+    points (synchronous ones spread over 4.7 points in 6 runs), and two of them against each
+    other would fail the 5-point check by noise alone now and then; the test above holds the
+    synchronous Gym run to the in-process one."""
     via_gym_async = _train_via_gym(tmp_path, ASYNC)
     assert_ran_async(tmp_path, STEPS)
-    gains = {"gym": _gain("gym", gym_sync), "gym async": _gain("gym async", via_gym_async)}
+    gains = {"in-process": _gain("in-process", in_process),
+             "gym async": _gain("gym async", via_gym_async)}  # fmt: skip
     assert min(gains.values()) >= 0.10, gains
-    assert abs(gains["gym async"] - gains["gym"]) <= 0.05, gains
+    assert abs(gains["gym async"] - gains["in-process"]) <= 0.05, gains
