@@ -46,6 +46,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from tempering.experience.replay_buffer import oldest_token_version
+
 log = logging.getLogger(__name__)
 
 __all__ = ["CollectorDiedError", "CollectorStalledError", "RolloutCollector"]
@@ -71,8 +73,7 @@ def _tag(group: Any, started_with: int) -> tuple[int, Any]:
     versions = group.get("generation_weight_versions")
     if versions is None:
         return started_with, None
-    generated = versions[versions >= 0]
-    return (int(generated.min()) if generated.numel() else started_with), versions
+    return oldest_token_version(versions, started_with), versions
 
 
 class RolloutCollector:

@@ -47,7 +47,13 @@ import torch
 
 from tempering.distributed.batched_data_dict import BatchedDataDict
 
-__all__ = ["BufferedGroup", "NotEnoughGroups", "ReplayBuffer", "ReplayBufferFull"]
+__all__ = [
+    "BufferedGroup",
+    "NotEnoughGroups",
+    "ReplayBuffer",
+    "ReplayBufferFull",
+    "oldest_token_version",
+]
 
 _STATE_FORMAT = 1
 
@@ -258,14 +264,20 @@ class ReplayBuffer:
         self._last_take = dict(state["last_take"])
 
 
+def oldest_token_version(token_versions: torch.Tensor, default: int) -> int:
+    """The oldest weight version among the generated tokens (-1: none there), or ``default``
+    when no token was generated: the version a group with per-token versions is tagged with."""
+    generated = token_versions[token_versions >= 0]
+    return int(generated.min()) if generated.numel() else default
+
+
 def _check_token_versions(token_versions: torch.Tensor, weight_version: int) -> None:
     if not isinstance(token_versions, torch.Tensor) or token_versions.is_floating_point():
         raise TypeError(
             "token_versions must be an integer tensor (one weight version per token, -1 where "
             f"no token was generated); got {type(token_versions).__name__}."
         )
-    generated = token_versions[token_versions >= 0]
-    oldest = int(generated.min()) if generated.numel() else weight_version
+    oldest = oldest_token_version(token_versions, weight_version)
     if oldest != weight_version:
         raise ValueError(
             f"a group with per-token versions is tagged with the oldest of them ({oldest}), so "
