@@ -34,7 +34,6 @@ from tempering.models.families import FAMILIES, build_tiny
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 NAMES = sorted(FAMILIES)
-REPO = Path(__file__).parents[2]
 QUESTIONS = [("Q: 1+2=? A:", "3", "7"), ("Q: 4+4=? A:", "8", "2"),
              ("Q: 3+5=? A:", "8", "9"), ("Q: 6+1=? A:", "7", "4")]  # fmt: skip
 
@@ -213,19 +212,8 @@ def test_family_through_tensor_parallel_2(name, cluster, tmp_path):
 
 def test_the_shipped_grpo_config_takes_a_family_folder_unchanged(ray_session, tmp_path):
     """A user's local Qwen2 folder in the default GRPO config, nothing else changed."""
-    from tempering.algorithms import grpo
-    from tempering.config import GRPOMasterConfig, load_config
+    from tests.grpo_runs import train
 
     folder = build_tiny("qwen2", tmp_path / "qwen2", seed=0)
-    cfg, resolved = load_config(
-        REPO / "examples/configs/grpo_math_tiny.yaml",
-        [f"policy.model_name={folder}", "grpo.max_num_steps=2", "grpo.val_period=2",
-         "checkpointing.enabled=false", f"logger.log_dir={tmp_path / 'logs'}"],
-        schema=GRPOMasterConfig,
-    )  # fmt: skip
-    run = grpo.setup(cfg, resolved)
-    try:
-        summary = grpo.train(run)
-    finally:
-        run.close()
+    summary = train("grpo_math_tiny.yaml", 2, tmp_path, [f"policy.model_name={folder}"])
     assert summary["steps"] == 2

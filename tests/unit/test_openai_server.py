@@ -241,18 +241,25 @@ def test_concurrent_requests_share_backend_calls_and_match_in_process_greedy(
         )
 
 
+def _held_call(srv, backend, body: dict) -> tuple[threading.Thread, dict]:
+    """POST ``body`` from a thread; return once its backend call is in flight (held at the
+    backend's gate), with the thread and the dict its response JSON will fill."""
+    response: dict = {}
+    t = threading.Thread(
+        target=lambda: response.update(httpx.post(f"{srv.base_url}/chat/completions", json=body, timeout=60).json())
+    )  # fmt: skip
+    t.start()
+    assert backend.entered.wait(30)  # a backend call is in flight
+    return t, response
+
+
 def test_refit_waits_for_in_flight_calls_and_versions_the_responses(backend, tokenizer):
     service = _service(backend, tokenizer, batch_wait_ms=0)
     backend.gate = threading.Event()
     order: list[str] = []
     with OpenAIServer(service) as srv:
         body = {"model": MODEL, "messages": [{"role": "user", "content": Q1}]}
-        first: dict = {}
-        t = threading.Thread(
-            target=lambda: first.update(httpx.post(f"{srv.base_url}/chat/completions", json=body, timeout=60).json())
-        )  # fmt: skip
-        t.start()
-        assert backend.entered.wait(30)  # a backend call is in flight
+        t, first = _held_call(srv, backend, body)
         refit = threading.Thread(
             target=service.refit, args=(lambda: order.append("weights loaded"),), kwargs={"version": 7}
         )  # fmt: skip
@@ -288,12 +295,7 @@ def test_refit_without_drain_reaches_calls_in_flight_and_tokens_carry_versions(t
 
     with OpenAIServer(service) as srv:
         body = {"model": MODEL, "messages": [{"role": "user", "content": Q1}]}
-        first: dict = {}
-        t = threading.Thread(
-            target=lambda: first.update(httpx.post(f"{srv.base_url}/chat/completions", json=body, timeout=60).json())
-        )  # fmt: skip
-        t.start()
-        assert backend.entered.wait(30)  # a backend call is in flight
+        t, first = _held_call(srv, backend, body)
         service.refit(load, version=3, drain=False)  # returns with the call still held
         assert t.is_alive() and service.weight_version == 3
         backend.gate.set()
