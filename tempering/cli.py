@@ -3,7 +3,7 @@
     tempering plan CONFIG [dotted.key=value ...]
     tempering plot LOG_DIR [--out FILE.png] [--keys train/loss,val/accuracy]
     tempering gym-examples OUT.jsonl [--environments math_with_judge,example_single_tool_call]
-    tempering export CKPT_DIR OUT_DIR [--dtype float32|bfloat16|float16]
+    tempering export CKPT_DIR OUT_DIR [--dtype float32|bfloat16|float16] [--adapter]
     tempering eval MODEL [--baseline MODEL] --task NAME [--split test] [--samples N] [--pass-at-k K]
     tempering envs [--build] [FQN ...]
     tempering check-container
@@ -116,11 +116,16 @@ def _run_export(args: argparse.Namespace) -> int:
     from tempering.models.export import export_checkpoint
 
     folder, info = export_checkpoint(
-        args.ckpt_dir, args.out_dir, dtype=args.dtype, overwrite=args.overwrite
-    )
+        args.ckpt_dir, args.out_dir, dtype=args.dtype, overwrite=args.overwrite,
+        adapter=args.adapter,
+    )  # fmt: skip
+    how = (
+        "PeftModel.from_pretrained(base_model, folder)" if args.adapter
+        else "AutoModelForCausalLM.from_pretrained or vLLM"
+    )  # fmt: skip
     print(
         f"exported step {info['step']} of {info['model_name']} ({info['dtype']}) to {folder}; "
-        "load it with AutoModelForCausalLM.from_pretrained or vLLM"
+        f"load it with {how}"
     )
     return 0
 
@@ -148,6 +153,10 @@ def _add_export(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="weight dtype (default: the run's policy.precision)",
     )
+    p.add_argument(
+        "--adapter", action="store_true",
+        help="a LoRA run: write the adapters alone in PEFT's format instead of the merged model",
+    )  # fmt: skip
     p.set_defaults(func=_run_export)
 
 

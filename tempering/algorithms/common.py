@@ -125,6 +125,7 @@ def build_policy_from_config(
         precision=policy_cfg.precision,
         activation_checkpointing=policy_cfg.dtensor_cfg.activation_checkpointing,
         tensor_parallel_size=policy_cfg.dtensor_cfg.tensor_parallel_size,
+        lora=policy_cfg.dtensor_cfg.lora_cfg.worker_kwargs(),
         init_reference_model=init_reference_model,
         seed=seed,
         num_threads=policy_cfg.num_threads,
@@ -282,11 +283,16 @@ class Deadline:
         return self.seconds is not None and self.elapsed >= self.seconds
 
 
-def export_final_model(policy: Any, checkpointing: CheckpointingConfig) -> Path:
-    """The usable model every run ends with: ``<checkpoint_dir>/final_hf`` (atomic)."""
+def export_final_model(policy: Any, checkpointing: CheckpointingConfig, lora: bool) -> Path:
+    """The usable model every run ends with: ``<checkpoint_dir>/final_hf`` (atomic); with
+    LoRA the adapters merged in, and beside it ``final_adapter/`` in PEFT's format."""
     path = Path(checkpointing.checkpoint_dir) / "final_hf"
     policy.export_hf(str(path))
     log.info("final model written to %s", path)
+    if lora:
+        adapter = path.with_name("final_adapter")
+        policy.export_adapter(str(adapter))
+        log.info("final LoRA adapter (PEFT format) written to %s", adapter)
     return path
 
 

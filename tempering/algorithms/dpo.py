@@ -111,7 +111,9 @@ def train(run: PreferenceRun) -> dict[str, Any]:
     step, first, val = preference.train_loop(
         run, lambda batch: dpo_step(run.model, batch, loss_fn), validate, TRAIN_METRICS
     )
-    final = common.export_final_model(run.model, run.cfg.checkpointing)
+    final = common.export_final_model(
+        run.model, run.cfg.checkpointing, run.cfg.policy.dtensor_cfg.lora_cfg.enabled
+    )
     return {"steps": step, "start": first, "end": val, "final_model": str(final)}
 
 

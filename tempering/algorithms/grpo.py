@@ -352,7 +352,9 @@ def _train_loop(run: GRPORun, stepper: Any) -> dict[str, Any]:
                     "grpo.max_wall_time_s=%s reached at step %d", cfg.grpo.max_wall_time_s, step
                 )
                 break
-    final = common.export_final_model(run.policy, cfg.checkpointing)
+    final = common.export_final_model(
+        run.policy, cfg.checkpointing, cfg.policy.dtensor_cfg.lora_cfg.enabled
+    )
     first_val = first_val or common.first_logged(cfg.logger.log_dir, "val/")  # resumed: records
     return {
         "steps": step,

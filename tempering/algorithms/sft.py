@@ -224,7 +224,9 @@ def train(run: SFTRun) -> dict[str, float]:
                 )
                 break
     run.final_step = step  # type: ignore[attr-defined]
-    common.export_final_model(run.policy, run.cfg.checkpointing)  # <checkpoint_dir>/final_hf
+    common.export_final_model(  # <checkpoint_dir>/final_hf
+        run.policy, run.cfg.checkpointing, run.cfg.policy.dtensor_cfg.lora_cfg.enabled
+    )
     return val_metrics
 
 

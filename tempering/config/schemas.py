@@ -42,6 +42,45 @@ def _refuse_unimplemented(section: BaseModel, prefix: str, rules: dict[str, tupl
             raise ValueError(f"{prefix}.{key}={value!r} is not supported: {reason}")
 
 
+class LoraConfig(Section):
+    """``policy.dtensor_cfg.lora_cfg`` (NeMo RL's path and names): LoRA adapters on a frozen
+    base (tempering/models/policy/lora.py, built on the peft library)."""
+
+    enabled: bool = Field(False, description="train LoRA adapters instead of every weight")
+    target_modules: list[str] = Field(
+        [], description="linear layers to adapt, by name or last parts (q_proj, mlp.up_proj); "
+        "needs match_all_linear=false"
+    )  # fmt: skip
+    exclude_modules: list[str] = Field([], description="linear layers never adapted")
+    match_all_linear: bool = Field(
+        True, description="adapt every linear layer of the decoder (not the output head)"
+    )
+    dim: int = Field(8, gt=0, description="the adapters' rank r")
+    alpha: float = Field(32.0, gt=0, description="scale = alpha / dim")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapters' input")
+
+    def worker_kwargs(self) -> dict | None:
+        """`FSDP2PolicyWorker`'s ``lora`` argument: None when off."""
+        if not self.enabled:
+            return None
+        return {
+            "dim": self.dim, "alpha": self.alpha, "dropout": self.dropout,
+            "target_modules": tuple(self.target_modules),
+            "exclude_modules": tuple(self.exclude_modules),
+            "match_all_linear": self.match_all_linear,
+        }  # fmt: skip
+
+    @model_validator(mode="after")
+    def _one_selection(self) -> LoraConfig:
+        if self.enabled and self.match_all_linear == bool(self.target_modules):
+            raise ValueError(
+                f"policy.dtensor_cfg.lora_cfg: match_all_linear={self.match_all_linear} with "
+                f"target_modules={self.target_modules}: set exactly one (match_all_linear=false "
+                "to adapt only target_modules; target_modules=[] to adapt every linear layer)"
+            )
+        return self
+
+
 class DTensorConfig(Section):
     enabled: bool = Field(True, description="the DTensor/FSDP2 path (the only one)")
     activation_checkpointing: bool = False
@@ -50,6 +89,7 @@ class DTensorConfig(Section):
     )
     cpu_offload: bool = Field(False, description="not implemented; only false")
     sequence_parallel: bool = Field(False, description="not implemented; only false")
+    lora_cfg: LoraConfig = LoraConfig()
 
     @model_validator(mode="after")
     def _implemented(self) -> DTensorConfig:

@@ -152,17 +152,21 @@ def _policy_dir(ckpt: Path) -> tuple[Path, Path]:
 
 
 def export_checkpoint(
-    ckpt: str | Path, out: str | Path, dtype: str | None = None, overwrite: bool = False
+    ckpt: str | Path,
+    out: str | Path,
+    dtype: str | None = None,
+    overwrite: bool = False,
+    adapter: bool = False,
 ) -> tuple[Path, dict[str, Any]]:
     """A step checkpoint (any data/tensor-parallel layout) -> an HF folder at `out`.
 
     `out` may be new or a previous export (replaced); anything else that exists is refused
     unless ``overwrite``, and a checkpoint folder (or one holding `ckpt`) always is.
+    A LoRA run's checkpoint (adapters only) is read onto its base model: `out` holds the
+    merged model, or with ``adapter`` the adapters alone in PEFT's format.
     Returns the folder and what it was made from (step, model, dtype)."""
-    import torch.distributed.checkpoint as dcp
     import yaml
-    from torch.distributed.checkpoint import DefaultLoadPlanner
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from tempering.models.registry import resolve_model_path
 
@@ -173,20 +177,61 @@ def export_checkpoint(
     source = resolve_model_path(policy_cfg["model_name"])
     tokenizer_source = resolve_model_path((policy_cfg.get("tokenizer") or {}).get("name") or source)
     hf_config = AutoConfig.from_pretrained(source)
+    lora = _lora_of(policy_cfg)
+    if adapter and lora is None:
+        raise ValueError(f"--adapter: {step_dir} is not from a LoRA run (lora_cfg.enabled=false)")
+    precision = dtype or policy_cfg.get("precision") or "float32"
+    info = json.loads((step_dir / "training_info.json").read_text())
+    made_from = {"step": info.get("step"), "model_name": policy_cfg["model_name"],
+                 "dtype": "float32" if adapter else precision}  # fmt: skip
+    if lora is None:
+        state = _read_dcp(_empty_model(hf_config).state_dict(), policy_dir)
+        return save_hf_folder(
+            out, state, hf_config, tokenizer_source, getattr(torch, precision)
+        ), made_from
+    from tempering.models.hf import load_causal_lm
+    from tempering.models.policy.lora import (
+        LoraAdapters,
+        LoraSpec,
+        adapter_state,
+        save_peft_adapter,
+    )
+
+    model = load_causal_lm(source, dtype=torch.float32)  # the frozen base: not in the checkpoint
+    adapters = LoraAdapters.attach(model, LoraSpec(**lora), "causal_lm")
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    full = model.state_dict()
+    full.update(_read_dcp({k: v for k, v in full.items() if k in trainable}, policy_dir))
+    if adapter:
+        return save_peft_adapter(out, adapter_state(full), adapters.peft_config(source)), made_from
+    return save_hf_folder(
+        out, adapters.merge(full), hf_config, tokenizer_source, getattr(torch, precision)
+    ), made_from
+
+
+def _lora_of(policy_cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """`FSDP2PolicyWorker`'s ``lora`` argument for the run's ``policy`` section (None: off)."""
+    from tempering.config.schemas import LoraConfig
+
+    raw = (policy_cfg.get("dtensor_cfg") or {}).get("lora_cfg") or {}
+    return LoraConfig(**raw).worker_kwargs()
+
+
+def _empty_model(hf_config: Any) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
     with torch.device("cpu"):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    state = {"model": model.state_dict()}
-    # Strict: a weight missing from the checkpoint fails here instead of staying random.
+        return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+
+
+def _read_dcp(wanted: dict[str, torch.Tensor], policy_dir: Path) -> dict[str, torch.Tensor]:
+    """``wanted``'s tensors filled from the DCP checkpoint in one process. Strict: a tensor
+    missing from the checkpoint fails here instead of staying random."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    state = {"model": wanted}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=str(policy_dir), planner=DefaultLoadPlanner(), no_dist=True)
-    precision = dtype or policy_cfg.get("precision") or "float32"
-    folder = save_hf_folder(
-        out, state["model"], hf_config, tokenizer_source, getattr(torch, precision)
-    )
-    info = json.loads((step_dir / "training_info.json").read_text())
-    return folder, {
-        "step": info.get("step"),
-        "model_name": policy_cfg["model_name"],
-        "dtype": precision,
-    }
+    return state["model"]

@@ -595,7 +595,7 @@ def test_grpo_stops_after_max_num_epochs(tmp_path, monkeypatch):
     rec = _Recorder()
     monkeypatch.setattr(grpo, "grpo_step", lambda run, loss, step: {"n": rec.batches.append(
         run.dataloader.next_batch())})  # fmt: skip
-    monkeypatch.setattr(common, "export_final_model", lambda policy, ckpt: tmp_path / "final")
+    monkeypatch.setattr(common, "export_final_model", lambda policy, ckpt, lora: tmp_path / "final")
     run = grpo.GRPORun(cfg, {}, None, [], [], _loader(6, 2), None, None, None, {}, rec, None, 0,
                        None, None)  # fmt: skip
     summary = grpo.train(run)
@@ -607,7 +607,7 @@ def test_sft_and_preference_stop_after_exactly_max_num_epochs(tmp_path, monkeypa
     """max_num_epochs=1 over 3 batches is 3 steps, not a 4th from the second pass."""
     from tempering.algorithms import common, preference, sft
 
-    monkeypatch.setattr(common, "export_final_model", lambda policy, ckpt: tmp_path / "final")
+    monkeypatch.setattr(common, "export_final_model", lambda policy, ckpt, lora: tmp_path / "final")
     loop = {"max_num_epochs": 1, "max_num_steps": 50, "val_period": 0}
     logger = {"log_dir": str(tmp_path), "monitor_gpus": False}
     rec = _Recorder()

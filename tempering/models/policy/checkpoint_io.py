@@ -7,7 +7,11 @@ group (the worker group's ``execute`` resolves dotted names).
 - `save` / `load`: sharded model + optimizer state with ``torch.distributed.checkpoint``
   (DCP), which loads into any data-parallel size; the LR scheduler's state and each rank's
   torch RNG state beside it;
-- `export_hf`: a folder that ``from_pretrained`` loads (`tempering.models.export`).
+- `export_hf`: a folder that ``from_pretrained`` loads (`tempering.models.export`); with
+  LoRA the adapters merged in, and `export_adapter` writes them alone in PEFT's format.
+
+With LoRA a checkpoint holds what trains: the adapters (and a reward model's score head) and
+their optimizer state. The frozen base is read from the model source again on resume.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -45,20 +50,29 @@ class CheckpointIO:
         self.state = state
         self.export_dtype = export_dtype
 
+    def _options(self) -> StateDictOptions:
+        """LoRA: the trainable tensors only (the frozen base is not the run's state). Not
+        strict then, as the frozen ones are absent; `dcp.load` still fails on any
+        trainable tensor the checkpoint lacks."""
+        lora = self.state.lora is not None
+        return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
+
+    def _state(self) -> dict[str, Any]:
+        """This rank's state to save or load into: ``model`` (and ``optim`` when it trains)."""
+        model, optimizer = self.state.model, self.state.optimizer
+        if optimizer is None:
+            return {"model": get_model_state_dict(model, options=self._options())}
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=self._options())
+        return {"model": model_sd, "optim": optim_sd}
+
     def save(self, path: str) -> None:
         """Sharded model + optimizer state (DCP) under `path`, scheduler state beside it."""
         faults.maybe_fault("policy", "checkpoint")
-        model, optimizer, scheduler = self.state.model, self.state.optimizer, self.state.scheduler
+        scheduler = self.state.scheduler
         rank = self.state.topo.rank
         Path(path).mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        state: dict[str, Any] = {}
-        if optimizer is not None:
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            state = {"model": model_sd, "optim": optim_sd}
-        else:
-            state = {"model": get_model_state_dict(model)}
-        dcp.save(state, checkpoint_id=path)
+        dcp.save(self._state(), checkpoint_id=path)
         if rank == 0 and scheduler is not None:
             torch.save(scheduler.state_dict(), Path(path) / SCHEDULER_FILE)
         # This rank's torch RNG (dropout and other training-side draws), for exact resume.
@@ -74,17 +88,15 @@ class CheckpointIO:
             )
         model, optimizer, scheduler = self.state.model, self.state.optimizer, self.state.scheduler
         rank = self.state.topo.rank
+        state = self._state()
+        dcp.load(state, checkpoint_id=path)
         if optimizer is not None:
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            state = {"model": model_sd, "optim": optim_sd}
-            dcp.load(state, checkpoint_id=path)
             set_state_dict(
-                model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-            )
+                model, optimizer, model_state_dict=state["model"],
+                optim_state_dict=state["optim"], options=self._options(),
+            )  # fmt: skip
         else:
-            state = {"model": get_model_state_dict(model)}
-            dcp.load(state, checkpoint_id=path)
-            set_model_state_dict(model, state["model"])
+            set_model_state_dict(model, state["model"], options=self._options())
         sched_file = Path(path) / SCHEDULER_FILE
         if scheduler is not None and sched_file.exists():
             scheduler.load_state_dict(torch.load(sched_file, weights_only=True))
@@ -104,7 +116,20 @@ class CheckpointIO:
 
             source = self.state.source
             save_hf_folder(
-                path, sd, self.state.model.config, source.model_path, self.export_dtype,
-                head=source.head,
+                path, self.state.hf_weights(sd), self.state.model.config, source.model_path,
+                self.export_dtype, head=source.head,
             )  # fmt: skip
+        dist.barrier()
+
+    def export_adapter(self, path: str) -> None:
+        """The LoRA adapters alone, in PEFT's format (atomic). Collective."""
+        from tempering.models.policy.lora import adapter_state, save_peft_adapter
+
+        lora = self.state.lora
+        if lora is None:
+            raise RuntimeError("export_adapter: this policy trains without LoRA adapters")
+        sd = full_state_dict(self.state.model)
+        if self.state.topo.rank == 0:
+            config = lora.peft_config(self.state.source.model_path)
+            save_peft_adapter(path, adapter_state(sd), config)
         dist.barrier()

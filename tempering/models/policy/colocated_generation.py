@@ -62,7 +62,7 @@ class ColocatedGenerationView:
         faults.maybe_fault("generation", "refit")
         opts = StateDictOptions(full_state_dict=True, cpu_offload=False, broadcast_from_rank0=False)
         full = get_model_state_dict(self.state.model, options=opts)
-        self._engine.update_weights(full)
+        self._engine.update_weights(self.state.hf_weights(full))
 
     def generate(
         self, data: BatchedDataDict, greedy: bool = False, sampling: Any = None

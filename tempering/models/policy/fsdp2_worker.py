@@ -20,7 +20,8 @@ optimizer and the rank's topology):
   (`training.OptimizerStep`: clipping, AdamW, the LR schedule, the non-finite guard);
   `get_logprobs` / `get_reference_policy_logprobs` in the contract layout (docs/CONTRACTS.md)
   and `score` (a reward model). The reference model is a second FSDP-sharded copy of the
-  initial weights, without optimizer (``init_reference_model=True``). Micro-batches (fixed,
+  initial weights, without optimizer (``init_reference_model=True``) -- or, with LoRA
+  (`lora.py`), the model itself with its adapters off, no second copy. Micro-batches (fixed,
   token-budgeted or packed) and the forward pass are `microbatching.ForwardPass`'s;
 - components the controller reaches by a dotted method name (the worker group's ``execute``
   resolves ``"checkpoint.save"`` to ``worker.checkpoint.save``), so this class keeps a small
@@ -43,6 +44,7 @@ from tempering.distributed.batched_data_dict import BatchedDataDict
 from tempering.losses import LossFunction, count_valid_pairs, token_logprobs
 from tempering.models.policy.checkpoint_io import CheckpointIO
 from tempering.models.policy.colocated_generation import ColocatedGenerationView
+from tempering.models.policy.lora import LoraSpec
 from tempering.models.policy.microbatching import ForwardPass, Layout, computed_tokens
 from tempering.models.policy.model_setup import (
     ModelSource,
@@ -97,6 +99,9 @@ class FSDP2PolicyWorker:
             difference).
         shared_prefix: rows of a micro-batch that start alike run their shared prefix once
             (`tempering.models.policy.shared_prefix`; exact, counted in num_computed_tokens).
+        lora: `LoraSpec`'s fields (``dim``, ``alpha``, ``dropout``, ``target_modules``,
+            ``exclude_modules``, ``match_all_linear``) to train LoRA adapters on a frozen base
+            (`tempering.models.policy.lora`); None trains every weight.
         max_consecutive_nonfinite: a step whose loss or gradient norm is NaN/Inf is skipped
             (no update, counted as ``num_nonfinite_skipped``); this many in a row raise
             `NonFiniteTrainingError` naming what was non-finite.
@@ -128,6 +133,7 @@ class FSDP2PolicyWorker:
         tensor_parallel_size: int = 1,
         lean_loading: bool = True,
         shared_prefix: bool = True,
+        lora: dict[str, Any] | None = None,
     ) -> None:
         check_options(precision, head, pad_token_id)
         if num_threads is not None:
@@ -137,8 +143,9 @@ class FSDP2PolicyWorker:
         topo = init_topology(tensor_parallel_size)
         mp_policy = mixed_precision(precision)
         self.state = self._load_models(
-            source, topo, mp_policy, activation_checkpointing, lean_loading, init_reference_model
-        )
+            source, topo, mp_policy, activation_checkpointing, lean_loading, init_reference_model,
+            LoraSpec(**lora) if lora is not None else None,
+        )  # fmt: skip
         self.forward_pass = ForwardPass(
             head,
             topo.device,
@@ -173,25 +180,27 @@ class FSDP2PolicyWorker:
         activation_checkpointing: bool,
         lean_loading: bool,
         init_reference_model: bool,
+        lora: LoraSpec | None,
     ) -> PolicyState:
-        """The policy (measuring what loading it cost this rank) and its frozen reference."""
+        """The policy (measuring what loading it cost this rank) and its frozen reference
+        (with LoRA: none to load, the base model is it)."""
         from tempering.utils.resources import current_rss_gb, process_usage
 
         rss_before = current_rss_gb()
-        model = load_sharded(
-            source, topo, mp_policy,
-            activation_checkpointing=activation_checkpointing, lean_loading=lean_loading,
+        model, adapters = load_sharded(
+            source, topo, mp_policy, activation_checkpointing=activation_checkpointing,
+            lean_loading=lean_loading, lora=lora,
         )  # fmt: skip
         # what loading cost this rank at its peak (lean loading: a shard plus one tensor)
         self._load_peak_gb = process_usage()["peak_rss_gb"] - rss_before
         reference_model = None
-        if init_reference_model:
-            reference_model = load_sharded(
+        if init_reference_model and adapters is None:
+            reference_model, _ = load_sharded(
                 source, topo, mp_policy, activation_checkpointing=False, lean_loading=lean_loading
             )
             reference_model.requires_grad_(False)
             reference_model.eval()
-        return PolicyState(topo, source, model, reference_model)
+        return PolicyState(topo, source, model, reference_model, lora=adapters)
 
     # ---------------------------------------------------------------- train
     def train(
@@ -222,7 +231,7 @@ class FSDP2PolicyWorker:
             raise RuntimeError("FSDP2PolicyWorker.train: built with init_optimizer=False")
         local_gbs = local_batch_size(data.size, global_batch_size, self.state.topo.dp_size)
         check_pairwise_batching(loss_fn, micro_batch_size, max_tokens_per_microbatch)
-        if with_reference and self.state.reference_model is None:
+        if with_reference and not self.state.has_reference:
             raise RuntimeError(
                 "FSDP2PolicyWorker.train(with_reference=True): this worker has no reference "
                 "model; build the policy with init_reference_model=True"
@@ -308,14 +317,14 @@ class FSDP2PolicyWorker:
     ) -> tuple[float, list[dict[str, float]]]:
         """Every micro-batch's loss (and its backward when ``do_step``); ranks with fewer
         micro-batches run padding passes. Returns the loss sum and per-micro-batch metrics."""
-        model, reference, topo = self.state.model, self.state.reference_model, self.state.topo
+        model, topo = self.state.model, self.state.topo
         loss_sum = 0.0
         mb_metrics: list[dict[str, float]] = []
         for i in range(topo.equalise(len(mbs))):
             if i < len(mbs):
                 mb = mbs[i].to(topo.device)
                 if with_reference:
-                    with torch.no_grad():
+                    with torch.no_grad(), self.state.reference() as reference:
                         ref = self.forward_pass.logits(reference, mb, layouts[i])
                         mb["reference_policy_logprobs"] = token_logprobs(ref, mb["input_ids"])
                 router: list[Any] | None = [] if self.moe is not None else None
@@ -371,17 +380,11 @@ class FSDP2PolicyWorker:
         """``{"reference_policy_logprobs": [B, S]}`` from the frozen initial weights; the same
         arguments as `get_logprobs`."""
         faults.maybe_fault("policy", "logprobs")
-        if self.state.reference_model is None:
-            raise RuntimeError(
-                "get_reference_policy_logprobs: the worker was built without a reference model; "
-                "pass init_reference_model=True"
-            )
         batching, temperature = _logprob_args(*args, **kwargs)
-        return BatchedDataDict(
-            reference_policy_logprobs=self._logprobs(
-                self.state.reference_model, data, batching, temperature
+        with self.state.reference() as reference:
+            return BatchedDataDict(
+                reference_policy_logprobs=self._logprobs(reference, data, batching, temperature)
             )
-        )
 
     @torch.no_grad()
     def score(self, data: BatchedDataDict, micro_batch_size: int) -> BatchedDataDict:

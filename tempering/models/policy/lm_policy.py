@@ -168,6 +168,10 @@ class Policy(PolicyInterface):
         """Gather the full weights and write an HF folder (rank 0) that ``from_pretrained`` loads."""
         _run_all(self.worker_group, "checkpoint.export_hf", str(path))
 
+    def export_adapter(self, path: str) -> None:
+        """The LoRA adapters alone, in PEFT's format (``PeftModel.from_pretrained`` loads it)."""
+        _run_all(self.worker_group, "checkpoint.export_adapter", str(path))
+
     # ------------------------------------------------- colocated generation
     def init_colocated_generation(self, sampling: dict[str, Any]) -> None:
         """Give every worker a torch generation engine over its own weights; then

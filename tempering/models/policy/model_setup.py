@@ -18,9 +18,11 @@ responsibilities are split out too; see `tempering.models.policy.fsdp2_worker`):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +34,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from tempering.models.families import tp_plan_for
+from tempering.models.policy.lora import LoraAdapters, LoraSpec
 from tempering.models.policy.packed_attention import use_packed_sdpa
 from tempering.models.policy.shared_prefix import BOOL_MASK_ATTENTION, attention_cost_ratio
 
@@ -245,7 +248,8 @@ class ModelSource:
 class PolicyState:
     """What the worker and its components share (one holder, built once by
     `FSDP2PolicyWorker.__init__`): this rank's place, the model, its frozen reference copy,
-    and the optimizer with its LR schedule (None for an inference-only policy)."""
+    its LoRA adapters, and the optimizer with its LR schedule (None for an inference-only
+    policy)."""
 
     topo: Topology
     source: ModelSource
@@ -253,6 +257,31 @@ class PolicyState:
     reference_model: torch.nn.Module | None = None
     optimizer: torch.optim.Optimizer | None = None
     scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+    lora: LoraAdapters | None = None
+
+    @property
+    def has_reference(self) -> bool:
+        """A frozen reference exists: a second copy, or the LoRA model's own base."""
+        return self.reference_model is not None or self.lora is not None
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[torch.nn.Module]:
+        """The frozen initial policy to run forwards on: the reference copy, or (LoRA) the
+        model itself with its adapters off -- no second copy of the weights."""
+        if self.reference_model is not None:
+            yield self.reference_model
+        elif self.lora is not None:
+            with self.lora.disabled():
+                yield self.model
+        else:
+            raise RuntimeError(
+                "this policy worker has no reference model; build it with "
+                "init_reference_model=True (or with LoRA, whose base model is the reference)"
+            )
+
+    def hf_weights(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Full tensors as the model's own names and weights (LoRA: adapters merged in)."""
+        return self.lora.merge(state) if self.lora is not None else state
 
 
 def load_sharded(
@@ -262,10 +291,12 @@ def load_sharded(
     *,
     activation_checkpointing: bool,
     lean_loading: bool,
-) -> torch.nn.Module:
-    """The model, sharded (a single fp32 rank: the plain module, see below). Memory-lean
-    with several ranks (``lean_loading``): only rank 0 reads the checkpoint; the others build
-    the model on the meta device (no memory), shard it, and receive their shards from rank 0
+    lora: LoraSpec | None = None,
+) -> tuple[torch.nn.Module, LoraAdapters | None]:
+    """The model, sharded (a single fp32 rank: the plain module, see below), and its LoRA
+    adapters (`lora.py`; attached before the model is split). Memory-lean with several ranks
+    (``lean_loading``): only rank 0 reads the checkpoint; the others build the model on the
+    meta device (no memory), shard it, and receive their shards from rank 0
     (`_fill_from_rank0`)."""
     # Refuse a family whose layers cannot be split before any weight is read.
     tp_plan = tp_plan_for(source.config().model_type) if topo.tp_size > 1 else None
@@ -275,12 +306,15 @@ def load_sharded(
         model = source.empty()
         if topo.rank == 0:  # broadcast below: the weights, and the buffers they imply
             read = source.read()
+            if lora is not None:  # the same names; rank 0's initial adapters for every rank
+                LoraAdapters.attach(read, lora, source.head)
             full_state = {
                 "state": dict(read.state_dict()),
                 "buffers": dict(read.named_buffers()),
             }
     else:
         model = source.read()
+    adapters = LoraAdapters.attach(model, lora, source.head) if lora is not None else None
     use_packed_sdpa(model)  # packed micro-batches cost their sequences, not their bins
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -289,16 +323,17 @@ def load_sharded(
         # One fp32 rank has nothing to shard, gather or reduce: FSDP2's per-layer hooks
         # and DTensor dispatch cost ~20% of a tiny-arith step (bench/bench_floor.py).
         # Checkpoints stay DCP, so they load into any layout.
-        return model.to(topo.device)
+        return model.to(topo.device), adapters
     if topo.tp_mesh is not None and tp_plan is not None:
         for layer in layers:
-            _tensor_parallel(layer, topo.tp_mesh, tp_plan)
+            plan = adapters.tp_plan(layer, tp_plan) if adapters is not None else tp_plan
+            _tensor_parallel(layer, topo.tp_mesh, plan)
     for layer in layers:
         fully_shard(layer, mesh=topo.dp_mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=topo.dp_mesh, mp_policy=mp_policy)
     if lean:
         _fill_from_rank0(model, full_state, topo.device)
-    return model
+    return model, adapters
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

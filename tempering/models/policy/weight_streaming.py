@@ -5,7 +5,9 @@ it in full: ``run_all_workers_single_data("refit.buckets", bucket_bytes)`` (the 
 ``execute`` resolves dotted names). `tempering.models.generation.refit.stream_weights` drives
 it through `Policy.refit`: the ranks agree on layer-aligned buckets (`buckets`), then for each
 bucket every rank joins the all-gathers and rank 0 puts the gathered tensors, cast to the
-engine's dtype, into Ray's object store (`bucket`).
+engine's dtype, into Ray's object store (`bucket`). With LoRA the engines receive merged
+weights under the model's own names (`PolicyState.hf_weights`); a bucket holds a whole
+decoder layer, so each adapter arrives with its base weight.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class WeightStreamer:
         sd = full_state_dict(self.state.model)
         if self.state.topo.rank != 0:
             return None
-        return {k: _in_dtype(v, dtype) for k, v in sd.items()}
+        return {k: _in_dtype(v, dtype) for k, v in self.state.hf_weights(sd).items()}
 
     def buckets(self, bucket_bytes: int) -> list[list[str]]:
         """State-dict names in buckets of at most ``bucket_bytes`` (fp32 size), cut only
@@ -64,11 +66,12 @@ class WeightStreamer:
         for name in names:
             full = full_tensor(state[name])  # every rank joins each all-gather, in the same order
             if rank == 0:
-                out[name] = _in_dtype(full.detach().to("cpu", copy=True), dtype)
+                out[name] = full.detach().to("cpu", copy=True)
         if rank != 0:
             return None
         import ray
 
+        out = {k: _in_dtype(v, dtype) for k, v in self.state.hf_weights(out).items()}
         return ray.put(out), sum(t.numel() * t.element_size() for t in out.values())
 
 
