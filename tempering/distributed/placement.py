@@ -6,7 +6,8 @@ A plan says which nodes and resource bundles each worker group gets, how the pol
 (data parallel x tensor parallel, TP inside a node), where generation runs -- on the policy's
 own GPUs (*colocated*: vLLM sleeps while the policy trains) or on GPUs of its own (*split*) --
 how vLLM's tensor-parallel engines sit inside a node, and what one GPU holds: parameters,
-gradients and optimizer state at the configured precision and sharding, the reference model,
+gradients and optimizer state at the configured precision and sharding (with LoRA: of the
+adapters alone, and no reference copy: the base is the reference), the reference model,
 activations and logits of one micro-batch, and vLLM's ``gpu_memory_utilization``. A plan that
 does not fit the declared cluster raises `PlanError` listing what is short and what to change.
 Every example makes its plan first and builds its clusters from it (`algorithms/common.py`'s
@@ -68,6 +69,15 @@ class ModelShape:
         layer = attn + 3 * self.hidden * self.intermediate + 2 * self.hidden
         embed = self.vocab * self.hidden * (1 if self.tied else 2)
         return embed + self.layers * layer + self.hidden
+
+    def lora_params(self, dim: int) -> int:
+        """Adapter parameters of rank `dim` on every linear layer of the decoder (the most
+        `lora_cfg` can select): ``dim * (in + out)`` per projection."""
+        hd = self.head_dim or self.hidden // self.heads
+        q, kv = self.heads * hd, self.kv_heads * hd
+        h, i = self.hidden, self.intermediate
+        per_layer = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h)
+        return dim * per_layer * self.layers
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelShape:
@@ -384,12 +394,14 @@ def _memory(
         activations = shape.layers * tokens * shape.hidden * act_bytes + per_layer
     else:
         activations = shape.layers * per_layer
+    lora = pol.dtensor_cfg.lora_cfg
+    trained = shape.lora_params(lora.dim) if lora.enabled else P  # LoRA: adapters only
     parts = {
-        "weights": 4 * P / world,  # fp32 master weights, sharded over every rank
-        "grads": 4 * P / world,
-        "optimizer": 8 * P / world,  # AdamW's two moments
+        "weights": 4 * (P + (trained if lora.enabled else 0)) / world,  # fp32, sharded
+        "grads": 4 * trained / world,
+        "optimizer": 8 * trained / world,  # AdamW's two moments
     }
-    if reference:
+    if reference and not lora.enabled:  # LoRA's reference is its base, adapters off
         parts["reference"] = 4 * P / world
     parts["activations"] = activations
     parts["logits"] = 3 * tokens * shape.vocab * 4  # fp32 logits, log-softmax, their gradient

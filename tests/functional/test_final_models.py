@@ -232,3 +232,48 @@ def test_vllm_loads_final_hf_and_eval_agrees_across_engines(
     assert [e["completions"] for e in vllm_result.examples] == [
         e["completions"] for e in torch_result.examples
     ]
+
+
+def test_lora_grpo_leaves_merged_final_hf_a_peft_adapter_and_exports_either(ray_session, tmp_path):
+    """The LoRA config end to end (colocated refit of merged weights, adapter-only step
+    checkpoints): final_hf is the trained policy, final_adapter on the base model equals it,
+    and `tempering export` writes the merged model or the adapter from a step checkpoint."""
+    from peft import PeftModel
+
+    from tempering.algorithms import grpo
+    from tempering.distributed.batched_data_dict import BatchedDataDict
+    from tempering.models.export import export_checkpoint
+    from tempering.models.registry import resolve_model_path
+
+    cfg, resolved = load_config(
+        REPO / "examples/configs/grpo_math_tiny_lora.yaml",
+        [*_common(tmp_path), "grpo.max_num_steps=2", "grpo.val_period=2",
+         "data.num_val_samples=32", "grpo.max_val_samples=32", "checkpointing.save_period=1",
+         "policy.shared_prefix=false"],
+        schema=GRPOMasterConfig,
+    )  # fmt: skip
+    run = grpo.setup(cfg, resolved)
+    try:
+        grpo.train(run)
+        ids, lengths = _fixed_batch(AutoTokenizer.from_pretrained(tmp_path / "ckpt/final_hf"))
+        live = run.policy.get_logprobs(BatchedDataDict(input_ids=ids, input_lengths=lengths))
+    finally:
+        run.close()
+    valid = (torch.arange(ids.shape[1])[None] < lengths[:, None])[:, 1:]
+    trained = live["logprobs"][:, 1:][valid]
+    base_path = resolve_model_path("tiny-arith")
+    assert (_hf_logprobs(base_path, ids, lengths)[valid] - trained).abs().max() > 1e-3
+    merged, _ = export_checkpoint(tmp_path / "ckpt/step_2", tmp_path / "exported")
+    adapter, info = export_checkpoint(tmp_path / "ckpt/step_2", tmp_path / "adapter", adapter=True)
+    assert info["dtype"] == "float32" and (adapter / "adapter_config.json").is_file()
+    mask = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()
+    for folder in (tmp_path / "ckpt/final_hf", merged):
+        lp = _hf_logprobs(folder, ids, lengths)[valid]
+        assert (lp - trained).abs().max() < 1e-5, folder
+    for folder in (tmp_path / "ckpt/final_adapter", adapter):
+        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+        peft_model = PeftModel.from_pretrained(base, folder).eval()
+        with torch.no_grad():
+            logits = peft_model(input_ids=ids, attention_mask=mask).logits.float()
+        lp = torch.log_softmax(logits[:, :-1], -1).gather(2, ids[:, 1:, None])[..., 0][valid]
+        assert (lp - trained).abs().max() < 1e-5, folder

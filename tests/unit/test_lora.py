@@ -166,6 +166,20 @@ def test_resumed_worker_takes_the_same_steps_from_a_small_checkpoint(
     assert size("lora") < 0.35 * size("full")
 
 
+def test_bf16_keeps_the_frozen_base_in_bf16_and_the_adapters_in_fp32(model_dir, lone_rank):
+    from tempering.models.policy.model_setup import local_tensor
+
+    worker = lone_rank(model_dir, precision="bfloat16", lora=LORA)
+    dtypes = {n: local_tensor(p).dtype for n, p in worker.state.model.named_parameters()}
+    assert {d for n, d in dtypes.items() if ".lora_" in n} == {torch.float32}
+    assert {d for n, d in dtypes.items() if ".lora_" not in n} == {torch.bfloat16}
+    losses = [worker.train(_batch(0), NLLLoss())["loss"] for _ in range(4)]
+    assert losses[-1] < losses[0]  # the same batch: the adapters fit it
+    base = _plain_logprobs(AutoModelForCausalLM.from_pretrained(model_dir), _batch(2))
+    reference = worker.get_reference_policy_logprobs(_batch(2))["reference_policy_logprobs"]
+    assert (reference - base).abs().max() < 0.1  # bf16 compute of the base
+
+
 def test_bad_lora_settings_fail_naming_the_fix(model_dir, lone_rank) -> None:
     with pytest.raises(ValueError, match=r"\['qkv_proj'\] match no linear layer.*q_proj"):
         lone_rank(model_dir, lora={**LORA, "target_modules": ("qkv_proj",),

@@ -131,3 +131,19 @@ def test_tempering_plan_command():
                          cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert bad.returncode == 2 and "does not fit its cluster" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_lora_plan_counts_adapters_alone_and_no_reference_copy():
+    """The planner's adapter count is peft's on the real model, and LoRA drops the
+    reference copy, the full gradients and the full AdamW state from the estimate."""
+    from tempering.models.hf import load_causal_lm
+    from tempering.models.policy.lora import LoraAdapters, LoraSpec
+
+    model = load_causal_lm("tiny-arith")
+    LoraAdapters.attach(model, LoraSpec(dim=16), "causal_lm")
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert model_shape("tiny-arith").lora_params(16) == adapters
+    full, lora = plan("dpo.yaml").memory.parts, plan("dpo_lora.yaml").memory.parts
+    assert "reference" in full and "reference" not in lora
+    share = adapters / model_shape("tiny-arith").params
+    assert lora["optimizer"] == pytest.approx(full["optimizer"] * share)

@@ -9,7 +9,8 @@ it. What that means for the rest of the worker:
   model's new score head, trained whole) keep ``requires_grad``, so the optimizer (which
   takes trainable parameters only) holds fp32 adapters and their AdamW state, nothing else.
   The output is ``W x + (alpha / dim) * B A dropout(x)``; B starts at zero, so step 0 is the
-  base model exactly;
+  base model exactly. With ``precision="bfloat16"`` the frozen base is stored in bf16
+  (`freeze_base_in`), the adapters in fp32;
 - **the reference policy for free**: `disabled` turns every adapter off for a forward, which
   is then the frozen base model bit for bit -- DPO's and GRPO's reference log-probs, with no
   second copy of the weights;
@@ -115,6 +116,13 @@ class LoraAdapters:
             spec.dim, spec.alpha, len(targets), trainable, total, 100.0 * trainable / total,
         )  # fmt: skip
         return adapters
+
+    def freeze_base_in(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
+        """Store the frozen parameters in `dtype` (the policy's precision): only the
+        adapters need fp32 master weights, as only they are updated."""
+        for p in model.parameters():
+            if not p.requires_grad and p.is_floating_point():
+                p.data = p.data.to(dtype)
 
     @contextlib.contextmanager
     def disabled(self) -> Iterator[None]:

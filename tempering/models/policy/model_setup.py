@@ -315,6 +315,8 @@ def load_sharded(
     else:
         model = source.read()
     adapters = LoraAdapters.attach(model, lora, source.head) if lora is not None else None
+    if adapters is not None and mp_policy.param_dtype is not None:
+        adapters.freeze_base_in(model, mp_policy.param_dtype)  # bf16: half the base's memory
     use_packed_sdpa(model)  # packed micro-batches cost their sequences, not their bins
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
