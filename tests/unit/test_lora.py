@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from tempering.config.schemas import LoraConfig
 from tempering.distributed.batched_data_dict import BatchedDataDict
 from tempering.distributed.virtual_cluster import RayVirtualCluster
-from tempering.losses import NLLLoss
+from tempering.losses import BradleyTerryLoss, NLLLoss
 from tempering.models.policy.fsdp2_worker import FSDP2PolicyWorker
 from tempering.models.policy.lm_policy import build_policy
 from tempering.models.policy.lora import LoraSpec
@@ -178,6 +178,17 @@ def test_bf16_keeps_the_frozen_base_in_bf16_and_the_adapters_in_fp32(model_dir, 
     base = _plain_logprobs(AutoModelForCausalLM.from_pretrained(model_dir), _batch(2))
     reference = worker.get_reference_policy_logprobs(_batch(2))["reference_policy_logprobs"]
     assert (reference - base).abs().max() < 0.1  # bf16 compute of the base
+
+
+def test_a_reward_model_trains_its_new_score_head_whole_beside_the_adapters(model_dir, lone_rank):
+    worker = lone_rank(model_dir, head="score", pad_token_id=0, lora=LORA)
+    names = {id(p): n for n, p in worker.state.model.named_parameters()}
+    trained = {names[id(p)] for g in worker.state.optimizer.param_groups for p in g["params"]}
+    assert "score.weight" in trained and all(".lora_" in n for n in trained - {"score.weight"})
+    before = worker.refit.state_dict()["score.weight"].clone()
+    pairs = _batch(4)  # rows (2i, 2i+1) as (chosen, rejected)
+    worker.train(pairs, BradleyTerryLoss())
+    assert not torch.equal(worker.refit.state_dict()["score.weight"], before)
 
 
 def test_bad_lora_settings_fail_naming_the_fix(model_dir, lone_rank) -> None:
