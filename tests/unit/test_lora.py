@@ -12,6 +12,7 @@ from __future__ import annotations
 import types
 
 import pytest
+import ray
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -222,10 +223,15 @@ def two_rank_lora(request, ray_session, model_dir):
         losses.append(policy.train(_batch(1), NLLLoss())["loss"])
         reference = policy.get_reference_policy_logprobs(_batch(2))["reference_policy_logprobs"]
         weights = policy.refit.state_dict()
+        streamed: dict[str, torch.Tensor] = {}  # the split-generation refit: small buckets
+        buckets = policy.refit.buckets(64 * 1024)
+        for names in buckets:
+            streamed.update(ray.get(policy.refit.bucket(names, None)[0]))
     finally:
         policy.shutdown()
         cluster.shutdown()
-    return {"losses": losses, "reference": reference, "weights": weights}
+    return {"losses": losses, "reference": reference, "weights": weights,
+            "streamed": streamed, "buckets": len(buckets)}  # fmt: skip
 
 
 def test_lora_on_two_ranks_equals_one_rank(two_rank_lora, model_dir, lone_rank) -> None:
@@ -243,3 +249,6 @@ def test_lora_on_two_ranks_equals_one_rank(two_rank_lora, model_dir, lone_rank) 
         moved += int((tensor - initial[name]).abs().max() > 1e-4)
         torch.testing.assert_close(two_rank_lora["weights"][name], tensor, atol=1e-5, rtol=0)
     assert moved == 14  # the adapted projections, merged; nothing else
+    assert two_rank_lora["buckets"] > 2 and set(two_rank_lora["streamed"]) == set(want)
+    for name, tensor in two_rank_lora["streamed"].items():
+        assert torch.equal(tensor, two_rank_lora["weights"][name]), name
