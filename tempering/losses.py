@@ -1,4 +1,4 @@
-"""Loss functions for SFT, DPO, reward models and GRPO/PPO.
+"""Loss functions for SFT, DPO, reward models, GRPO/PPO and on-policy distillation.
 
 A layer below the models: the policy worker receives a loss object and calls it; it never
 imports the algorithms. Only torch here, and the GRPO loss's option rules it shares with the
@@ -38,12 +38,14 @@ from tempering.config.schemas import off_policy_loss_problems
 
 LossType = Literal["token", "sequence"]
 KLEstimator = Literal["k1", "k2", "k3"]
+DistillationKL = Literal["forward", "reverse", "mixed"]
 TruncatedISType = Literal["tis", "icepop", "seq-mask-tis"]
 
 __all__ = [
     "BradleyTerryLoss",
     "ClippedPGLoss",
     "DPOLoss",
+    "DistillationLoss",
     "KLEstimator",
     "LossFunction",
     "LossType",
@@ -53,6 +55,7 @@ __all__ = [
     "kl_estimate",
     "token_entropy",
     "token_logprobs",
+    "topk_logprobs",
 ]
 
 
@@ -573,5 +576,92 @@ class BradleyTerryLoss:
                 "accuracy": _masked_mean((margin > 0).to(margin.dtype), pair_mask),
                 "margin": _masked_mean(margin, pair_mask),
                 "num_valid_pairs": float(pair_mask.sum().item()),
+            }
+        return loss, metrics
+
+
+# --------------------------------------------------------------------------------------------
+# On-policy distillation
+# --------------------------------------------------------------------------------------------
+
+
+def topk_logprobs(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """A teacher's ``k`` most likely next tokens at every position, in the contract layout:
+    ``values[b, t]`` / ``indices[b, t]`` ``[B, S, k]`` are the top-k log-probs (normalised over
+    the WHOLE vocabulary, so their mass says what top-k leaves out) of token ``t`` given
+    ``input_ids[b, :t]``; position 0 is 0 (nothing predicts it). Only these travel."""
+    logp = torch.log_softmax(_upcast(logits[:, :-1]), dim=-1)
+    values, indices = logp.topk(k, dim=-1)  # [B, S-1, k]
+    return F.pad(values, (0, 0, 1, 0)), F.pad(indices, (0, 0, 1, 0))
+
+
+class DistillationLoss:
+    """KL between a teacher's top-k next-token distribution and the student's, per token of
+    the student's own samples (NeMo RL's ``loss_fn.kl_type`` / ``mixed_kl_weight`` /
+    ``zero_outside_topk``).
+
+    Inputs in `data`: ``teacher_topk_logprobs`` and ``teacher_topk_indices`` ``[B, S, k]``
+    (`topk_logprobs`' layout). Over the teacher's top-k set K at each position, with the
+    teacher's log-probs ``t`` and the student's ``s`` (both full-vocabulary log-probs):
+
+      zero_outside_topk=False: t and s are renormalised over K (two distributions on K);
+      zero_outside_topk=True:  they are not -- the mass outside K counts as zero (a partial sum)
+      forward = sum over K of exp(t) * (t - s)          KL(teacher || student)
+      reverse = sum over K of exp(s) * (s - t)          KL(student || teacher)
+      mixed   = mixed_kl_weight * forward + (1 - mixed_kl_weight) * reverse
+
+    With k = the vocabulary size both settings give the exact KL. The loss sums the per-token
+    KL over valid tokens (``token_mask * sample_mask``) and divides by ``global_valid_toks``.
+    Metrics: ``loss``, ``kl_forward`` and ``kl_reverse`` (means over valid tokens, renormalised
+    on K), ``teacher_topk_mass`` and ``student_topk_mass`` (share of each model's probability
+    inside K), ``num_valid_tokens``.
+    """
+
+    loss_type: LossType = "token"
+    pairwise: bool = False
+
+    def __init__(
+        self,
+        kl_type: DistillationKL = "forward",
+        mixed_kl_weight: float = 0.5,
+        zero_outside_topk: bool = False,
+    ) -> None:
+        if kl_type not in ("forward", "reverse", "mixed"):
+            raise ValueError(f"kl_type={kl_type!r} is unknown; use forward, reverse or mixed")
+        if not 0.0 <= mixed_kl_weight <= 1.0:
+            raise ValueError(f"mixed_kl_weight={mixed_kl_weight} must lie in [0, 1]")
+        self.kl_type = kl_type
+        self.mixed_kl_weight = mixed_kl_weight
+        self.zero_outside_topk = zero_outside_topk
+
+    def __call__(
+        self,
+        logits: Tensor,
+        data: Mapping[str, Any],
+        global_valid_toks: Tensor,
+        global_valid_seqs: Tensor,
+    ) -> tuple[Tensor, dict[str, float]]:
+        width = logits.shape[1]  # a micro-batch may be cut to its longest row
+        indices = data["teacher_topk_indices"][:, 1:width].long()  # [B, S-1, k]
+        teacher = data["teacher_topk_logprobs"][:, 1:width].float()
+        student = torch.log_softmax(_upcast(logits[:, :-1]), dim=-1).gather(-1, indices)
+        t_norm = teacher - teacher.logsumexp(-1, keepdim=True)  # renormalised on K
+        s_norm = student - student.logsumexp(-1, keepdim=True)
+        t, s = (teacher, student) if self.zero_outside_topk else (t_norm, s_norm)
+        forward = (t.exp() * (t - s)).sum(-1)  # [B, S-1]
+        reverse = (s.exp() * (s - t)).sum(-1)
+        w = {"forward": 1.0, "reverse": 0.0, "mixed": self.mixed_kl_weight}[self.kl_type]
+        per_token = F.pad(w * forward + (1.0 - w) * reverse, (1, 0))  # [B, S], 0 at t=0
+        mask = _valid_token_mask(data, per_token)[:, : per_token.shape[1]]
+        loss = (per_token * mask).sum() / _as_tensor(global_valid_toks, per_token)
+        with torch.no_grad():
+            m = mask[:, 1:]
+            metrics = {
+                "loss": float(loss.item()),
+                "kl_forward": _masked_mean((t_norm.exp() * (t_norm - s_norm)).sum(-1), m),
+                "kl_reverse": _masked_mean((s_norm.exp() * (s_norm - t_norm)).sum(-1), m),
+                "teacher_topk_mass": _masked_mean(teacher.exp().sum(-1), m),
+                "student_topk_mass": _masked_mean(student.exp().sum(-1), m),
+                "num_valid_tokens": float(m.sum().item()),
             }
         return loss, metrics
