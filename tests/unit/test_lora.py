@@ -106,6 +106,23 @@ def test_only_adapters_train_and_the_reference_is_the_base_model(model_dir, lone
     )
     torch.testing.assert_close(reference, base, atol=1e-6, rtol=0)
     torch.testing.assert_close(again, after, atol=1e-6, rtol=0)
+    # a teacher's top-k (on-policy distillation) is the plain forward's, zero past each row
+    from tempering.losses import topk_logprobs
+
+    ids, lens = data["input_ids"], data["input_lengths"]
+    attn = (torch.arange(ids.shape[1])[None] < lens[:, None]).long()
+    with torch.no_grad():
+        want_v, want_i = topk_logprobs(
+            worker.state.model(input_ids=ids, attention_mask=attn).logits, 3
+        )
+    got = worker.get_topk_logprobs(data, k=3)
+    valid = attn.bool()
+    valid[:, 0] = False
+    torch.testing.assert_close(
+        got["teacher_topk_logprobs"][valid], want_v[valid], atol=1e-5, rtol=0
+    )
+    assert torch.equal(got["teacher_topk_indices"][valid], want_i[valid])
+    assert not got["teacher_topk_logprobs"][~attn.bool()].any()
     # no second copy of the weights: the reference is the model itself
     assert worker.state.reference_model is None and worker.state.has_reference
 
@@ -223,6 +240,8 @@ def two_rank_lora(request, ray_session, model_dir):
         losses.append(policy.train(_batch(1), NLLLoss())["loss"])
         reference = policy.get_reference_policy_logprobs(_batch(2))["reference_policy_logprobs"]
         weights = policy.refit.state_dict()
+        # on-policy distillation's teacher call, on the same run: 7 rows over 2 ranks (padded)
+        topk = policy.get_topk_logprobs(_batch(3, rows=7), k=5)
         streamed: dict[str, torch.Tensor] = {}  # the split-generation refit: small buckets
         buckets = policy.refit.buckets(64 * 1024)
         for names in buckets:
@@ -231,7 +250,7 @@ def two_rank_lora(request, ray_session, model_dir):
         policy.shutdown()
         cluster.shutdown()
     return {"losses": losses, "reference": reference, "weights": weights,
-            "streamed": streamed, "buckets": len(buckets)}  # fmt: skip
+            "streamed": streamed, "buckets": len(buckets), "topk": topk}  # fmt: skip
 
 
 def test_lora_on_two_ranks_equals_one_rank(two_rank_lora, model_dir, lone_rank) -> None:
@@ -249,6 +268,13 @@ def test_lora_on_two_ranks_equals_one_rank(two_rank_lora, model_dir, lone_rank) 
         moved += int((tensor - initial[name]).abs().max() > 1e-4)
         torch.testing.assert_close(two_rank_lora["weights"][name], tensor, atol=1e-5, rtol=0)
     assert moved == 14  # the adapted projections, merged; nothing else
+    # the sharded teacher top-k (on-policy distillation) equals one rank's
+    topk = single.get_topk_logprobs(_batch(3, rows=7), k=5)
+    assert torch.equal(two_rank_lora["topk"]["teacher_topk_indices"], topk["teacher_topk_indices"])
+    torch.testing.assert_close(
+        two_rank_lora["topk"]["teacher_topk_logprobs"], topk["teacher_topk_logprobs"],
+        atol=1e-5, rtol=0,
+    )  # fmt: skip
     assert two_rank_lora["buckets"] > 2 and set(two_rank_lora["streamed"]) == set(want)
     for name, tensor in two_rank_lora["streamed"].items():
         assert torch.equal(tensor, two_rank_lora["weights"][name]), name

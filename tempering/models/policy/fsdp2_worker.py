@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from tempering.distributed.batched_data_dict import BatchedDataDict
-from tempering.losses import LossFunction, count_valid_pairs, token_logprobs
+from tempering.losses import LossFunction, count_valid_pairs, token_logprobs, topk_logprobs
 from tempering.models.policy.checkpoint_io import CheckpointIO
 from tempering.models.policy.colocated_generation import ColocatedGenerationView
 from tempering.models.policy.lora import LoraSpec
@@ -404,7 +404,29 @@ class FSDP2PolicyWorker:
                 self.forward_pass.padding(model)
         return BatchedDataDict(scores=torch.cat(out))
 
-    @torch.no_grad()
+    def get_topk_logprobs(
+        self,
+        data: BatchedDataDict,
+        k: int,
+        micro_batch_size: int | None = None,
+        max_tokens_per_microbatch: int | None = None,
+        temperature: float = 1.0,
+        pack_sequences: bool = False,
+    ) -> BatchedDataDict:
+        """A teacher's ``{"teacher_topk_logprobs", "teacher_topk_indices"}`` ``[B, S, k]``
+        (`tempering.losses.topk_logprobs`' layout; 0 at t=0 and padding): only these travel."""
+        faults.maybe_fault("policy", "logprobs")
+        require_head(self.state.source.head, "causal_lm", "get_topk_logprobs")
+        batching = (micro_batch_size, max_tokens_per_microbatch, pack_sequences)
+
+        def head(logits: torch.Tensor, mb: BatchedDataDict) -> tuple[torch.Tensor, ...]:
+            values, indices = topk_logprobs(logits / temperature, k)
+            valid = _valid_positions(values, mb)[..., None]
+            return values * valid, indices * valid
+
+        values, indices = self._per_token(self.state.model, data, batching, head, ((k,), (k,)))
+        return BatchedDataDict(teacher_topk_logprobs=values, teacher_topk_indices=indices)
+
     def _logprobs(
         self,
         model: torch.nn.Module,
@@ -412,6 +434,25 @@ class FSDP2PolicyWorker:
         batching: Batching,
         temperature: float,
     ) -> torch.Tensor:
+        def head(logits: torch.Tensor, mb: BatchedDataDict) -> tuple[torch.Tensor]:
+            if temperature != 1.0:
+                logits = logits / temperature
+            lp = token_logprobs(logits, mb["input_ids"])  # [b, s]
+            return (lp * _valid_positions(lp, mb),)
+
+        return self._per_token(model, data, batching, head, ((),))[0]
+
+    @torch.no_grad()
+    def _per_token(
+        self,
+        model: torch.nn.Module,
+        data: BatchedDataDict,
+        batching: Batching,
+        head: Any,
+        trailing: tuple[tuple[int, ...], ...],
+    ) -> list[torch.Tensor]:
+        """``head(logits, micro_batch)``'s tensors (``[b, s, *trailing[j]]`` each) for every
+        row of `data`, padded to its width, in its row order (eval mode, no gradients)."""
         was_training = model.training
         model.eval()
         full_len = data["input_ids"].shape[1]
@@ -419,25 +460,24 @@ class FSDP2PolicyWorker:
         mbs, layouts, perm = (
             self.forward_pass.split(view, *batching) if view.size else ([], [], None)
         )
-        pieces: list[torch.Tensor] = []
+        pieces: list[tuple[torch.Tensor, ...]] = []
         for i in range(self.state.topo.equalise(len(mbs))):
             if i >= len(mbs):  # padding pass, result dropped
                 self.forward_pass.padding(model)
                 continue
             mb = mbs[i].to(self.state.topo.device)
-            logits = self.forward_pass.logits(model, mb, layouts[i])
-            if temperature != 1.0:
-                logits = logits / temperature
-            lp = token_logprobs(logits, mb["input_ids"])  # [b, s]
-            seq = torch.arange(lp.shape[1], device=lp.device)
-            lp = lp * (seq[None, :] < mb["input_lengths"][:, None])
-            pieces.append(torch.nn.functional.pad(lp.cpu(), (0, full_len - lp.shape[1])))
+            outs = head(self.forward_pass.logits(model, mb, layouts[i]), mb)
+            pieces.append(tuple(
+                torch.nn.functional.pad(o.cpu(), (*[0, 0] * len(t), 0, full_len - o.shape[1]))
+                for o, t in zip(outs, trailing, strict=True)
+            ))  # fmt: skip
         model.train(was_training)
         if not pieces:
-            return torch.zeros(0, full_len)
-        out = torch.cat(pieces)
+            return [torch.zeros(0, full_len, *t) for t in trailing]
+        out = [torch.cat(parts) for parts in zip(*pieces, strict=True)]
         if perm is not None:
-            out = out[torch.argsort(perm)]
+            order = torch.argsort(perm)
+            out = [o[order] for o in out]
         return out
 
     # ------------------------------------------------- colocation with generation
@@ -478,6 +518,12 @@ def _logprob_args(
 ) -> tuple[Batching, float]:
     """`get_logprobs`' keyword arguments as ``(batching, temperature)``."""
     return (micro_batch_size, max_tokens_per_microbatch, pack_sequences), temperature
+
+
+def _valid_positions(like: torch.Tensor, mb: BatchedDataDict) -> torch.Tensor:
+    """``[b, s]`` 1 where a position holds a real token of its row (in `like`'s dtype)."""
+    seq = torch.arange(like.shape[1], device=like.device)
+    return (seq[None, :] < mb["input_lengths"][:, None]).to(like.dtype)
 
 
 def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:

@@ -137,8 +137,15 @@ class Policy(PolicyInterface):
         (needs ``init_reference_model=True`` in `build_policy`)."""
         return self._sharded_logprobs("get_reference_policy_logprobs", data, temperature)
 
+    def get_topk_logprobs(
+        self, data: BatchedDataDict, k: int, temperature: float = 1.0
+    ) -> BatchedDataDict:
+        """A teacher's ``{"teacher_topk_logprobs", "teacher_topk_indices"}`` ``[B, S, k]``
+        (on-policy distillation), each data-parallel rank scoring its shard of the rows."""
+        return self._sharded_logprobs("get_topk_logprobs", data, temperature, k=k)
+
     def _sharded_logprobs(
-        self, method: str, data: BatchedDataDict, temperature: float
+        self, method: str, data: BatchedDataDict, temperature: float, **extra: Any
     ) -> BatchedDataDict:
         n = data.size
         view = BatchedDataDict({k: data[k] for k in _LOGPROB_KEYS})
@@ -152,6 +159,7 @@ class Policy(PolicyInterface):
             max_tokens_per_microbatch=self.logprob_max_tokens_per_microbatch,
             pack_sequences=self.sequence_packing,
             temperature=temperature,
+            **extra,
         )
         merged = BatchedDataDict.from_batches(self.worker_group.get_dp_results(futures))
         return merged.slice(0, n) if pad else merged
