@@ -6,7 +6,7 @@ the image:
 
 1. the main job runs with no network (a namespace with only loopback) and builds no venv at start-up (no "built worker
    venv" log line; every venv-backed worker class is ``frozen``), and a frozen vLLM venv
-   imports vllm offline; time to first step is compared with the host's;
+   imports vllm offline; the time to first step is printed;
 2. the fingerprint check is clean;
 3. after a change to pyproject.toml: the check and the main job print the per-key banner and
    exit non-zero; ``NRL_FORCE_REBUILD_VENVS=true`` rebuilds a worker venv from the code's lock
@@ -126,12 +126,8 @@ def test_release_image(container, tmp_path):
     assert rc == 0, out[-3000:]
     assert f"/opt/tempering/venvs/{VLLM}" in out
 
-    # Time to first step on the host, same command (its venvs exist or need none).
-    host_cmd = MAIN_JOB.format(steps=5, out=tmp_path)
-    rc, out, on_host = _timed(host_cmd.split(), env={**os.environ, "UV_OFFLINE": "1"})
-    assert rc == 0, out[-3000:]
-    print(f"time to first step: image {in_image:.1f} s, host {on_host:.1f} s")
-    figures.update(first_step_image_s=round(in_image, 1), first_step_host_s=round(on_host, 1))
+    print(f"time to first step in the image: {in_image:.1f} s")
+    figures.update(first_step_image_s=round(in_image, 1))
     # The figures, for the README: pytest shows no prints of a passing test.
     (tmp_path / "container_figures.json").write_text(json.dumps(figures))
 

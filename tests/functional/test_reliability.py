@@ -3,7 +3,7 @@
 The tiny GRPO job (6 steps, a checkpoint every 2, split generation so that policy and
 generation workers are separate processes) runs once uninterrupted. Then, for each role --
 the controller, a policy worker, a generation worker, an environment actor -- and each phase
-that role passes through (two of them per run, chosen by a seed), a run is killed with SIGKILL when that process enters the phase for
+that role passes through (one of them per run, chosen by a seed), a run is killed with SIGKILL when that process enters the phase for
 the n-th time (n seeded at random; printed on failure), after a random delay inside the phase
 (``tempering/utils/faults.py``), and the same command is run again. The rerun must resume from the last complete checkpoint,
 reach step 6, and leave a metrics.jsonl whose records equal the uninterrupted run's -- no
@@ -112,11 +112,12 @@ def baseline(tmp_path_factory) -> list[dict]:
     return rows
 
 
-# Two roles per run, one phase each, chosen by the seed (the suite's time allows 2 kill/rerun
-# pairs, not 9): the default seed is the commit's hash, so over commits every phase of every
-# role is killed; a failure names the seed that reproduces it.
+# One role per run, one phase, chosen by the seed (the suite's time allows one kill/rerun
+# pair, not 9; test_max_restarts and the async test below kill two more): the default seed is
+# the commit's hash, so over commits every phase of every role is killed; a failure names the
+# seed that reproduces it.
 CASES = [(role, random.Random(f"{SEED}-{role}").choice(PHASES[role]))
-         for role in random.Random(SEED).sample(sorted(PHASES), 2)]  # fmt: skip
+         for role in random.Random(SEED).sample(sorted(PHASES), 1)]  # fmt: skip
 
 
 @pytest.mark.parametrize("role,phase", CASES)
