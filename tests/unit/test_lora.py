@@ -23,6 +23,7 @@ from tempering.losses import BradleyTerryLoss, NLLLoss
 from tempering.models.policy.fsdp2_worker import FSDP2PolicyWorker
 from tempering.models.policy.lm_policy import build_policy
 from tempering.models.policy.lora import LoraSpec
+from tempering.models.registry import resolve_model_path
 
 LORA = {"dim": 4, "alpha": 8.0, "target_modules": (), "match_all_linear": True}
 KWARGS = {"learning_rate": 2e-2, "num_threads": 1, "max_grad_norm": 1.0}
@@ -182,6 +183,17 @@ def test_resumed_worker_takes_the_same_steps_from_a_small_checkpoint(
     # 8k adapter parameters against 87k; DCP's per-tensor overhead (~2 KB each) makes the
     # ratio 0.28 at this tiny size (bench/bench_lora.py reports SmolLM2's)
     assert size("lora") < 0.35 * size("full")
+    # exactly the adapters, also where a frozen weight is tied under a second name (tiny-arith's
+    # lm_head is its embedding; torch's ignore_frozen_params alone would keep it)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    tied = lone_rank(resolve_model_path("tiny-arith"), lora=LORA)
+    tied.checkpoint.save(str(tmp_path / "tied"))
+    saved = {k.removeprefix("model.") for k in
+             FileSystemReader(str(tmp_path / "tied")).read_metadata().state_dict_metadata
+             if k.startswith("model.")}  # fmt: skip
+    trained = {n for n, p in tied.state.model.named_parameters() if p.requires_grad}
+    assert saved == trained
 
 
 def test_bf16_keeps_the_frozen_base_in_bf16_and_the_adapters_in_fp32(model_dir, lone_rank):

@@ -61,9 +61,17 @@ class CheckpointIO:
         """This rank's state to save or load into: ``model`` (and ``optim`` when it trains)."""
         model, optimizer = self.state.model, self.state.optimizer
         if optimizer is None:
-            return {"model": get_model_state_dict(model, options=self._options())}
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=self._options())
-        return {"model": model_sd, "optim": optim_sd}
+            state = {"model": get_model_state_dict(model, options=self._options())}
+        else:
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=self._options())
+            state = {"model": model_sd, "optim": optim_sd}
+        if self.state.lora is not None:
+            # torch's ignore_frozen_params keeps a tied frozen weight under its second name
+            # (lm_head.weight: SmolLM2's 113 MB embedding); keep the trainable names only.
+            trained = {n for n, p in model.named_parameters(remove_duplicate=False)
+                       if p.requires_grad}  # fmt: skip
+            state["model"] = {k: v for k, v in state["model"].items() if k in trained}
+        return state
 
     def save(self, path: str) -> None:
         """Sharded model + optimizer state (DCP) under `path`, scheduler state beside it."""
