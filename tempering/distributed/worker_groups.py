@@ -186,11 +186,15 @@ class IsolatedWorkerInitializer:
             raise AttributeError(f"worker class {self._fqn} has no method {_method_name!r}")
         return method(*args, **kwargs)
 
-    def resource_usage(self) -> dict[str, float]:
-        """This process's CPU time, peak memory and GPU use (``tempering.utils.resources``)."""
-        from tempering.utils.resources import process_usage
+    def resource_usage(self, reset_peak: bool = False) -> dict[str, float]:
+        """This process's CPU time, peak memory and GPU use (``tempering.utils.resources``);
+        ``reset_peak`` then restarts its ``rss_hwm_gb`` high-water mark."""
+        from tempering.utils.resources import process_usage, reset_peak_rss
 
-        return process_usage()
+        usage = process_usage()
+        if reset_peak:
+            reset_peak_rss()
+        return usage
 
     def shutdown_worker(self) -> None:
         """Call the worker's own ``shutdown()`` when it has one."""
@@ -498,9 +502,10 @@ class RayWorkerGroup:
                 **context,
             ) from None
 
-    def resource_usage(self) -> list[dict[str, float]]:
-        """Every worker's `process_usage`, in rank order (for `ResourceMonitor`)."""
-        refs = [w.resource_usage.remote() for w in self.workers]
+    def resource_usage(self, reset_peak: bool = False) -> list[dict[str, float]]:
+        """Every worker's `process_usage`, in rank order (for `ResourceMonitor`);
+        ``reset_peak`` restarts each one's ``rss_hwm_gb`` after reading it."""
+        refs = [w.resource_usage.remote(reset_peak) for w in self.workers]
         n = len(refs)
         return self._gather(refs, ["resource_usage"] * n, list(range(n)),
                             deadlines.deadline_s("call"), "call")  # fmt: skip

@@ -38,6 +38,22 @@ def current_rss_gb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
 
 
+def reset_peak_rss() -> None:
+    """Restart this process's resident-memory high-water mark (Linux: ``VmHWM`` in
+    /proc/self/status, which `process_usage` reports as ``rss_hwm_gb``), so the peak of one
+    phase (e.g. training steps, not loading) can be read on its own."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _rss_hwm_gb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20  # kB
+    return 0.0
+
+
 def process_usage() -> dict[str, float]:
     """This process's CPU seconds (children included), peak RSS and, when torch uses CUDA
     here, its peak GPU memory and the GPU's utilisation."""
@@ -49,6 +65,7 @@ def process_usage() -> dict[str, float]:
         "cpu_s": me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime,
         "wall_s": time.monotonic(),
         "peak_rss_gb": max(me.ru_maxrss, kids.ru_maxrss) / 2**20,  # Linux reports KiB
+        "rss_hwm_gb": _rss_hwm_gb(),  # the peak since the last reset_peak_rss (or start)
     }
     torch = sys.modules.get("torch")  # only where torch is already in use
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
