@@ -41,7 +41,15 @@ def current_rss_gb() -> float:
 def reset_peak_rss() -> None:
     """Restart this process's resident-memory high-water mark (Linux: ``VmHWM`` in
     /proc/self/status, which `process_usage` reports as ``rss_hwm_gb``), so the peak of one
-    phase (e.g. training steps, not loading) can be read on its own."""
+    phase (e.g. training steps, not loading) can be read on its own. Memory the allocator
+    holds freed (glibc keeps a large load's freed heap resident) is returned first, so the
+    mark starts from what is live."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the mark starts from the resident size
+        pass
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
 
