@@ -291,7 +291,7 @@ def export_final_model(policy: Any, checkpointing: CheckpointingConfig, lora: bo
     log.info("final model written to %s", path)
     if lora:
         adapter = path.with_name("final_adapter")
-        policy.export_adapter(str(adapter))
+        policy.export_hf(str(adapter), adapter=True)
         log.info("final LoRA adapter (PEFT format) written to %s", adapter)
     return path
 

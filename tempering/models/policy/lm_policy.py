@@ -172,13 +172,12 @@ class Policy(PolicyInterface):
     def load_checkpoint(self, path: str) -> None:
         _run_all(self.worker_group, "checkpoint.load", str(path))
 
-    def export_hf(self, path: str) -> None:
-        """Gather the full weights and write an HF folder (rank 0) that ``from_pretrained`` loads."""
-        _run_all(self.worker_group, "checkpoint.export_hf", str(path))
-
-    def export_adapter(self, path: str) -> None:
-        """The LoRA adapters alone, in PEFT's format (``PeftModel.from_pretrained`` loads it)."""
-        _run_all(self.worker_group, "checkpoint.export_adapter", str(path))
+    def export_hf(self, path: str, adapter: bool = False) -> None:
+        """Gather the full weights and write an HF folder (rank 0) that ``from_pretrained``
+        loads (LoRA: the adapters merged in). ``adapter``: the LoRA adapters alone instead, in
+        PEFT's format (``PeftModel.from_pretrained(base, path)`` loads them)."""
+        method = "checkpoint.export_adapter" if adapter else "checkpoint.export_hf"
+        _run_all(self.worker_group, method, str(path))
 
     # ------------------------------------------------- colocated generation
     def init_colocated_generation(self, sampling: dict[str, Any]) -> None:
