@@ -50,9 +50,17 @@ def _generates(folder: Path) -> str:
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
-def _hf_logprobs(folder: str | Path, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """``[B, S-1]`` log-probs of each next token under the HF model in `folder` (fp32)."""
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+def _hf_logprobs(
+    folder: str | Path | torch.nn.Module, ids: torch.Tensor, lengths: torch.Tensor
+) -> torch.Tensor:
+    """``[B, S-1]`` log-probs of each next token under the HF model in `folder` (fp32), or
+    under a model already built (e.g. a ``PeftModel``)."""
+    model = (
+        folder
+        if isinstance(folder, torch.nn.Module)
+        else (AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32))
+    )
+    model.eval()
     mask = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask).logits.float()
@@ -266,14 +274,10 @@ def test_lora_grpo_leaves_merged_final_hf_a_peft_adapter_and_exports_either(ray_
     merged, _ = export_checkpoint(tmp_path / "ckpt/step_2", tmp_path / "exported")
     adapter, info = export_checkpoint(tmp_path / "ckpt/step_2", tmp_path / "adapter", adapter=True)
     assert info["dtype"] == "float32" and (adapter / "adapter_config.json").is_file()
-    mask = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()
     for folder in (tmp_path / "ckpt/final_hf", merged):
         lp = _hf_logprobs(folder, ids, lengths)[valid]
         assert (lp - trained).abs().max() < 1e-5, folder
     for folder in (tmp_path / "ckpt/final_adapter", adapter):
         base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-        peft_model = PeftModel.from_pretrained(base, folder).eval()
-        with torch.no_grad():
-            logits = peft_model(input_ids=ids, attention_mask=mask).logits.float()
-        lp = torch.log_softmax(logits[:, :-1], -1).gather(2, ids[:, 1:, None])[..., 0][valid]
+        lp = _hf_logprobs(PeftModel.from_pretrained(base, folder), ids, lengths)[valid]
         assert (lp - trained).abs().max() < 1e-5, folder
