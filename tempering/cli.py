@@ -28,12 +28,12 @@ def _run_plan(args: argparse.Namespace) -> int:
     from tempering.config.loader import load_config
     from tempering.config.schemas import MASTER_CONFIGS
     from tempering.distributed.placement import make_plan, schema_for
-    from tempering.models.shapes import model_shape
+    from tempering.models.shapes import run_shapes
 
     cfg, _ = load_config(
         args.config, args.overrides, schema=MASTER_CONFIGS[schema_for(args.config)]
     )
-    print(make_plan(cfg, model_shape(cfg.policy.model_name)).table())
+    print(make_plan(cfg, *run_shapes(cfg)).table())
     return 0
 
 

@@ -61,9 +61,9 @@ def plan_run(cfg: Any) -> Any:
     """The run's placement plan (`tempering plan` prints the same); a config that does not
     fit its cluster fails here, before Ray starts (`PlanError`, a user error)."""
     from tempering.distributed.placement import make_plan
-    from tempering.models.shapes import model_shape
+    from tempering.models.shapes import run_shapes
 
-    plan = make_plan(cfg, model_shape(cfg.policy.model_name))
+    plan = make_plan(cfg, *run_shapes(cfg))
     log.info("placement plan:\n%s", plan.table())
     return plan
 

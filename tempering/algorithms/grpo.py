@@ -90,7 +90,9 @@ class GRPORun:
         self.cluster.shutdown()
 
 
-def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any]) -> GRPORun:
+def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any], plan: Any = None) -> GRPORun:
+    """Everything a GRPO run needs, started; ``plan``: the placement plan when the caller made
+    it (distillation's, which adds the teacher), else made here."""
     from tempering.data.dataloader import StatefulDataLoader
     from tempering.experience.rollouts import HttpTurnClient, InProcessTurnClient
     from tempering.models.generation.builders import (
@@ -101,7 +103,7 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any]) -> GRPORun:
     from tempering.models.registry import resolve_model_path
 
     common.prepare_run(cfg.deadlines, cfg.logger.log_dir)
-    plan = common.plan_run(cfg)
+    plan = plan or common.plan_run(cfg)
     model_path = resolve_model_path(cfg.policy.model_name)
     tokenizer = common.load_run_tokenizer(cfg.policy)
     train_problems, val_problems = load_problems(cfg.data, cfg.env.nemo_gym.default_route)
@@ -121,7 +123,7 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any]) -> GRPORun:
         total_steps=cfg.grpo.max_num_steps,
         init_reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0,
         seed=cfg.grpo.seed,
-        gpu_share=colocated_gpu_share(plan),
+        gpu_share=plan.gpu_share,
     )
     generation = build_generation(
         cfg.policy.generation, policy, model_path, tokenizer, plan, cfg.cluster,
@@ -167,15 +169,6 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any]) -> GRPORun:
             cfg.logger, policy=policy, generation=generation, environments=environments.values()
         ),
     )
-
-
-def colocated_gpu_share(plan: Any) -> float | None:
-    """Colocated vLLM on GPUs (the plan's generation group shares the policy's bundles): each
-    policy worker takes part of its GPU in Ray's books."""
-    from tempering.models.generation.builders import COLOCATED_GPU_SHARE
-
-    gen = plan.generation
-    return COLOCATED_GPU_SHARE if gen is not None and gen.colocated_with and plan.on_gpus else None
 
 
 def _build_gym(cfg: GRPOMasterConfig, server: Any, tokenizer: Any) -> Any:

@@ -1,4 +1,4 @@
-"""What a GRPO example script runs: load and validate the config (failing fast, before any
+"""What a GRPO (or distillation) example script runs: load and validate the config (failing fast, before any
 heavy import), set up, train, restart from the last checkpoint after a worker death or an
 expired deadline (`fault_tolerance.max_restarts`), free everything, print the summary.
 
@@ -58,6 +58,24 @@ def run_grpo_example(argv: list[str], default_config: Path) -> None:
             run.close()
     summary["restarts"] = restarts
     print(grpo.summary_text(summary, cfg))
+
+
+def run_distillation_example(argv: list[str], default_config: Path) -> None:
+    """What `examples/run_distillation.py` does: load and validate the config (failing fast),
+    set up student and teacher, train, free everything, print the summary."""
+    from tempering.config import DistillationMasterConfig, parse_args_and_load
+    from tempering.errors import exit_on_user_error
+
+    cfg, resolved = parse_args_and_load(argv, default_config, DistillationMasterConfig)
+    from tempering.algorithms import distillation  # heavy imports only after the config is valid
+
+    with exit_on_user_error():  # a missing model, a teacher of another vocabulary: exit 2
+        run = distillation.setup(cfg, resolved)
+    try:
+        summary = distillation.train(run)
+    finally:
+        run.close()
+    print(distillation.summary_text(summary, cfg))
 
 
 def last_logged_step(cfg: Any) -> int:

@@ -12,6 +12,7 @@ from tempering.config.loader import (
 )
 from tempering.config.schemas import (
     MASTER_CONFIGS,
+    DistillationMasterConfig,
     DPOMasterConfig,
     GRPOMasterConfig,
     RMMasterConfig,
@@ -21,6 +22,7 @@ from tempering.config.schemas import (
 __all__ = [
     "MASTER_CONFIGS",
     "ConfigError",
+    "DistillationMasterConfig",
     "DPOMasterConfig",
     "GRPOMasterConfig",
     "RMMasterConfig",

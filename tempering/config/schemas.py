@@ -9,8 +9,15 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
+from tempering.config.distillation_sections import (  # noqa: F401 -- part of this namespace
+    DistillationConfig,
+    DistillationLossConfig,
+    TeacherConfig,
+    TeacherDTensorConfig,
+    as_grpo_config,
+)
 from tempering.config.rl_sections import (  # noqa: F401 -- part of this module's namespace
     TRUNCATED_IS_TYPES,
     ArithmeticRetryEnvConfig,
@@ -711,9 +718,40 @@ def _check_async(cfg: GRPOMasterConfig) -> None:
         )
 
 
+class DistillationMasterConfig(_Master):
+    """On-policy distillation: the student (``policy``) samples as GRPO does, the frozen
+    ``teacher`` scores each sampled token with its top-k log-probs, the student trains on the
+    KL (tempering/algorithms/distillation.py). GRPO's rules for the rollouts apply, under
+    ``distillation.*`` names."""
+
+    UNREAD_KEYS: ClassVar[dict[str, str]] = _UNREAD_KEYS["GRPO"]
+    distillation: DistillationConfig = DistillationConfig()
+    loss_fn: DistillationLossConfig = DistillationLossConfig()
+    teacher: TeacherConfig = TeacherConfig()
+    env: EnvConfig = EnvConfig()
+
+    @model_validator(mode="after")
+    def _rollouts_as_grpo(self) -> DistillationMasterConfig:
+        self.grpo_view()
+        return self
+
+    def grpo_view(self) -> GRPOMasterConfig:
+        """The GRPO config of this run's rollouts (`as_grpo_config`), validated by GRPO's
+        rules; a problem is reported under its ``distillation.*`` name."""
+        sections = {k: getattr(self, k) for k in ("cluster", "logger", "checkpointing", "data",
+                                                  "deadlines", "env")}  # fmt: skip
+        try:
+            return GRPOMasterConfig(**as_grpo_config(self.distillation, self.policy, sections))
+        except ValidationError as exc:
+            msgs = [str(e["msg"]).removeprefix("Value error, ") for e in exc.errors()]
+            text = "; ".join(msgs).replace("grpo.", "distillation.")
+            raise ValueError(text.replace("GRPO does not", "distillation does not")) from None
+
+
 MASTER_CONFIGS: dict[str, type[_Master]] = {
     "sft": SFTMasterConfig,
     "dpo": DPOMasterConfig,
     "rm": RMMasterConfig,
     "grpo": GRPOMasterConfig,
+    "distillation": DistillationMasterConfig,
 }

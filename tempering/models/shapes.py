@@ -43,6 +43,13 @@ KNOWN_SHAPES["meta-llama/Llama-3.2-1B-Instruct"] = KNOWN_SHAPES["meta-llama/Llam
 KNOWN_SHAPES["meta-llama/Llama-3.1-8B-Instruct"] = KNOWN_SHAPES["meta-llama/Llama-3.1-8B"]
 
 
+def run_shapes(cfg: Any) -> tuple[ModelShape | None, ModelShape | None]:
+    """The shapes `make_plan` takes for a master config: the policy's and, for on-policy
+    distillation, the teacher's (else None)."""
+    teacher = getattr(cfg, "teacher", None)
+    return model_shape(cfg.policy.model_name), teacher and model_shape(teacher.model_name)
+
+
 def model_shape(model_name: str) -> ModelShape | None:
     """The shape of ``model_name`` without loading (or downloading, or converting) it."""
     if model_name in KNOWN_SHAPES:

@@ -3,8 +3,9 @@
 A CPU-only Ray cluster (``ray.cluster_utils.Cluster`` in a subprocess, nodes declaring 8 GPUs
 each) stands in for GPU nodes: Ray's placement groups and GPU accounting are the real ones,
 and each actor is told which GPU indices it holds. For `grpo_math_1B.yaml` (1 GPU) and
-`grpo_math_8B.yaml` on 2 nodes of 8 GPUs (each node holds what the 1-node 8B run would: its
-separate case was dropped to keep the suite's time), the test builds the plan, the policy's
+`grpo_math_8B.yaml` on 2 nodes of 4 GPUs (the 8B plan's shape -- 8 policy workers, vLLM
+engines of TP 4 -- over two nodes; 2 x 8 and 1 x 8 were dropped to keep the suite's time: 16
+workers cost 2 cores minutes), the test builds the plan, the policy's
 virtual cluster and its worker group (the real FSDP2 policy worker, on the tiny model: torch
 sees no CUDA, so the workers compute on CPU with gloo) and the colocated vLLM engines'
 placement with `start_colocated_engines`, the function the run uses. The engine is a probe
@@ -28,7 +29,11 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 CASES = {  # name -> (config, overrides, nodes)
     "1B-1gpu": ("grpo_math_1B.yaml", [], 1),
-    "8B-2nodes-x-8gpus": ("grpo_math_8B.yaml", ["cluster.num_nodes=2"], 2),
+    "8B-2nodes-x-4gpus": (
+        "grpo_math_8B.yaml",
+        ["cluster.num_nodes=2", "cluster.gpus_per_node=4"],
+        2,
+    ),
 }
 
 

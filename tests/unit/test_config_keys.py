@@ -36,6 +36,7 @@ MASTERS = (
     schemas.DPOMasterConfig,
     schemas.RMMasterConfig,
     schemas.GRPOMasterConfig,
+    schemas.DistillationMasterConfig,
 )
 
 # key path -> a value that is not implemented (each must be refused).
@@ -83,6 +84,12 @@ ALGORITHM_MODULES: dict[type, tuple[str, ...]] = {
         "examples/run_grpo_*.py",
     ),
 }
+# Distillation hands its rollouts to GRPO's code (through `as_grpo_config`), then its own.
+ALGORITHM_MODULES[schemas.DistillationMasterConfig] = (
+    *ALGORITHM_MODULES[schemas.GRPOMasterConfig],
+    "tempering/config/distillation_sections.py",
+    "tempering/algorithms/distillation.py",
+)
 # Shared code a section is handed on to, whichever algorithm hands it (nested sections inherit
 # their parent's modules).
 SECTION_MODULES: dict[str, tuple[str, ...]] = {
@@ -453,7 +460,8 @@ def test_a_read_by_another_algorithm_does_not_count(sources):
     mutated = _mutated(sources, "tempering/algorithms/preference.py", "data_cfg.prompt_key", "0")
     reported = {m: "data.prompt_key" in unread_fields(m, mutated) for m in MASTERS}
     assert reported == {schemas.SFTMasterConfig: False, schemas.DPOMasterConfig: True,
-                        schemas.RMMasterConfig: True, schemas.GRPOMasterConfig: False}  # fmt: skip
+                        schemas.RMMasterConfig: True, schemas.GRPOMasterConfig: False,
+                        schemas.DistillationMasterConfig: False}  # fmt: skip
 
 
 EXAMPLE = {
@@ -461,6 +469,7 @@ EXAMPLE = {
     schemas.DPOMasterConfig: "dpo.yaml",
     schemas.RMMasterConfig: "rm.yaml",
     schemas.GRPOMasterConfig: "grpo_math_tiny.yaml",
+    schemas.DistillationMasterConfig: "distillation_math_tiny.yaml",
 }
 
 

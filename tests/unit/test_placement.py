@@ -13,7 +13,7 @@ import pytest
 from tempering.config.loader import load_config
 from tempering.config.schemas import MASTER_CONFIGS
 from tempering.distributed.placement import PlanError, make_plan, schema_for
-from tempering.models.shapes import KNOWN_SHAPES, model_shape
+from tempering.models.shapes import KNOWN_SHAPES, model_shape, run_shapes
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "examples" / "configs").glob("*.yaml"))
@@ -22,7 +22,7 @@ CONFIGS = sorted((REPO / "examples" / "configs").glob("*.yaml"))
 def plan(config: str | Path, *overrides: str):
     path = REPO / "examples" / "configs" / config if isinstance(config, str) else config
     cfg, _ = load_config(path, list(overrides), schema=MASTER_CONFIGS[schema_for(path)])
-    return make_plan(cfg, model_shape(cfg.policy.model_name))
+    return make_plan(cfg, *run_shapes(cfg))
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
@@ -147,3 +147,32 @@ def test_lora_plan_counts_adapters_alone_and_no_reference_copy():
     assert "reference" in full and "reference" not in lora
     share = adapters / model_shape("tiny-arith").params
     assert lora["optimizer"] == pytest.approx(full["optimizer"] * share)
+
+
+def test_distillation_plans_the_teacher_beside_the_student():
+    """On CPU the teacher gets bundles of its own; on GPUs it shares the policy's GPUs (each
+    group on a GPU takes an equal share in Ray's books), and what does not fit is refused."""
+    cpu = plan("distillation_math_tiny.yaml")
+    t = cpu.teacher
+    assert t.colocated_with is None and (t.workers, t.dp, t.tp) == (cpu.policy.workers, 1, 1)
+    assert cpu.gpu_share is None and "\nteacher " in cpu.table()
+    gpus = ("cluster.gpus_per_node=8", "cluster.gpu_memory_gb=80")
+    torch_gen = plan("distillation_math_tiny.yaml", *gpus)  # torch generation in the policy
+    assert torch_gen.teacher.colocated_with == "policy" and torch_gen.gpu_share == 0.5
+    assert torch_gen.teacher.gpu_ids == torch_gen.policy.gpu_ids == [[i] for i in range(8)]
+    assert "teacher weights" in torch_gen.memory.parts
+    vllm = plan("distillation_math_tiny.yaml", *gpus, "policy.generation.backend=vllm")
+    assert vllm.gpu_share == pytest.approx(1 / 3)  # policy, vLLM engine, teacher
+    with pytest.raises(PlanError, match="teacher weights"):  # 8B in fp32 beside the student
+        plan(
+            "distillation_math_tiny.yaml",
+            "cluster.gpus_per_node=1",
+            "cluster.gpu_memory_gb=16",
+            "policy.train_global_batch_size=256",
+            "teacher.model_name=meta-llama/Llama-3.1-8B",
+        )
+
+
+def test_a_teacher_with_another_vocabulary_is_refused_naming_both_sizes():
+    with pytest.raises(PlanError, match=r"vocabulary of 128256 tokens .* has 269"):
+        plan("distillation_math_tiny.yaml", "teacher.model_name=meta-llama/Llama-3.2-1B")

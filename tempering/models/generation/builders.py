@@ -257,7 +257,7 @@ def build_generation(
         )
         refit_dtype = v.precision  # weights travel in the engine's dtype
     if group_plan.colocated_with:  # vLLM on the policy's GPUs (GPU only; not yet run on hardware)
-        group = start_colocated_engines(policy, group_plan, builder)
+        group = start_colocated_engines(policy, group_plan, builder, plan.gpu_share)
         generation = SplitGeneration(group, None, sleeps=True, refit_dtype=refit_dtype)
     else:
         cluster = cluster_for_group(group_plan, cluster_cfg.cpus_per_worker, "generation")
@@ -273,17 +273,21 @@ def build_generation(
 
 
 # Colocated vLLM: the policy worker and the engine on a GPU each take this share of it in
-# Ray's accounting (the memory is shared in time: vLLM sleeps while the policy trains).
+# Ray's accounting (the memory is shared in time: vLLM sleeps while the policy trains); a
+# distillation teacher on the same GPUs makes it a third (`Plan.gpu_share`).
 COLOCATED_GPU_SHARE = 0.5
 
 
-def start_colocated_engines(policy: Any, group_plan: Any, builder: Any) -> Any:
-    """One engine per TP group of the policy's bundles, sharing their GPUs (see below)."""
+def start_colocated_engines(
+    policy: Any, group_plan: Any, builder: Any, gpu_share: float | None = COLOCATED_GPU_SHARE
+) -> Any:
+    """One engine per TP group of the policy's bundles, sharing their GPUs (see below), each
+    taking ``gpu_share`` of its GPU in Ray's books."""
     from tempering.distributed.worker_groups import RayWorkerGroup
 
     bundles, envs = colocated_engine_placement(group_plan, policy.worker_group.worker_info)
     return RayWorkerGroup(
-        policy.cluster, builder, name_prefix="gen-vllm", num_gpus_per_worker=COLOCATED_GPU_SHARE,
+        policy.cluster, builder, name_prefix="gen-vllm", num_gpus_per_worker=gpu_share,
         num_cpus_per_worker=0,  # the policy worker holds the bundle's CPUs
         bundle_indices=bundles, env_vars_per_rank=envs,
     )  # fmt: skip

@@ -422,7 +422,8 @@ class FSDP2PolicyWorker:
         def head(logits: torch.Tensor, mb: BatchedDataDict) -> tuple[torch.Tensor, ...]:
             values, indices = topk_logprobs(logits / temperature, k)
             valid = _valid_positions(values, mb)[..., None]
-            return values * valid, indices * valid
+            # token ids as int32 (any vocabulary fits; half int64's bytes on the wire)
+            return values * valid, (indices * valid.long()).to(torch.int32)
 
         values, indices = self._per_token(self.state.model, data, batching, head, ((k,), (k,)))
         return BatchedDataDict(teacher_topk_logprobs=values, teacher_topk_indices=indices)

@@ -231,6 +231,7 @@ def build_policy(
     env_vars: dict[str, str] | None = None,
     tensor_parallel_size: int = 1,
     gpu_share: float | None = None,
+    cpu_share: float | None = None,
     **kwargs: Any,
 ) -> Policy:
     """Start one `FSDP2PolicyWorker` per bundle of `cluster` and wrap them in a `Policy`.
@@ -241,7 +242,8 @@ def build_policy(
     ``sequence_packing``, ``logprob_max_tokens_per_microbatch``) and, all the others,
     `FSDP2PolicyWorker`'s keyword arguments (``learning_rate``, ``precision``, ``head``, ...),
     each documented and defaulted once, where it is used. ``gpu_share``: the share of its
-    bundle's GPU each worker takes in Ray's accounting (colocated vLLM takes the rest).
+    bundle's GPU each worker takes in Ray's accounting (colocated vLLM takes the rest);
+    ``cpu_share``: its CPUs (None: all; 0 for a group on bundles another group holds).
     """
     policy_kwargs = {k: kwargs.pop(k) for k in _POLICY_ARGS if k in kwargs}
     inspect.signature(Policy).bind(None, **policy_kwargs)  # a missing batch size: TypeError
@@ -253,6 +255,7 @@ def build_policy(
     group = RayWorkerGroup(
         cluster, builder, name_prefix=name_prefix, env_vars=env_vars,
         tensor_parallel_size=tensor_parallel_size, num_gpus_per_worker=gpu_share,
+        num_cpus_per_worker=cpu_share,
     )  # fmt: skip
     try:
         return Policy(group, cluster=cluster, **policy_kwargs)
