@@ -7,7 +7,9 @@ run resumed from its middle checkpoint.
 - the teacher is frozen and the student moves;
 - a run resumed from step 2's checkpoint reproduces steps 3 and 4 exactly (the teacher holds
   no state; the student's weights, optimizer, data order and sampling seeds come back);
-- checkpoints hold the student alone, and the final model is the student's.
+- checkpoints hold the student alone, and the final model is the student's;
+- multi-turn rollouts over the generation server, and NeMo Gym rollouts (protocol stand-in),
+  are distilled through the same loop (one step each).
 
 The loss's arithmetic (each kl_type against a hand-computed KL, k = vocabulary gives the full
 KL) is tests/unit/test_distillation_loss.py; sharded teacher top-k against one rank is in
@@ -191,4 +193,39 @@ def test_multi_turn_rollouts_over_http_are_distilled(ray_session, tmp_path):
         run.close()
     assert m["train/turns_mean"] > 1.0  # some episodes were asked again
     assert m["server/requests"] > 16  # 16 episodes, some of several turns: one request each
+    assert m["train/kl_forward"] > 0 and math.isfinite(m["train/loss"])
+
+
+def test_nemo_gym_rollouts_are_distilled(ray_session, tmp_path):
+    """NeMo Gym's protocol feeds distillation unchanged: Gym's agent calls the trainer's
+    generation server for every episode (our protocol stand-in here; the real package is
+    exercised by the GRPO tests of the slow tier, through the same rollout path)."""
+    import socket
+
+    from tempering.algorithms import distillation
+    from tempering.environments.nemo_gym_standin import GymStandIn
+
+    with socket.socket() as s:  # the stand-in must know our server's URL before it starts
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with GymStandIn(f"http://127.0.0.1:{port}/v1", "policy") as gym:
+        cfg, resolved = _config(
+            tmp_path,
+            "env.task_name=nemo_gym",
+            f"env.nemo_gym.head_server_url={gym.head_url}",
+            f"env.nemo_gym.default_route={gym.ENVIRONMENT_SERVER}",
+            "policy.generation.http_server.enabled=true",
+            f"policy.generation.http_server.port={port}",
+            "distillation.max_num_steps=1",
+            "distillation.val_at_start=false",
+            "distillation.val_period=0",
+            "checkpointing.enabled=false",
+        )
+        run = distillation.setup(cfg, resolved)
+        try:
+            distillation.train(run)
+        finally:
+            run.close()
+        assert len(gym.chat_requests) >= 16  # every episode went through Gym's agent
+    m = _steps(tmp_path / "logs")[1]
     assert m["train/kl_forward"] > 0 and math.isfinite(m["train/loss"])
