@@ -167,13 +167,28 @@ def test_self_distillation_is_allowed_and_said(tmp_path, caplog):
     assert "self-distillation" not in caplog.text
 
 
+def _one_step(tmp: Path, *extra: str) -> dict[str, float]:
+    """One distillation step (no validation, no checkpoint) with ``extra``; its metrics."""
+    from tempering.algorithms import distillation
+
+    cfg, resolved = _config(
+        tmp, *extra, "distillation.max_num_steps=1", "distillation.val_at_start=false",
+        "distillation.val_period=0", "checkpointing.enabled=false",
+    )  # fmt: skip
+    run = distillation.setup(cfg, resolved)
+    try:
+        distillation.train(run)
+    finally:
+        run.close()
+    return _steps(tmp / "logs")[1]
+
+
 def test_multi_turn_rollouts_over_http_are_distilled(ray_session, tmp_path):
     """GRPO's multi-turn loop over the generation server feeds distillation unchanged: the
     student (tiny-arith-chat) gets the question again after a wrong answer, and the teacher
     scores every assistant turn of the spliced sequences."""
-    from tempering.algorithms import distillation
 
-    cfg, resolved = _config(
+    m = _one_step(
         tmp_path,
         "policy.model_name=tiny-arith-chat",
         "policy.max_total_sequence_length=64",
@@ -181,16 +196,7 @@ def test_multi_turn_rollouts_over_http_are_distilled(ray_session, tmp_path):
         "distillation.rollout_transport=http",
         "policy.generation.http_server.enabled=true",
         "env.task_name=arithmetic_retry",
-        "distillation.max_num_steps=1",
-        "distillation.val_at_start=false",
-        "distillation.val_period=0",
-        "checkpointing.enabled=false",
     )
-    run = distillation.setup(cfg, resolved)
-    try:
-        m = distillation.train(run) and _steps(tmp_path / "logs")[1]
-    finally:
-        run.close()
     assert m["train/turns_mean"] > 1.0  # some episodes were asked again
     assert m["server/requests"] > 16  # 16 episodes, some of several turns: one request each
     assert m["train/kl_forward"] > 0 and math.isfinite(m["train/loss"])
@@ -202,30 +208,19 @@ def test_nemo_gym_rollouts_are_distilled(ray_session, tmp_path):
     exercised by the GRPO tests of the slow tier, through the same rollout path)."""
     import socket
 
-    from tempering.algorithms import distillation
     from tempering.environments.nemo_gym_standin import GymStandIn
 
     with socket.socket() as s:  # the stand-in must know our server's URL before it starts
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with GymStandIn(f"http://127.0.0.1:{port}/v1", "policy") as gym:
-        cfg, resolved = _config(
+        m = _one_step(
             tmp_path,
             "env.task_name=nemo_gym",
             f"env.nemo_gym.head_server_url={gym.head_url}",
             f"env.nemo_gym.default_route={gym.ENVIRONMENT_SERVER}",
             "policy.generation.http_server.enabled=true",
             f"policy.generation.http_server.port={port}",
-            "distillation.max_num_steps=1",
-            "distillation.val_at_start=false",
-            "distillation.val_period=0",
-            "checkpointing.enabled=false",
         )
-        run = distillation.setup(cfg, resolved)
-        try:
-            distillation.train(run)
-        finally:
-            run.close()
         assert len(gym.chat_requests) >= 16  # every episode went through Gym's agent
-    m = _steps(tmp_path / "logs")[1]
     assert m["train/kl_forward"] > 0 and math.isfinite(m["train/loss"])
