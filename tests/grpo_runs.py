@@ -2,12 +2,16 @@
 config for a number of steps (synchronous or asynchronous, as its config says) and returns
 `grpo.train`'s summary; `assert_ran_async` checks from a run's own logs that it overlapped
 generation with training with samples one weight version old, so a test fails when an
-asynchronous run silently ran the synchronous schedule.
+asynchronous run silently ran the synchronous schedule; `gym_standin` routes a run's rollouts
+through our NeMo Gym protocol stand-in.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,3 +70,26 @@ def assert_ran_async(out: Path, steps: int) -> None:
     assert sorted(gen) == sorted(refit) == list(range(1, steps + 1))
     late = [t for t in range(1, steps) if gen[t + 1]["start"] >= refit[t]["start"]]
     assert not late, f"batches generated only after the previous step's refit: {late}"
+
+
+@contextlib.contextmanager
+def gym_standin() -> Iterator[tuple[Any, list[str]]]:
+    """Our NeMo Gym protocol stand-in (tempering/environments/nemo_gym_standin.py), running:
+    ``(the stand-in, the overrides that send every rollout through it)`` -- Gym rows as the
+    task, the trainer's generation server on the port the stand-in's agent calls."""
+    from tempering.environments.nemo_gym_standin import GymStandIn
+
+    with socket.socket() as s:  # the stand-in must know our server's URL before it starts
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with GymStandIn(f"http://127.0.0.1:{port}/v1", "policy") as gym:
+        yield (
+            gym,
+            [
+                "env.task_name=nemo_gym",
+                f"env.nemo_gym.head_server_url={gym.head_url}",
+                f"env.nemo_gym.default_route={gym.ENVIRONMENT_SERVER}",
+                "policy.generation.http_server.enabled=true",
+                f"policy.generation.http_server.port={port}",
+            ],
+        )

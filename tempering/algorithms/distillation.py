@@ -155,14 +155,10 @@ def distillation_step(
     reseeds generation from the run's seed, so a resumed run samples what the uninterrupted
     one did. Returns GRPO's step metrics (rewards logged, not trained on), the loss's
     (``train/kl_forward``, ``train/teacher_topk_mass``, ...) and ``timing/teacher_s``."""
-    cfg = run.cfg.grpo
     timer = Timer()
     server_before = run.chat.stats_snapshot()
     t0 = time.perf_counter()
-    run.generation.reseed(grpo.step_seed(cfg.seed, step))
-    with timer.time("generation"):
-        problems = run.dataloader.next_batch()
-        batch = grpo.rollout_batch(run, problems, cfg.num_generations_per_prompt)
+    _, batch = grpo.sample_batch(run, timer, step)
     run.generation.finish_generation()  # colocated vLLM sleeps: the GPUs are the trainers'
     data = BatchedDataDict({key: batch[key] for key in STUDENT_KEYS})
     env_metrics = grpo.environment_metrics(run, batch["rewards"])

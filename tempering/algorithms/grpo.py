@@ -421,12 +421,7 @@ def grpo_step(run: GRPORun, loss_fn: Any, step: int | None = None) -> dict[str, 
     timer = Timer()
     server_before = run.chat.stats_snapshot()
     t0 = time.perf_counter()
-    if step is not None:
-        run.generation.reseed(step_seed(cfg.seed, step))
-    with timer.time("generation"):  # prompts -> episodes -> rewards -> advantages
-        faults.maybe_fault("controller", "generation")
-        problems = run.dataloader.next_batch()
-        batch = rollout_batch(run, problems, cfg.num_generations_per_prompt)
+    problems, batch = sample_batch(run, timer, step)
     rewards_seen, logs_seen = batch["rewards"], batch["message_logs"]
     batch, extra = refill_zero_variance_groups(run, batch, timer)
     run.generation.finish_generation()  # colocated vLLM sleeps: the GPUs are the trainer's
@@ -446,6 +441,19 @@ def grpo_step(run: GRPORun, loss_fn: Any, step: int | None = None) -> dict[str, 
     metrics.update(server_metrics(run.chat, server_before))
     watch_signal(run, step or 0, problems, logs_seen, rewards_seen, metrics)
     return metrics
+
+
+def sample_batch(run: GRPORun, timer: Any, step: int | None) -> tuple[list[Problem], Any]:
+    """A step's prompts and their scored rollouts (`rollout_batch`: episodes, rewards,
+    advantages), timed as ``generation``. ``step`` (1-based) first reseeds every generation
+    worker from the run's seed and the step (see `grpo_step`); None lets the streams run on."""
+    cfg = run.cfg.grpo
+    if step is not None:
+        run.generation.reseed(step_seed(cfg.seed, step))
+    with timer.time("generation"):
+        faults.maybe_fault("controller", "generation")
+        problems = run.dataloader.next_batch()
+        return problems, rollout_batch(run, problems, cfg.num_generations_per_prompt)
 
 
 def watch_signal(

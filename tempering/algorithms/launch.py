@@ -1,6 +1,7 @@
-"""What a GRPO (or distillation) example script runs: load and validate the config (failing fast, before any
-heavy import), set up, train, restart from the last checkpoint after a worker death or an
-expired deadline (`fault_tolerance.max_restarts`), free everything, print the summary.
+"""What a GRPO (or distillation) example script runs: load and validate the config (failing
+fast, before any heavy import), set up, train, restart from the last checkpoint after a worker
+death or an expired deadline (`fault_tolerance.max_restarts`, GRPO), free everything, print the
+summary.
 
     from tempering.algorithms.launch import run_grpo_example
     run_grpo_example(sys.argv[1:], Path(__file__).parent / "configs" / "grpo_math_tiny.yaml")

@@ -206,21 +206,9 @@ def test_nemo_gym_rollouts_are_distilled(ray_session, tmp_path):
     """NeMo Gym's protocol feeds distillation unchanged: Gym's agent calls the trainer's
     generation server for every episode (our protocol stand-in here; the real package is
     exercised by the GRPO tests of the slow tier, through the same rollout path)."""
-    import socket
+    from tests.grpo_runs import gym_standin
 
-    from tempering.environments.nemo_gym_standin import GymStandIn
-
-    with socket.socket() as s:  # the stand-in must know our server's URL before it starts
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with GymStandIn(f"http://127.0.0.1:{port}/v1", "policy") as gym:
-        m = _one_step(
-            tmp_path,
-            "env.task_name=nemo_gym",
-            f"env.nemo_gym.head_server_url={gym.head_url}",
-            f"env.nemo_gym.default_route={gym.ENVIRONMENT_SERVER}",
-            "policy.generation.http_server.enabled=true",
-            f"policy.generation.http_server.port={port}",
-        )
+    with gym_standin() as (gym, via_gym):
+        m = _one_step(tmp_path, *via_gym)
         assert len(gym.chat_requests) >= 16  # every episode went through Gym's agent
     assert m["train/kl_forward"] > 0 and math.isfinite(m["train/loss"])

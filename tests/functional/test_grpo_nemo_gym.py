@@ -26,12 +26,11 @@ its place in the batch. Without the IS correction one asynchronous Gym run reach
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
 
-from tests.grpo_runs import ASYNC, assert_ran_async, train
+from tests.grpo_runs import ASYNC, assert_ran_async, gym_standin, train
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 CONFIG = "grpo_math_tiny.yaml"
@@ -39,25 +38,8 @@ STEPS = 40
 
 
 def _train_via_gym(out: Path, extra: list[str]) -> dict:
-    from tempering.environments.nemo_gym_standin import GymStandIn
-
-    with socket.socket() as s:  # the stand-in must know our server's URL before it starts
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with GymStandIn(f"http://127.0.0.1:{port}/v1", "policy") as gym:
-        summary = train(
-            CONFIG,
-            STEPS,
-            out,
-            [
-                "env.task_name=nemo_gym",
-                f"env.nemo_gym.head_server_url={gym.head_url}",
-                f"env.nemo_gym.default_route={gym.ENVIRONMENT_SERVER}",
-                "policy.generation.http_server.enabled=true",
-                f"policy.generation.http_server.port={port}",
-                *extra,
-            ],
-        )
+    with gym_standin() as (gym, via_gym):
+        summary = train(CONFIG, STEPS, out, [*via_gym, *extra])
         assert len(gym.chat_requests) >= STEPS * 256  # every rollout went through Gym
     return summary
 
