@@ -8,10 +8,19 @@ own venv (built on first use by tempering.distributed.actor_environments), exact
 worker group would run it. Each engine gets one untimed warm-up call (vLLM compiles its
 log-prob ranking op on the first request), then the median of --repeats timed calls.
 
+The memory-bandwidth floor (torch engine): a decode step must read every weight once (in the
+sampling dtype) and each live row's KV cache, so no decode step can be faster than those bytes
+over the machine's streaming read bandwidth, measured in the same process (a sum over a 1 GiB
+buffer, the engine's thread count). Hooks on the model count each decode forward's live rows
+and cache length; the decode phase is timed from the end of the prefill forward to the end of
+the call (sampling included). Printed: decode ms per step against the floor's, and the ratio.
+
     uv run --frozen python bench/bench_generation.py                  # 128 x 16, fp32
     uv run --frozen python bench/bench_generation.py --batch 32 --dtype bfloat16
     uv run --frozen python bench/bench_generation.py --model ~/.cache/tempering/models/smollm2-135m-instruct \
         --batch 16 --group 4 --new-tokens 128 --prompt-len 200    # the SmolLM2 GRPO step's shape
+    uv run --frozen python bench/bench_generation.py --model models/tiny-arith --batch 256 \
+        --group 8 --new-tokens 16 --prompt-len 24 --engines torch  # the main job's shape, floor only
 
 A benchmark prints ratios; it never passes or fails.
 """
@@ -103,6 +112,71 @@ def time_engine(engine, data, repeats: int) -> dict[str, float]:
     return {"tokens_per_s": statistics.median(rates), "generated_tokens": statistics.median(tokens)}
 
 
+def read_bandwidth(mib: int = 1024, repeats: int = 7) -> float:
+    """Streaming read bandwidth of this machine in bytes/s: the median of ``repeats`` sums over
+    a buffer far larger than the caches, on torch's current thread count."""
+    buf = torch.ones(mib * 2**20 // 4)
+    buf.sum()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - start)
+    return buf.numel() * buf.element_size() / statistics.median(times)
+
+
+class DecodeMeter:
+    """Counts the bytes each decode forward of a torch engine must read, and times its decode
+    phase (see the module docstring). Wraps ``engine.generate``; hooks ``engine.model``."""
+
+    def __init__(self, engine) -> None:
+        model = engine.model
+        cfg = model.config
+        params = {p.data_ptr(): p for p in model.parameters()}.values()  # tied weights once
+        embed = model.get_input_embeddings().weight
+        tied = embed.data_ptr() == model.get_output_embeddings().weight.data_ptr()
+        # The input embedding is read a row per token, not whole (unless it is the lm_head too).
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in params) - (
+            0 if tied else embed.numel() * embed.element_size()
+        )
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.kv_bytes_per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * embed.element_size()
+        self.calls: list[dict[str, float]] = []
+        model.register_forward_hook(self._after_forward, with_kwargs=True)
+        generate = engine.generate
+
+        def timed_generate(*args, **kwargs):
+            self.calls.append({"steps": 0, "bytes": 0.0, "prefill_end": None})
+            out = generate(*args, **kwargs)
+            self.calls[-1]["end"] = time.perf_counter()
+            return out
+
+        engine.generate = timed_generate
+
+    def _after_forward(self, module, args, kwargs, output) -> None:
+        call = self.calls[-1]
+        if call["prefill_end"] is None:  # the call's first forward is its prefill
+            call["prefill_end"] = time.perf_counter()
+            return
+        cached = int(kwargs["attention_mask"].sum())  # live rows' real tokens, the new one too
+        call["steps"] += 1
+        call["bytes"] += self.weight_bytes + cached * self.kv_bytes_per_token
+
+    def summary(self, bandwidth: float) -> dict[str, float]:
+        """Decode s/step (median over calls), the floor's s/step, and their ratio."""
+        timed = [c for c in self.calls[1:] if c["steps"]]  # the first call is the warm-up
+        per_step = statistics.median((c["end"] - c["prefill_end"]) / c["steps"] for c in timed)
+        floor = statistics.median(c["bytes"] / c["steps"] / bandwidth for c in timed)
+        return {
+            "decode_ms_per_step": 1e3 * per_step,
+            "floor_ms_per_step": 1e3 * floor,
+            "floor_ratio": per_step / floor,
+            "bandwidth_gb_s": bandwidth / 1e9,
+            "weight_mb": self.weight_bytes / 1e6,
+        }
+
+
 def run_engine(args: argparse.Namespace) -> dict[str, float]:
     """Build one engine on args.model and time it (runs in the engine's own venv)."""
     from tempering.distributed.batched_data_dict import BatchedDataDict
@@ -134,10 +208,13 @@ def run_engine(args: argparse.Namespace) -> dict[str, float]:
         optimize_for_cpu_inference(model.eval())  # as the generation workers do
         engine = TorchGenerationEngine(model, tokenizer, **sampling)
         vocab = len(tokenizer)
+        meter = DecodeMeter(engine)
     startup_s = time.perf_counter() - start
     data = BatchedDataDict(make_prompts(vocab, args.batch, args.prompt_len, group=args.group))
     result = time_engine(engine, data, args.repeats)
     result["startup_s"] = startup_s
+    if args.engine == "torch":
+        result.update(meter.summary(read_bandwidth()))
     if args.engine == "vllm":
         engine.shutdown()
     return result
@@ -158,6 +235,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--model", help="HF model folder (default: a tiny random Llama)")
+    parser.add_argument("--engines", default="torch,vllm", help="which engines to time")
     parser.add_argument("--engine", choices=["vllm", "torch"], help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -177,7 +255,8 @@ def main() -> None:
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "2"}
         env.pop("VIRTUAL_ENV", None)
         results = {}
-        for engine, python in (("torch", sys.executable), ("vllm", vllm_python())):
+        for engine in args.engines.split(","):
+            python = sys.executable if engine == "torch" else vllm_python()
             proc = subprocess.run(
                 [python, __file__, "--engine", engine, *common],
                 env=env,
@@ -199,8 +278,15 @@ def main() -> None:
             f"  {engine:5s}: {r['tokens_per_s']:9.1f} generated tokens/s "
             f"({r['generated_tokens']:.0f} tokens/call, engine start {r['startup_s']:.1f} s)"
         )
-    ratio = results["vllm"]["tokens_per_s"] / results["torch"]["tokens_per_s"]
-    print(f"  ratio vllm/torch: {ratio:.2f}x")
+        if "floor_ratio" in r:
+            print(
+                f"         decode {r['decode_ms_per_step']:.2f} ms/step against the bandwidth "
+                f"floor's {r['floor_ms_per_step']:.2f} ({r['weight_mb']:.1f} MB of weights + KV "
+                f"at {r['bandwidth_gb_s']:.1f} GB/s read): {r['floor_ratio']:.2f}x the floor"
+            )
+    if {"vllm", "torch"} <= results.keys():
+        ratio = results["vllm"]["tokens_per_s"] / results["torch"]["tokens_per_s"]
+        print(f"  ratio vllm/torch: {ratio:.2f}x")
 
 
 if __name__ == "__main__":

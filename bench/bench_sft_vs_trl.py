@@ -1,0 +1,231 @@
+"""SFT seconds per optimizer step: tempering vs TRL's `SFTTrainer` on the same tokens.
+
+    uv run --frozen python bench/bench_sft_vs_trl.py [--scale tiny|smollm2] [--rows N]
+        [--steps N] [--warmup N] [--threads N] [--runs 3]
+
+Scales (each flag overrides its scale's value):
+- tiny: tiny-arith on the arithmetic SFT rows of examples/configs/sft.yaml (one problem per
+  row, loss on the answer), 128 rows per step, max length 32, lr 1e-3, 2 threads, 30 steps
+  (5 left out);
+- smollm2: SmolLM2-135M-Instruct on GSM8K worked solutions in the model's chat template (loss
+  on the assistant turn), 8 rows per step, max length 512 (no row is cut), lr 1e-5, 2
+  threads, 6 steps (2 left out).
+
+Same tokens on both sides: the rows are tokenized once by tempering (`tokenize_message_logs`,
+assistant-only loss mask) and TRL gets them pre-tokenized (``input_ids`` and ``labels`` with
+-100 outside the loss), so neither side's tokenizer or template makes a difference. Same batch
+(no gradient accumulation; TRL's sampler made sequential, so step k trains the same rows on
+both sides), each batch padded to its longest row on both sides (no packing:
+TRL's ``packing=False``, tempering's ``sequence_packing`` off), fp32 on CPU, AdamW at the same
+constant learning rate, gradient clipping at 1.0, gradient checkpointing off.
+
+- tempering: the real controller path, a `Policy` over one FSDP2 worker in a Ray actor, the
+  batches from SFT's own prefetching loader (taking the batch is inside the timed step);
+- TRL 1.16: ``venvs/bench/bin/python`` in a subprocess (TRL is not a dependency of
+  tempering), ``use_cpu=True, bf16=False``; seconds per step by a `TrainerCallback` between
+  `on_step_begin` and `on_step_end`.
+
+Each side runs ``--runs`` times, interleaved (these machines are noisy); prints the median of
+the per-run medians with their spread, and the speed-up per run. A benchmark reports, it never
+passes or fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+from bench_dpo_vs_trl import spread
+from peers import ensure_bench_venv  # bench/peers.py (this folder is on sys.path)
+
+SCALES = {
+    "tiny": dict(model="tiny-arith", rows=128, max_len=32, lr=1e-3, threads=2, steps=30, warmup=5),
+    "smollm2": dict(
+        model="smollm2-135m-instruct", rows=8, max_len=512, lr=1e-5, threads=2, steps=6, warmup=2
+    ),
+}
+
+TRL_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, time, torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    args = json.loads(sys.argv[1])
+    torch.set_num_threads(args["threads"])
+    torch.manual_seed(0)
+    rows = json.load(open(args["data"]))
+    model = AutoModelForCausalLM.from_pretrained(args["model"], dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(args["model"])
+
+    class Timer(TrainerCallback):
+        def __init__(self):
+            self.times, self.t0 = [], None
+        def on_step_begin(self, a, s, c, **kw):
+            self.t0 = time.perf_counter()
+        def on_step_end(self, a, s, c, **kw):
+            self.times.append(time.perf_counter() - self.t0)
+
+    class InOrder(SFTTrainer):  # the rows in tempering's order, so both sides get the same batches
+        def _get_train_sampler(self, *a, **kw):
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    timer = Timer()
+    cfg = SFTConfig(
+        output_dir=args["out"], per_device_train_batch_size=args["rows"],
+        max_steps=args["steps"], learning_rate=args["lr"], max_length=args["max_len"],
+        packing=False, padding_free=False, use_cpu=True, bf16=False, fp16=False,
+        gradient_checkpointing=False, report_to=[], save_strategy="no", logging_steps=10**6,
+        dataloader_num_workers=0, lr_scheduler_type="constant", warmup_steps=0,
+        max_grad_norm=1.0, weight_decay=0.0, seed=0, shuffle_dataset=False,
+    )
+    trainer = InOrder(model=model, args=cfg, train_dataset=Dataset.from_list(rows),
+                         processing_class=tok, callbacks=[timer])
+    trainer.train()
+    print("RESULT " + json.dumps({"step_times": timer.times}))
+    """
+)
+
+
+def workload(scale: str, model: str, n_rows: int, max_len: int) -> tuple[list[dict], int]:
+    """``n_rows`` tokenized SFT rows (input_ids, token_mask) and the pad id."""
+    from tempering.data.collate import pad_token_id_of
+    from tempering.data.processing import tokenize_message_logs
+    from tempering.models.hf import load_tokenizer
+
+    tokenizer = load_tokenizer(model)
+    if scale == "tiny":
+        from tempering.data.arithmetic import arithmetic_message_log
+        from tempering.models.tiny_arith import make_problems
+
+        logs = [
+            arithmetic_message_log(p["prompt"], p["answer"])
+            for p in make_problems(n_rows, seed=0, split="train")
+        ]
+    else:
+        from tempering.data.gsm8k import gsm8k_sft_message_logs
+
+        logs = gsm8k_sft_message_logs("train").examples[:n_rows]
+        if len(logs) < n_rows:
+            raise SystemExit(f"GSM8K has {len(logs)} training rows; --rows x --steps asks {n_rows}")
+    examples, _ = tokenize_message_logs(logs, tokenizer, max_len)
+    return examples, pad_token_id_of(tokenizer)
+
+
+def bench_tempering(model: str, rows: list[dict], pad: int, args) -> tuple[list[float], float]:
+    """Seconds per step and real (unpadded) tokens per step."""
+    from tempering.data.collate import collate_sft
+    from tempering.data.dataloader import StatefulDataLoader
+    from tempering.distributed.virtual_cluster import cluster_from_config, init_ray
+    from tempering.losses import NLLLoss
+    from tempering.models.policy.lm_policy import build_policy
+
+    init_ray(num_cpus=4, temp_dir=tempfile.mkdtemp(prefix="ray_bench_", dir="/tmp"))
+    cluster = cluster_from_config(1, 0, name="bench_sft")
+    policy = build_policy(
+        cluster, model, train_global_batch_size=args.rows, train_micro_batch_size=args.rows,
+        learning_rate=args.lr, lr_schedule="constant", warmup_steps=0, max_grad_norm=1.0,
+        num_threads=args.threads, seed=0,
+    )  # fmt: skip
+    loader = StatefulDataLoader(  # as sft.setup builds it, in the rows' order
+        rows, args.rows, shuffle=False, collate_fn=lambda ex: collate_sft(ex, pad), prefetch=True
+    )
+    loss_fn = NLLLoss()
+    times, tokens = [], 0
+    try:
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            batch = loader.next_batch()
+            policy.train(batch, loss_fn)
+            times.append(time.perf_counter() - t0)
+            tokens += int(batch["input_lengths"].sum())
+    finally:
+        policy.shutdown()
+        cluster.shutdown()
+    return times, tokens / args.steps
+
+
+def bench_trl(model: str, rows: list[dict], args) -> list[float]:
+    trl_python = ensure_bench_venv()
+    with tempfile.TemporaryDirectory(prefix="bench_trl_") as tmp:
+        data = Path(tmp) / "rows.json"
+        data.write_text(
+            json.dumps(
+                [
+                    {
+                        "input_ids": r["input_ids"],
+                        "labels": [t if m else -100 for t, m in zip(r["input_ids"], r["token_mask"])],
+                    }
+                    for r in rows
+                ]
+            )
+        )
+        spec = {
+            "model": model, "data": str(data), "out": str(Path(tmp) / "out"), "rows": args.rows,
+            "steps": args.steps, "lr": args.lr, "max_len": args.max_len, "threads": args.threads,
+        }  # fmt: skip
+        env = {
+            **os.environ, "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_OFFLINE": "1",
+        }  # fmt: skip
+        proc = subprocess.run(
+            [str(trl_python), "-c", TRL_SCRIPT, json.dumps(spec)],
+            capture_output=True, text=True, env=env, check=False,
+        )  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise SystemExit(f"TRL run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT ") :])["step_times"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--scale", choices=list(SCALES), default="tiny")
+    parser.add_argument("--model", help="model name or folder (default: the scale's)")
+    parser.add_argument("--rows", type=int, help="rows per step")
+    parser.add_argument("--max-len", type=int, help="tokens per row at most")
+    parser.add_argument("--lr", type=float, help="learning rate")
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--warmup", type=int, help="first steps left out")
+    parser.add_argument("--threads", type=int, help="torch threads, both sides")
+    parser.add_argument("--runs", type=int, default=3, help="runs of each side, interleaved")
+    args = parser.parse_args()
+    for key, value in SCALES[args.scale].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+    from tempering.models.registry import resolve_model_path
+
+    model = resolve_model_path(args.model)
+    rows, pad = workload(args.scale, model, args.rows * args.steps, args.max_len)
+    ours, theirs = [], []
+    for run in range(args.runs):
+        times, tokens = bench_tempering(model, rows, pad, args)
+        ours.append(statistics.median(times[args.warmup :]))
+        theirs.append(statistics.median(bench_trl(model, rows, args)[args.warmup :]))
+        print(
+            f"run {run + 1}: tempering {ours[-1]:.4f} s/step, TRL {theirs[-1]:.4f} s/step"
+            f" ({tokens:.0f} real tokens/step)", flush=True,
+        )  # fmt: skip
+    ratios = [t / o for o, t in zip(ours, theirs, strict=True)]
+    print(
+        f"workload: {model}, {args.rows} rows/step, max_len {args.max_len}, no packing, fp32 CPU,"
+        f" {args.threads} thread(s); per run the median of {args.steps - args.warmup} steps after"
+        f" {args.warmup}; below the median of {args.runs} runs (min-max)"
+    )
+    print(f"tempering SFT (Ray + FSDP2 worker): {spread(ours)} s/step")
+    print(f"TRL 1.16 SFTTrainer:                {spread(theirs)} s/step")
+    print(f"speed-up (TRL s/step / tempering):  {spread(ratios, 2)}x")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
