@@ -44,7 +44,9 @@ def run_job(steps: int, busy: bool, overrides: list[str], env: dict[str, str]) -
             )
             if proc.returncode != 0:
                 sys.exit(f"the job failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-            rows = [json.loads(x) for x in Path(tmp, "logs", "metrics.jsonl").read_text().splitlines()]
+            rows = [
+                json.loads(x) for x in Path(tmp, "logs", "metrics.jsonl").read_text().splitlines()
+            ]
     finally:
         if hog is not None:
             hog.kill()

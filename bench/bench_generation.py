@@ -141,7 +141,9 @@ class DecodeMeter:
         )
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.kv_bytes_per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * embed.element_size()
+        self.kv_bytes_per_token = (
+            2 * cfg.num_hidden_layers * kv_heads * head_dim * embed.element_size()
+        )
         self.calls: list[dict[str, float]] = []
         model.register_forward_hook(self._after_forward, with_kwargs=True)
         generate = engine.generate

@@ -154,20 +154,17 @@ def bench_tempering(model: str, rows: list[dict], pad: int, args) -> tuple[list[
     return times, tokens / args.steps
 
 
+def _labels(row: dict) -> list[int]:
+    """The row's tokens where the loss counts, -100 elsewhere (TRL's pre-tokenized labels)."""
+    return [t if m else -100 for t, m in zip(row["input_ids"], row["token_mask"], strict=True)]
+
+
 def bench_trl(model: str, rows: list[dict], args) -> list[float]:
     trl_python = ensure_bench_venv()
     with tempfile.TemporaryDirectory(prefix="bench_trl_") as tmp:
         data = Path(tmp) / "rows.json"
         data.write_text(
-            json.dumps(
-                [
-                    {
-                        "input_ids": r["input_ids"],
-                        "labels": [t if m else -100 for t, m in zip(r["input_ids"], r["token_mask"])],
-                    }
-                    for r in rows
-                ]
-            )
+            json.dumps([{"input_ids": r["input_ids"], "labels": _labels(r)} for r in rows])
         )
         spec = {
             "model": model, "data": str(data), "out": str(Path(tmp) / "out"), "rows": args.rows,
