@@ -42,7 +42,7 @@ VLLM = "tempering.models.generation.vllm_worker.VllmGenerationWorker"
 NEMO_GYM = "tempering.environments.nemo_gym_launcher.NemoGymLauncher"
 COWSAY = "tests.workers.CowsayWorker"
 # A test-only worker: the image's `tempering envs` knows it only when told its executable.
-COWSAY_SPEC = shlex.quote(f"{COWSAY}=uv run --locked --extra isolation-probe")
+COWSAY_SPEC = shlex.quote(f"{COWSAY}=uv run --locked --no-compile-bytecode --extra isolation-probe")
 
 
 def _timed(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 900):

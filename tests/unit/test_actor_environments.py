@@ -36,7 +36,7 @@ def test_executables_come_from_one_torch_group_switch(monkeypatch):
     assert cpu.SYSTEM == sys.executable
     assert cpu.BASE == "uv run --locked"
     assert cpu.VLLM == "uv run --locked --extra vllm"
-    assert cpu.ISOLATION_PROBE == "uv run --locked --extra isolation-probe"
+    assert cpu.ISOLATION_PROBE == "uv run --locked --no-compile-bytecode --extra isolation-probe"
     gpu = make_py_executables("gpu")
     assert gpu.VLLM == "uv run --locked --no-group cpu --group gpu --extra vllm-gpu"
     assert uv_sync_args(gpu.VLLM) == [
@@ -82,7 +82,13 @@ def test_venv_build_reuse_and_forced_rebuild(worker_venvs_dir, monkeypatch):
     cold = time.perf_counter() - start
     assert Path(python) == venv / "bin" / "python"
     marker = json.loads(_marker(venv).read_text())
-    assert marker["sync_args"] == ["--locked", "--no-dev", "--extra", "isolation-probe"]
+    assert marker["sync_args"] == [
+        "--locked",
+        "--no-dev",
+        "--no-compile-bytecode",
+        "--extra",
+        "isolation-probe",
+    ]
     out = subprocess.run(
         [python, "-c", "import cowsay, ray, sys; print(ray.__version__, sys.prefix)"],
         capture_output=True,
@@ -226,7 +232,10 @@ def test_envs_command_lists_states(worker_venvs_dir):
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    assert f"{COWSAY}\n    executable: uv run --locked --extra isolation-probe" in proc.stdout
+    assert (
+        f"{COWSAY}\n    executable: uv run --locked --no-compile-bytecode --extra isolation-probe"
+        in proc.stdout
+    )
     assert "state: interpreter" in proc.stdout
     assert f"venvs root: {worker_venvs_dir}" in proc.stdout
 
