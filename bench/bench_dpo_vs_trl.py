@@ -34,16 +34,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import textwrap
 import time
 from pathlib import Path
 
-from peers import ensure_bench_venv  # bench/peers.py (this folder is on sys.path)
+from peers import run_trl  # bench/peers.py (this folder is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
 BETA = 0.1
@@ -56,29 +54,10 @@ SCALES = {
 
 TRL_SCRIPT = textwrap.dedent(
     """
-    import json, sys, time, torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import DPOConfig, DPOTrainer
 
-    args = json.loads(sys.argv[1])
-    torch.set_num_threads(args["threads"])
-    torch.manual_seed(0)
-    rows = json.load(open(args["data"]))
-    model = AutoModelForCausalLM.from_pretrained(args["model"], dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(args["model"])
     if not args["chat"]:
         tok.chat_template = None  # plain prompt + completion text, as tempering tokenizes it
-
-    class Timer(TrainerCallback):
-        def __init__(self):
-            self.times, self.t0 = [], None
-        def on_step_begin(self, a, s, c, **kw):
-            self.t0 = time.perf_counter()
-        def on_step_end(self, a, s, c, **kw):
-            self.times.append(time.perf_counter() - self.t0)
-
-    timer = Timer()
     cfg = DPOConfig(
         output_dir=args["out"], per_device_train_batch_size=args["pairs"],
         max_steps=args["steps"], learning_rate=args["lr"], beta=args["beta"],
@@ -157,7 +136,6 @@ def bench_tempering(model: str, pairs: list, args: argparse.Namespace) -> tuple[
 
 
 def bench_trl(model: str, pairs: list, args: argparse.Namespace) -> tuple[list, float]:
-    trl_python = ensure_bench_venv()
     with tempfile.TemporaryDirectory(prefix="bench_trl_") as tmp:
         data = Path(tmp) / "pairs.json"
         data.write_text(
@@ -187,23 +165,7 @@ def bench_trl(model: str, pairs: list, args: argparse.Namespace) -> tuple[list, 
             "threads": args.threads,
             "chat": args.chat,
         }
-        env = {
-            **os.environ,
-            "CUDA_VISIBLE_DEVICES": "",
-            "TOKENIZERS_PARALLELISM": "false",
-            "HF_HUB_OFFLINE": "1",
-        }
-        proc = subprocess.run(
-            [str(trl_python), "-c", TRL_SCRIPT, json.dumps(spec)],
-            capture_output=True,
-            text=True,
-            env=env,
-            check=False,
-        )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode or not lines:
-        raise SystemExit(f"TRL run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    result = json.loads(lines[-1][len("RESULT ") :])
+        result = run_trl(TRL_SCRIPT, spec)
     return result["step_times"], result["tokens_per_step"]
 
 

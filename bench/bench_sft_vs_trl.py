@@ -34,9 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -44,7 +42,7 @@ import time
 from pathlib import Path
 
 from bench_dpo_vs_trl import spread
-from peers import ensure_bench_venv  # bench/peers.py (this folder is on sys.path)
+from peers import run_trl  # bench/peers.py (this folder is on sys.path)
 
 SCALES = {
     "tiny": dict(model="tiny-arith", rows=128, max_len=32, lr=1e-3, threads=2, steps=30, warmup=5),
@@ -55,31 +53,12 @@ SCALES = {
 
 TRL_SCRIPT = textwrap.dedent(
     """
-    import json, sys, time, torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import SFTConfig, SFTTrainer
-
-    args = json.loads(sys.argv[1])
-    torch.set_num_threads(args["threads"])
-    torch.manual_seed(0)
-    rows = json.load(open(args["data"]))
-    model = AutoModelForCausalLM.from_pretrained(args["model"], dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(args["model"])
-
-    class Timer(TrainerCallback):
-        def __init__(self):
-            self.times, self.t0 = [], None
-        def on_step_begin(self, a, s, c, **kw):
-            self.t0 = time.perf_counter()
-        def on_step_end(self, a, s, c, **kw):
-            self.times.append(time.perf_counter() - self.t0)
 
     class InOrder(SFTTrainer):  # the rows in tempering's order, so both sides get the same batches
         def _get_train_sampler(self, *a, **kw):
             return torch.utils.data.SequentialSampler(self.train_dataset)
 
-    timer = Timer()
     cfg = SFTConfig(
         output_dir=args["out"], per_device_train_batch_size=args["rows"],
         max_steps=args["steps"], learning_rate=args["lr"], max_length=args["max_len"],
@@ -160,7 +139,6 @@ def _labels(row: dict) -> list[int]:
 
 
 def bench_trl(model: str, rows: list[dict], args) -> list[float]:
-    trl_python = ensure_bench_venv()
     with tempfile.TemporaryDirectory(prefix="bench_trl_") as tmp:
         data = Path(tmp) / "rows.json"
         data.write_text(
@@ -170,18 +148,7 @@ def bench_trl(model: str, rows: list[dict], args) -> list[float]:
             "model": model, "data": str(data), "out": str(Path(tmp) / "out"), "rows": args.rows,
             "steps": args.steps, "lr": args.lr, "max_len": args.max_len, "threads": args.threads,
         }  # fmt: skip
-        env = {
-            **os.environ, "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false",
-            "HF_HUB_OFFLINE": "1",
-        }  # fmt: skip
-        proc = subprocess.run(
-            [str(trl_python), "-c", TRL_SCRIPT, json.dumps(spec)],
-            capture_output=True, text=True, env=env, check=False,
-        )  # fmt: skip
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode or not lines:
-        raise SystemExit(f"TRL run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT ") :])["step_times"]
+        return run_trl(TRL_SCRIPT, spec)["step_times"]
 
 
 def main() -> None:

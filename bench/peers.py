@@ -3,6 +3,7 @@ dependency group, synced from the lock on first use), never in tempering's own `
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -23,3 +24,47 @@ def ensure_bench_venv() -> Path:
             check=True,
         )
     return python
+
+
+# The start of every TRL trainer script: the spec (argv[1]), threads, seed, the rows (JSON
+# file), the model and tokenizer in fp32, and ``timer``, a callback timing each optimizer step.
+TRL_PRELUDE = """
+import json, sys, time, torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+args = json.loads(sys.argv[1])
+torch.set_num_threads(args["threads"])
+torch.manual_seed(0)
+rows = json.load(open(args["data"]))
+model = AutoModelForCausalLM.from_pretrained(args["model"], dtype=torch.float32)
+tok = AutoTokenizer.from_pretrained(args["model"])
+
+class Timer(TrainerCallback):
+    def __init__(self):
+        self.times, self.t0 = [], None
+    def on_step_begin(self, a, s, c, **kw):
+        self.t0 = time.perf_counter()
+    def on_step_end(self, a, s, c, **kw):
+        self.times.append(time.perf_counter() - self.t0)
+
+timer = Timer()
+"""
+
+
+def run_trl(script: str, spec: dict) -> dict:
+    """Run ``TRL_PRELUDE + script`` in the bench venv with ``spec`` as its argv[1] (CPU,
+    offline); return the dict it printed on its last ``RESULT <json>`` line."""
+    trl_python = ensure_bench_venv()
+    env = {
+        **os.environ, "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+    }  # fmt: skip
+    proc = subprocess.run(
+        [str(trl_python), "-c", TRL_PRELUDE + script, json.dumps(spec)],
+        capture_output=True, text=True, env=env, check=False,
+    )  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise SystemExit(f"TRL run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT ") :])
