@@ -187,8 +187,9 @@ def greedy_accuracy(run: PreferenceRun) -> dict[str, float]:
     from tempering.models.generation.builders import ColocatedGeneration, sampling_from_config
 
     if run.generation is None:  # built on first use; later calls copy the new weights in
-        sampling = sampling_from_config(run.cfg.policy.generation, run.tokenizer)
-        run.generation = ColocatedGeneration(run.model, sampling)
+        gen = run.cfg.policy.generation
+        sampling = sampling_from_config(gen, run.tokenizer)
+        run.generation = ColocatedGeneration(run.model, sampling, gen.torch_dtype_name)
     else:
         run.generation.refit(run.model)
 

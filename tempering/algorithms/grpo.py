@@ -125,6 +125,7 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any], plan: Any = None) -> 
         seed=cfg.grpo.seed,
         gpu_share=plan.gpu_share,
     )
+    _warn_uncorrected_precision(cfg)
     generation = build_generation(
         cfg.policy.generation, policy, model_path, tokenizer, plan, cfg.cluster,
         in_flight_weight_updates=cfg.grpo.async_grpo.in_flight_weight_updates,
@@ -186,6 +187,23 @@ def _build_gym(cfg: GRPOMasterConfig, server: Any, tokenizer: Any) -> Any:
         pad_token_id=pad_token_id_of(tokenizer),
         work_dir=str(Path(cfg.logger.log_dir).resolve() / "nemo_gym"),
     )
+
+
+def _warn_uncorrected_precision(cfg: GRPOMasterConfig) -> None:
+    """Sampling in a lower precision than the trainer's without the importance-sampling
+    correction is allowed (the mismatch stays in the logs) but said at start."""
+    gen = cfg.policy.generation
+    sampler = gen.torch_dtype_name if gen.backend == "torch" else gen.vllm_cfg.precision
+    if sampler != cfg.policy.precision and not cfg.loss_fn.use_importance_sampling_correction:
+        log.warning(
+            "the generator samples in %s and the trainer computes in %s, and "
+            "loss_fn.use_importance_sampling_correction=false: the mismatch is logged "
+            "(train/token_mult_prob_error, train/gen_kl_error) but not corrected; set it true "
+            "(e.g. with truncated_importance_sampling_type=tis and "
+            "truncated_importance_sampling_ratio=2.0) to weight each token by pi_trainer / "
+            "pi_sampler",
+            sampler, cfg.policy.precision,
+        )  # fmt: skip
 
 
 def _check_http_prompts(cfg: GRPOMasterConfig, tokenizer: Any, prompt: str) -> None:

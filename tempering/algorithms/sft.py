@@ -140,8 +140,9 @@ def setup(cfg: SFTMasterConfig, resolved: dict[str, Any]) -> SFTRun:
     if data.val_problems:
         from tempering.models.generation.builders import ColocatedGeneration, sampling_from_config
 
+        gen = cfg.policy.generation
         generation = ColocatedGeneration(
-            policy, sampling_from_config(cfg.policy.generation, tokenizer)
+            policy, sampling_from_config(gen, tokenizer), gen.torch_dtype_name
         )
     checkpointer = common.build_checkpointer(cfg.checkpointing)
     start_step, _ = common.maybe_resume(checkpointer, policy, dataloader)

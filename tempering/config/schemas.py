@@ -244,6 +244,13 @@ class HttpServerConfig(Section):
 
 class GenerationConfig(Section):
     backend: Literal["torch", "vllm"] = "torch"
+    precision: Literal["float32", "bfloat16"] | None = Field(
+        None, description="the torch engine's weights and compute while sampling (the trainer "
+        "keeps policy.precision): null = float32; bfloat16 halves the engine's copy and its "
+        "refit bytes, and the sampler/trainer mismatch is logged (train/token_mult_prob_error, "
+        "train/gen_kl_error) and corrected by loss_fn.use_importance_sampling_correction. "
+        "vLLM's is vllm_cfg.precision"
+    )  # fmt: skip
     max_new_tokens: int = Field(256, ge=1)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -253,6 +260,21 @@ class GenerationConfig(Section):
     colocated: ColocatedConfig = ColocatedConfig()
     vllm_cfg: VllmConfig = VllmConfig()
     http_server: HttpServerConfig = HttpServerConfig()
+
+    @model_validator(mode="after")
+    def _precision_for_torch(self) -> GenerationConfig:
+        if self.backend == "vllm" and self.precision is not None:
+            raise ValueError(
+                f"policy.generation.precision={self.precision!r} sets the torch engine's dtype; "
+                "vLLM's is policy.generation.vllm_cfg.precision: set that one and leave "
+                "precision null"
+            )
+        return self
+
+    @property
+    def torch_dtype_name(self) -> str:
+        """The torch engine's sampling dtype (``precision``, float32 when unset)."""
+        return self.precision or "float32"
 
 
 class PolicyConfig(Section):

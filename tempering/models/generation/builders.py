@@ -88,11 +88,12 @@ class ColocatedGeneration(_ReplicaGeneration):
 
     generate_method = "generation.generate"
 
-    def __init__(self, policy: Any, sampling: SamplingConfig) -> None:
+    def __init__(self, policy: Any, sampling: SamplingConfig, dtype: str = "float32") -> None:
+        """``dtype``: the engines' sampling precision (`GenerationConfig.torch_dtype_name`)."""
         self.policy = policy
         self.worker_group = policy.worker_group
         self.sampling = sampling
-        policy.init_colocated_generation(dataclasses.asdict(sampling))
+        policy.init_colocated_generation(dataclasses.asdict(sampling), dtype)
 
     def refit(self, policy: Any, version: int | None = None) -> None:
         """Every policy worker copies its trained weights into its engine (``version`` is
@@ -228,7 +229,7 @@ def build_generation(
     refits reach workers while they generate."""
     sampling = sampling_from_config(gen, tokenizer)
     if gen.backend == "torch" and gen.colocated.enabled:
-        return ColocatedGeneration(policy, sampling)
+        return ColocatedGeneration(policy, sampling, gen.torch_dtype_name)
     from tempering.distributed.virtual_cluster import cluster_for_group
     from tempering.distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup
 
@@ -237,9 +238,9 @@ def build_generation(
     if gen.backend == "torch":
         builder = RayWorkerBuilder(
             TORCH_WORKER_FQN, model_path, dataclasses.asdict(sampling),
-            in_flight=in_flight_weight_updates,
+            in_flight=in_flight_weight_updates, dtype=gen.torch_dtype_name,
         )  # fmt: skip
-        refit_dtype = None  # the torch engine runs in the policy's dtype
+        refit_dtype = gen.precision  # weights travel in the engine's dtype (null: as trained)
     else:
         v = gen.vllm_cfg
         builder = RayWorkerBuilder(

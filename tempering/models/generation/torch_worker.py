@@ -32,12 +32,13 @@ class TorchGenerationWorker:
         sampling: dict[str, Any],
         num_threads: int | None = None,
         in_flight: bool = False,
+        dtype: str = "float32",
     ) -> None:
         from tempering.models.hf import load_causal_lm, load_tokenizer
 
         if num_threads:
             torch.set_num_threads(num_threads)
-        self.model = load_causal_lm(model_path).eval()
+        self.model = load_causal_lm(model_path, getattr(torch, dtype)).eval()  # refits cast
         optimize_for_cpu_inference(self.model)  # this copy only generates
         self.tokenizer = load_tokenizer(model_path)
         self.sampling = SamplingConfig(**sampling)

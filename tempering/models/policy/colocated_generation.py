@@ -29,8 +29,9 @@ class ColocatedGenerationView:
         self.state = state
         self._engine: Any = None
 
-    def init(self, sampling: dict[str, Any]) -> None:
-        """Build a torch generation engine on an unsharded copy of this policy's weights."""
+    def init(self, sampling: dict[str, Any], dtype: str = "float32") -> None:
+        """Build a torch generation engine on an unsharded copy of this policy's weights, held
+        and computed in ``dtype`` (refits cast the trained weights into it)."""
         from tempering.models.generation.interfaces import SamplingConfig
         from tempering.models.generation.torch_engine import (
             TorchGenerationEngine,
@@ -43,7 +44,7 @@ class ColocatedGenerationView:
         args = dict(sampling)
         if args.get("seed") is None:  # distinct, reproducible streams per rank
             args["seed"] = int(torch.initial_seed()) + 1000 * topo.rank
-        model = load_causal_lm(source.model_path).to(topo.device).eval()
+        model = load_causal_lm(source.model_path, getattr(torch, dtype)).to(topo.device).eval()
         optimize_for_cpu_inference(model)  # this copy only generates
         tokenizer = load_tokenizer(source.model_path)
         self._engine = TorchGenerationEngine(model, tokenizer, SamplingConfig(**args))

@@ -180,10 +180,10 @@ class Policy(PolicyInterface):
         _run_all(self.worker_group, method, str(path))
 
     # ------------------------------------------------- colocated generation
-    def init_colocated_generation(self, sampling: dict[str, Any]) -> None:
-        """Give every worker a torch generation engine over its own weights; then
-        `tempering.models.generation.builders.ColocatedGeneration` drives them."""
-        _run_all(self.worker_group, "generation.init", sampling)
+    def init_colocated_generation(self, sampling: dict[str, Any], dtype: str = "float32") -> None:
+        """Give every worker a torch generation engine over its own weights, sampling in
+        ``dtype``; then `tempering.models.generation.builders.ColocatedGeneration` drives them."""
+        _run_all(self.worker_group, "generation.init", sampling, dtype)
 
     # ---------------------------------------------------------- colocation
     def prepare_for_generation(self) -> None:
