@@ -99,8 +99,51 @@ class PackedBin:
         return out
 
 
+def _as_array(value: Any) -> Any:
+    """A CPU tensor's numpy view (shared memory), or None where numpy cannot hold it
+    (bfloat16, GPU tensors, tensors that need grad, subclasses)."""
+    if type(value) is not torch.Tensor or value.device.type != "cpu" or value.requires_grad:
+        return None
+    try:
+        return value.numpy()
+    except (TypeError, RuntimeError):  # bfloat16 and other dtypes numpy lacks
+        return None
+
+
+def _rebuild(
+    cls: type, order: list[str], plain: dict[str, Any], arrays: dict[str, Any]
+) -> BatchedDataDict:
+    """The inverse of `BatchedDataDict.__reduce__`: arrays back to tensors, in key order.
+    Arrays that arrive read-only (Ray hands out zero-copy views of its object store) are
+    copied, so the tensors can be written like any other."""
+    out = cls()
+    for key in order:
+        if key in arrays:
+            array = arrays[key]
+            out[key] = torch.from_numpy(array if array.flags.writeable else array.copy())
+        else:
+            out[key] = plain[key]
+    return out
+
+
 class BatchedDataDict(dict):
-    """A dict of batch-major tensors and lists, all of the same batch size."""
+    """A dict of batch-major tensors and lists, all of the same batch size.
+
+    Pickled (every Ray call and result), CPU tensors travel as numpy arrays: torch's own
+    pickling took 1.3 ms for a tiny SFT step's four small tensors and ships a view's whole
+    storage (a shard of a batch carried the batch); numpy's goes out of band in Ray, costs
+    microseconds and carries only the view. bfloat16 and GPU tensors keep torch's pickling."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        plain: dict[str, Any] = {}
+        arrays: dict[str, Any] = {}
+        for key, value in self.items():
+            array = _as_array(value)
+            if array is None:
+                plain[key] = value
+            else:
+                arrays[key] = array
+        return (_rebuild, (type(self), list(self), plain, arrays))
 
     # ----------------------------------------------------------------- basics
     @property
