@@ -41,6 +41,7 @@ __all__ = [
     "build_tiny",
     "build_tokenizer",
     "family_for_model_type",
+    "check_vllm_cpu_refit",
     "get_family",
     "register_family",
     "tool_parser_for_eot",
@@ -62,6 +63,11 @@ TINY_SHAPE: dict[str, Any] = {
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
     "max_position_embeddings": 256,
 }  # fmt: skip
+# vLLM's CPU attention kernels take head sizes of 32 and up (not TINY_SHAPE's 16).
+VLLM_CPU_SHAPE: dict[str, Any] = {
+    "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2,
+    "num_key_value_heads": 1, "head_dim": 64,
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,7 @@ class ModelFamily:
     template_source: str  # where the format's facts come from
     tp_plan: dict[str, str] | None = None
     tp_refusal: str = ""  # why tp_plan is None
+    vllm_cpu_refit_refusal: str = ""  # why refits into vLLM on CPU are refused (else allowed)
     config_kwargs: dict[str, Any] = field(default_factory=dict)  # overrides of TINY_SHAPE
     notes: str = ""  # what this family needed beyond the shared recipe
     tool_parser: str = "hermes"  # generation/chat.py TOOL_CALL_PARSERS name for its tool calls
@@ -239,6 +246,9 @@ FAMILIES: dict[str, ModelFamily] = {
         tp_refusal="Qwen3-MoE keeps its experts as one fused 3-D parameter per layer "
         "(mlp.experts.gate_up_proj/down_proj), not nn.Linear modules: ColwiseParallel/"
         "RowwiseParallel cannot shard them and expert parallelism is not implemented",
+        vllm_cpu_refit_refusal="vLLM's CPU experts compute from a prepacked copy of their "
+        "weights, and its in-place reload leaves them in checkpoint layout (sampling 0.04 nats "
+        "off after a refit, tests/functional/test_family_vllm.py); the first load is exact",
         config_kwargs={"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                        "tie_word_embeddings": True},
         notes="Mixture of experts (4 experts, top-2).",
@@ -267,6 +277,18 @@ def get_family(name: str | ModelFamily) -> ModelFamily:
 def family_for_model_type(model_type: str) -> ModelFamily | None:
     """The family whose checkpoints have this ``config.model_type``, else None."""
     return next((f for f in FAMILIES.values() if f.model_type == model_type), None)
+
+
+def check_vllm_cpu_refit(model_type: str) -> None:
+    """Refuse, naming the reason and the fix, a family whose refits into vLLM on CPU are
+    known to be wrong (`ModelFamily.vllm_cpu_refit_refusal`)."""
+    family = family_for_model_type(model_type)
+    if family is not None and family.vllm_cpu_refit_refusal:
+        raise ValueError(
+            f"policy.generation.backend=vllm on CPU cannot be refitted with a {family.name} "
+            f"model: {family.vllm_cpu_refit_refusal}. Fix: policy.generation.backend=torch "
+            "(exact after every refit), or run vLLM on GPUs"
+        )
 
 
 def tp_plan_for(model_type: str) -> dict[str, str]:
@@ -312,9 +334,12 @@ def build_tokenizer(family: ModelFamily | str) -> PreTrainedTokenizerFast:
     )
 
 
-def tiny_config(family: ModelFamily, tokenizer: PreTrainedTokenizerFast) -> Any:
-    """The family's transformers config at the tiny shape, token ids from `tokenizer`."""
-    kwargs = {**TINY_SHAPE, **family.config_kwargs}
+def tiny_config(
+    family: ModelFamily, tokenizer: PreTrainedTokenizerFast, shape: dict[str, Any] | None = None
+) -> Any:
+    """The family's transformers config at the tiny shape (``shape`` overrides its entries),
+    token ids from `tokenizer`."""
+    kwargs = {**TINY_SHAPE, **(shape or {}), **family.config_kwargs}
     kwargs = {k: v for k, v in kwargs.items() if v is not None}  # None: the class's default
     config_class = getattr(transformers, family.config_class)
     return config_class(
@@ -327,12 +352,15 @@ def tiny_config(family: ModelFamily, tokenizer: PreTrainedTokenizerFast) -> Any:
     )
 
 
-def build_tiny(family: ModelFamily | str, out_dir: str | Path, seed: int = 0) -> Path:
-    """Save a tiny random-weight model of `family` (seeded) + its tokenizer to `out_dir`."""
+def build_tiny(
+    family: ModelFamily | str, out_dir: str | Path, seed: int = 0, shape: dict[str, Any] | None = None
+) -> Path:
+    """Save a tiny random-weight model of `family` (seeded) + its tokenizer to `out_dir`;
+    ``shape`` overrides `TINY_SHAPE` entries (e.g. `VLLM_CPU_SHAPE`)."""
     fam = get_family(family)
     out_dir = Path(out_dir)
     tokenizer = build_tokenizer(fam)
-    config = tiny_config(fam, tokenizer)
+    config = tiny_config(fam, tokenizer, shape)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = getattr(transformers, fam.model_class)(config)

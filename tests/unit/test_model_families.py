@@ -285,3 +285,15 @@ def test_moe_training_adds_the_router_loss_and_logs_the_expert_load(make_worker,
     assert gates[0.0] and any(
         not torch.allclose(gates[0.0][k], v) for k, v in gates[routing.aux_loss_coef * 1000].items()
     )
+
+
+def test_vllm_on_cpu_refuses_a_family_it_refits_wrongly():
+    """Qwen3-MoE's refit into vLLM on CPU leaves its experts in checkpoint layout
+    (tests/functional/test_family_vllm.py): refused with the reason and the fix; the dense
+    families and unknown model types pass."""
+    from tempering.models.families import check_vllm_cpu_refit
+
+    with pytest.raises(ValueError, match="qwen3_moe.*backend=torch"):
+        check_vllm_cpu_refit("qwen3_moe")
+    for model_type in ("qwen2", "qwen3", "llama", "gemma3_text", "phi3", "some_new_type"):
+        check_vllm_cpu_refit(model_type)

@@ -242,6 +242,12 @@ def build_generation(
         )  # fmt: skip
         refit_dtype = gen.precision  # weights travel in the engine's dtype (null: as trained)
     else:
+        if not on_gpus:
+            from transformers import AutoConfig
+
+            from tempering.models.families import check_vllm_cpu_refit
+
+            check_vllm_cpu_refit(AutoConfig.from_pretrained(model_path).model_type)
         v = gen.vllm_cfg
         builder = RayWorkerBuilder(
             VLLM_WORKER_FQN,

@@ -41,10 +41,45 @@ class WeightUpdateExtension:
         (e.g. q, k and v together), because vLLM processes a layer once all of it arrived.
         """
         pairs = list(named_tensors)
+        packed = self._tempering_packed_layers()
         self.reload_weights(weights_iterator=iter(pairs), is_checkpoint_format=True)  # type: ignore[attr-defined]
+        _repack_tied_layers(packed)
         return len(pairs)
+
+    def _tempering_packed_layers(self) -> dict[torch.nn.Module, object]:
+        """CPU layers that keep their weight beside a packed GEMM copy, with that copy."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        return {
+            m: m.cpu_linear
+            for m in model.modules()
+            if hasattr(m, "cpu_linear")
+            and isinstance(getattr(m, "weight", None), torch.Tensor)
+            and m.weight.ndim == 2
+            and m.weight.numel() > 0
+            and getattr(m, "quant_method", None) is not None
+        }
 
     def tempering_worker_info(self) -> dict[str, int | str]:
         """Where the engine's worker lives: its pid and its model object's id (for tests)."""
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         return {"pid": os.getpid(), "model_id": id(model), "model_class": type(model).__name__}
+
+
+def _repack_tied_layers(packed: dict[torch.nn.Module, object]) -> int:
+    """Re-pack the layers a reload left stale: those sharing a reloaded layer's weight.
+
+    On CPU, vLLM gives a layer that keeps its weight (an embedding, an lm_head) a packed copy
+    for its matmul (``cpu_linear``). A tied lm_head is a module of its own sharing the
+    embedding's parameter: the in-place reload loads the embedding and packs it anew, but the
+    lm_head received no weights, is not processed, and went on computing the OLD logits
+    (every tied-embedding family -- Qwen2/3, Gemma 3, SmolLM2 -- 0.6-0.9 nats off after a
+    refit, tests/functional/test_family_vllm.py). ``packed`` maps each such layer to its copy
+    before the reload; a layer whose copy did not change while another layer on the same
+    storage got a new one is processed again. Returns how many. GPU layers have no
+    ``cpu_linear``: nothing to do."""
+    renewed = {m.weight.data_ptr() for m, copy in packed.items() if m.cpu_linear is not copy}
+    stale = [m for m, copy in packed.items()
+             if m.cpu_linear is copy and m.weight.data_ptr() in renewed]  # fmt: skip
+    for module in stale:
+        module.quant_method.process_weights_after_loading(module)
+    return len(stale)
