@@ -17,8 +17,9 @@ frozen reference, used for every check in turn:
   policy's (1e-5).
 
 Then, for the families whose layers differ from the Llama layout, a 2-rank tensor-parallel
-policy with the family's plan: log-probs equal the plain forward and a step trains. A Qwen2 folder also runs the shipped GRPO config unchanged
-(`policy.model_name=<folder>`, examples/configs/grpo_math_tiny.yaml).
+policy with the family's plan: log-probs equal the plain forward and a step trains. A folder
+of every family also runs the shipped GRPO config unchanged (`policy.model_name=<folder>`,
+examples/configs/grpo_math_tiny.yaml).
 """
 
 from __future__ import annotations
@@ -210,10 +211,13 @@ def test_family_through_tensor_parallel_2(name, cluster, tmp_path):
         policy.shutdown()
 
 
-def test_the_shipped_grpo_config_takes_a_family_folder_unchanged(ray_session, tmp_path):
-    """A user's local Qwen2 folder in the default GRPO config, nothing else changed."""
+@pytest.mark.parametrize("name", NAMES)
+def test_the_shipped_grpo_config_takes_a_family_folder_unchanged(name, ray_session, tmp_path):
+    """A user's local folder of the family in the default GRPO config, nothing else changed:
+    the job validates, trains and exports."""
     from tests.grpo_runs import train
 
-    folder = build_tiny("qwen2", tmp_path / "qwen2", seed=0)
-    summary = train("grpo_math_tiny.yaml", 2, tmp_path, [f"policy.model_name={folder}"])
-    assert summary["steps"] == 2
+    folder = build_tiny(name, tmp_path / name, seed=0)
+    summary = train("grpo_math_tiny.yaml", 1, tmp_path, [f"policy.model_name={folder}"])
+    assert summary["steps"] == 1
+    assert (tmp_path / "ckpt" / "final_hf" / "config.json").is_file()
