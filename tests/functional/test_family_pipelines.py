@@ -182,11 +182,11 @@ def test_family_through_fsdp2_data_parallel(name, cluster, tmp_path):
         policy.shutdown()
 
 
-# Tensor parallelism where a family's layers differ from the Llama layout the suite's TP parity
-# test already runs (tiny-arith): QKV biases (qwen2), per-head q/k norms (qwen3), sandwich norms
-# and sliding-window layers (gemma3). llama3 and mistral are that layout; phi3 and qwen3_moe are
-# refused at start-up (tests/unit/test_model_families.py), each group start costing ~20 s here.
-TP_FAMILIES = ["gemma3", "qwen2", "qwen3"]
+# Tensor parallelism for every family with a plan: QKV biases (qwen2), per-head q/k norms
+# (qwen3), sandwich norms and sliding-window layers (gemma3), llama3's RoPE scaling, and
+# mistral; phi3 and qwen3_moe are refused at start-up (tests/unit/test_model_families.py).
+# Each group start costs ~20 s here.
+TP_FAMILIES = sorted(n for n, f in FAMILIES.items() if f.tp_plan is not None)
 
 
 @pytest.mark.parametrize("name", TP_FAMILIES)
