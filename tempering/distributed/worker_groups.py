@@ -45,7 +45,7 @@ import ray
 # isort: on
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from tempering import OPENMP_DEFAULTS
+from tempering import OPENMP_ENV
 from tempering.distributed import deadlines
 from tempering.distributed.actor_environments import get_actor_executable, resolve_python
 
@@ -303,9 +303,9 @@ class RayWorkerGroup:
         master_addr, master_port = cluster.get_master_address_and_port()
         dist_env = self._dist_init_env(master_addr, master_port)
         stack_dir = {k: os.environ[k] for k in (deadlines.STACK_DUMP_DIR_ENV,) if k in os.environ}
-        # The driver's OpenMP wait policy (tempering.OPENMP_DEFAULTS), also for workers on
-        # nodes whose Ray this process did not start; the caller's env_vars may override it.
-        openmp = {k: os.environ[k] for k in OPENMP_DEFAULTS if k in os.environ}
+        # The driver's OpenMP waiting (tempering.OPENMP_DEFAULTS), also for workers on nodes
+        # whose Ray this process did not start; the caller's env_vars may override it.
+        openmp = {k: os.environ[k] for k in OPENMP_ENV if k in os.environ}
         return [
             {
                 **openmp,
