@@ -43,10 +43,6 @@ class EchoWorker:
     def noop(self) -> None:
         return None
 
-    def consume(self, *args: Any, **kwargs: Any) -> dict[str, float]:
-        """Take arguments and return a small metrics-like dict (a train call's shape)."""
-        return {"args": float(len(args)), "kwargs": float(len(kwargs)), "loss": 0.5}
-
     def getenv(self, name: str) -> str | None:
         return os.environ.get(name)
 
