@@ -117,14 +117,11 @@ def vllm_results(tmp_path_factory) -> dict:
 
 def _hf_logprobs(folder: str, out: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """(HF's log-probs of the generated tokens, vLLM's), on the generated positions."""
-    from tempering.models.hf import load_causal_lm
+    from tempering.distributed.batched_data_dict import BatchedDataDict
+    from tests.functional.test_family_pipelines import _plain_logprobs
 
-    model = load_causal_lm(folder).eval()
     ids, total = out["output_ids"], out["unpadded_sequence_lengths"]
-    attn = (torch.arange(ids.shape[1])[None] < total[:, None]).long()
-    with torch.no_grad():
-        logp = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits.float(), -1)
-    hf = torch.nn.functional.pad(logp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0], (1, 0))
+    hf = _plain_logprobs(Path(folder), BatchedDataDict(input_ids=ids, input_lengths=total))
     prompt = total - out["generation_lengths"]
     cols = torch.arange(ids.shape[1])[None]
     generated = (cols >= prompt[:, None]) & (cols < total[:, None])

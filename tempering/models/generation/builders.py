@@ -246,8 +246,10 @@ def build_generation(
             from transformers import AutoConfig
 
             from tempering.models.families import check_vllm_cpu_refit
+            from tempering.models.registry import hub_offline
 
-            check_vllm_cpu_refit(AutoConfig.from_pretrained(model_path).model_type)
+            config = AutoConfig.from_pretrained(model_path, local_files_only=hub_offline())
+            check_vllm_cpu_refit(config.model_type)
         v = gen.vllm_cfg
         builder = RayWorkerBuilder(
             VLLM_WORKER_FQN,
