@@ -129,6 +129,7 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any], plan: Any = None) -> 
     generation = build_generation(
         cfg.policy.generation, policy, model_path, tokenizer, plan, cfg.cluster,
         in_flight_weight_updates=cfg.grpo.async_grpo.in_flight_weight_updates,
+        lora_rank=cfg.policy.dtensor_cfg.lora_cfg.dim,
     )  # fmt: skip
     chat = build_chat_service(
         cfg.policy.generation, generation, tokenizer, cfg.policy.max_total_sequence_length

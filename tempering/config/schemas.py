@@ -188,6 +188,10 @@ class VllmConfig(Section):
     max_model_len: int | None = None
     enforce_eager: bool = True
     precision: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    lora_adapter_refit: bool = Field(
+        False, description="with policy.dtensor_cfg.lora_cfg.enabled: refit sends the adapters "
+        "alone (the engine applies them as a LoRA request) instead of merged weights"
+    )  # fmt: skip
 
 
 class HttpServerConfig(Section):
@@ -327,6 +331,16 @@ class PolicyConfig(Section):
             raise ValueError(
                 f"policy.train_global_batch_size={self.train_global_batch_size} is not divisible "
                 f"by policy.train_micro_batch_size={self.train_micro_batch_size}"
+            )
+        if self.generation.vllm_cfg.lora_adapter_refit and not (
+            self.generation.backend == "vllm" and self.dtensor_cfg.lora_cfg.enabled
+        ):
+            raise ValueError(
+                "policy.generation.vllm_cfg.lora_adapter_refit=true sends LoRA adapters to vLLM "
+                f"engines, but policy.generation.backend={self.generation.backend!r} and "
+                f"policy.dtensor_cfg.lora_cfg.enabled={self.dtensor_cfg.lora_cfg.enabled}: it "
+                "needs backend=vllm and lora_cfg.enabled=true (other engines take merged "
+                "weights); set it false otherwise"
             )
         if self.dynamic_batching.enabled and self.sequence_packing.enabled:
             raise ValueError(

@@ -353,7 +353,10 @@ def tiny_config(
 
 
 def build_tiny(
-    family: ModelFamily | str, out_dir: str | Path, seed: int = 0, shape: dict[str, Any] | None = None
+    family: ModelFamily | str,
+    out_dir: str | Path,
+    seed: int = 0,
+    shape: dict[str, Any] | None = None,
 ) -> Path:
     """Save a tiny random-weight model of `family` (seeded) + its tokenizer to `out_dir`;
     ``shape`` overrides `TINY_SHAPE` entries (e.g. `VLLM_CPU_SHAPE`)."""

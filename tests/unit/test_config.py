@@ -111,6 +111,15 @@ def test_cross_field_checks():
             schema=GRPOMasterConfig,
         )
     assert "cannot both be set" in str(e.value) and "loss_fn.ratio_clip_c" in str(e.value)
+    adapter_refit = "policy.generation.vllm_cfg.lora_adapter_refit=true"
+    for overrides in (
+        [adapter_refit, "policy.dtensor_cfg.lora_cfg.enabled=true"],  # the torch engine
+        [adapter_refit, "policy.generation.backend=vllm"],  # no adapters
+    ):
+        with pytest.raises(ConfigError, match="needs backend=vllm and lora_cfg.enabled=true"):
+            load_config(
+                REPO / "examples/configs/grpo_math_tiny.yaml", overrides, schema=GRPOMasterConfig
+            )
 
 
 @pytest.mark.parametrize(

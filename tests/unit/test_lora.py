@@ -259,11 +259,14 @@ def two_rank_lora(request, ray_session, model_dir):
         buckets = policy.refit.buckets(64 * 1024)
         for names in buckets:
             streamed.update(ray.get(policy.refit.bucket(names, None)[0]))
+        adapter_ref, adapter_bytes = policy.refit.adapter()  # vLLM's adapter-only refit
+        adapter = ray.get(adapter_ref)
     finally:
         policy.shutdown()
         cluster.shutdown()
-    return {"losses": losses, "reference": reference, "weights": weights,
-            "streamed": streamed, "buckets": len(buckets), "topk": topk}  # fmt: skip
+    return {"losses": losses, "reference": reference, "weights": weights, "adapter": adapter,
+            "adapter_bytes": adapter_bytes, "streamed": streamed, "buckets": len(buckets),
+            "topk": topk}  # fmt: skip
 
 
 def test_lora_on_two_ranks_equals_one_rank(two_rank_lora, model_dir, lone_rank) -> None:
@@ -291,3 +294,21 @@ def test_lora_on_two_ranks_equals_one_rank(two_rank_lora, model_dir, lone_rank) 
     assert two_rank_lora["buckets"] > 2 and set(two_rank_lora["streamed"]) == set(want)
     for name, tensor in two_rank_lora["streamed"].items():
         assert torch.equal(tensor, two_rank_lora["weights"][name]), name
+
+
+def test_the_adapter_refit_carries_the_adapters_alone(two_rank_lora, model_dir, tmp_path):
+    """What vLLM's adapter-only refit receives, gathered from 2 ranks: PEFT's files, which on
+    the base model give the merged weights the full refit sends; 14 x 2 small matrices."""
+    from peft import PeftModel
+
+    from tempering.models.policy.lora import save_peft_adapter
+
+    adapter = two_rank_lora["adapter"]
+    tensors = adapter["tensors"]
+    assert len(tensors) == 2 * 14 and adapter["config"]["r"] == LORA["dim"]
+    assert two_rank_lora["adapter_bytes"] == sum(t.numel() * 4 for t in tensors.values())
+    folder = save_peft_adapter(tmp_path / "adapter", tensors, adapter["config"])
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    merged = PeftModel.from_pretrained(base, folder).merge_and_unload().state_dict()
+    for name, tensor in two_rank_lora["weights"].items():
+        torch.testing.assert_close(merged[name], tensor, atol=1e-5, rtol=0, msg=name)

@@ -118,7 +118,9 @@ class SplitGeneration(_ReplicaGeneration):
     them, with the policy's optimizer state off the GPU in between (see module docstring).
     ``in_flight``: the torch engines take a refit while they generate (async GRPO's
     ``in_flight_weight_updates``): the buckets are staged, and ``commit_weights(version)``
-    makes each engine load them between two decode steps."""
+    makes each engine load them between two decode steps. ``adapter_refit``: vLLM engines
+    built with a LoRA slot take the policy's adapters alone (`update_adapter`), their base
+    weights never changing (``vllm_cfg.lora_adapter_refit``)."""
 
     generate_method = "generate"
 
@@ -129,8 +131,10 @@ class SplitGeneration(_ReplicaGeneration):
         sleeps: bool = False,
         refit_dtype: str | None = None,
         in_flight: bool = False,
+        adapter_refit: bool = False,
     ) -> None:
         self.worker_group = worker_group
+        self.adapter_refit = adapter_refit
         self.cluster = cluster  # None when it shares the policy's (colocated)
         self.sleeps = sleeps
         self.refit_dtype = refit_dtype
@@ -153,6 +157,10 @@ class SplitGeneration(_ReplicaGeneration):
             self._policy = policy
             policy.prepare_for_generation()
             _run_all(self.worker_group, "prepare_for_generation")
+        if self.adapter_refit:
+            ref, self.last_refit_bytes = policy.refit.adapter()
+            _run_all(self.worker_group, "update_adapter", ref)
+            return
         if not self.in_flight:
             self.last_refit_bytes = stream_weights(policy, self.worker_group, self.refit_dtype)
             return
@@ -223,10 +231,12 @@ def build_generation(
     plan: Any,
     cluster_cfg: ClusterConfig,
     in_flight_weight_updates: bool = False,
+    lora_rank: int | None = None,
 ) -> ColocatedGeneration | SplitGeneration:
     """The generator the placement ``plan`` describes (see the module docstring);
     ``in_flight_weight_updates`` (split torch workers only; the config refuses the rest):
-    refits reach workers while they generate."""
+    refits reach workers while they generate. ``lora_rank``: the policy's LoRA rank, for
+    ``vllm_cfg.lora_adapter_refit``."""
     sampling = sampling_from_config(gen, tokenizer)
     if gen.backend == "torch" and gen.colocated.enabled:
         return ColocatedGeneration(policy, sampling, gen.torch_dtype_name)
@@ -235,6 +245,7 @@ def build_generation(
 
     group_plan = plan.generation
     on_gpus = cluster_cfg.gpus_per_node > 0
+    adapter_refit = gen.backend == "vllm" and gen.vllm_cfg.lora_adapter_refit
     if gen.backend == "torch":
         builder = RayWorkerBuilder(
             TORCH_WORKER_FQN, model_path, dataclasses.asdict(sampling),
@@ -263,11 +274,14 @@ def build_generation(
             enable_sleep_mode=gen.colocated.enabled,
             # CPU engines need an explicit KV-cache size (GPU ones size it from utilization).
             kv_cache_memory_bytes=None if on_gpus else 256 * 2**20,
+            lora_rank=lora_rank if v.lora_adapter_refit else None,
         )
         refit_dtype = v.precision  # weights travel in the engine's dtype
     if group_plan.colocated_with:  # vLLM on the policy's GPUs (GPU only; not yet run on hardware)
         group = start_colocated_engines(policy, group_plan, builder, plan.gpu_share)
-        generation = SplitGeneration(group, None, sleeps=True, refit_dtype=refit_dtype)
+        generation = SplitGeneration(
+            group, None, sleeps=True, refit_dtype=refit_dtype, adapter_refit=adapter_refit
+        )
     else:
         cluster = cluster_for_group(group_plan, cluster_cfg.cpus_per_worker, "generation")
         group = RayWorkerGroup(
@@ -275,8 +289,9 @@ def build_generation(
             max_concurrency=2 if in_flight_weight_updates else 1,
         )  # fmt: skip
         generation = SplitGeneration(
-            group, cluster, refit_dtype=refit_dtype, in_flight=in_flight_weight_updates
-        )
+            group, cluster, refit_dtype=refit_dtype, in_flight=in_flight_weight_updates,
+            adapter_refit=adapter_refit,
+        )  # fmt: skip
     generation.refit(policy, version=0)  # start from the policy's current weights
     return generation
 

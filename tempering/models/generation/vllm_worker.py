@@ -27,6 +27,11 @@ vLLM 0.32 details this module relies on:
 - `VLLM_ENABLE_V1_MULTIPROCESSING=0` (set here unless already set) keeps the engine core in
   this process: `LLM()` starts in seconds instead of ~75 s on CPU, and `collective_rpc`
   arguments (the weights) are passed by reference instead of serialised.
+- LoRA (``lora_rank``, the adapter refit): the engine is built with ``enable_lora`` and one
+  adapter slot; `update_adapter` writes the trained adapters in PEFT's format to a private
+  folder and loads them with ``add_lora(LoRARequest(..., load_inplace=True))`` under one fixed
+  id, replacing the last ones; every request then runs with them (vLLM's punica kernels, CPU
+  too). The base weights never change.
 - CPU: run with `enforce_eager=True` and pass `kv_cache_memory_bytes` (vLLM's CPU default
   reserves a large share of RAM). fp32 and bf16 both work, refit included. Sleep mode
   (`enable_sleep_mode`) exists only on GPU.
@@ -36,7 +41,10 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -69,6 +77,7 @@ class VllmGenerationWorker:
         enforce_eager: bool = False,
         enable_sleep_mode: bool = False,
         kv_cache_memory_bytes: int | None = None,
+        lora_rank: int | None = None,
         **sampling_args: Any,
     ) -> None:
         """`config`, or the `SamplingConfig` fields as keywords (temperature, top_p, top_k,
@@ -76,7 +85,8 @@ class VllmGenerationWorker:
 
         Engine arguments go to `vllm.LLM` unchanged; `dtype` is "auto" (the checkpoint's),
         "bfloat16", "float16" or "float32". `enable_sleep_mode=True` (GPU only) lets
-        `finish_generation` free the GPU for training in colocated mode.
+        `finish_generation` free the GPU for training in colocated mode. `lora_rank`: the
+        adapters' rank, for `update_adapter` (None: merged weights only, `update_weights`).
         """
         self.config = sampling_config(config, sampling_args, "VllmGenerationWorker")
         _check_filters(self.config)
@@ -104,7 +114,12 @@ class VllmGenerationWorker:
             seed=self.config.seed if self.config.seed is not None else 0,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=EXTENSION_FQN,
+            **_lora_engine_args(lora_rank),
         )
+        self._adapter_dir = None if lora_rank is None else Path(tempfile.mkdtemp(
+            prefix="tempering_adapter_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
+        ))  # fmt: skip
+        self._lora_request: Any = None  # the adapters every request runs with
         tokenizer = self.llm.get_tokenizer()
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else None
         if pad is None:
@@ -139,17 +154,36 @@ class VllmGenerationWorker:
 
     def update_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Refit: load a (full or per-layer partial) HF-named state dict into the running engine."""
-        if self._asleep:
-            raise RuntimeError(
-                "update_weights called while the vLLM engine sleeps; call "
-                "prepare_for_generation() first (sleep level 1 keeps no writable weights)."
-            )
+        self._check_awake("update_weights")
         pairs = [(name, tensor.detach()) for name, tensor in weights.items()]
         loaded = self.llm.collective_rpc("tempering_load_weights", args=(pairs,))
         if any(n != len(pairs) for n in loaded):
             raise RuntimeError(f"vLLM workers loaded {loaded} tensors, expected {len(pairs)}.")
         # KV blocks cached for a prompt prefix were computed with the old weights.
         self.llm.reset_prefix_cache()
+
+    def update_adapter(self, adapter: Mapping[str, Any]) -> None:
+        """Adapter-only refit: ``adapter`` = ``{"tensors": PEFT-named adapter tensors,
+        "config": adapter_config.json's content}`` (`WeightStreamer.adapter`), loaded in place
+        of the last adapters; every later request runs with them."""
+        self._check_awake("update_adapter")
+        if self._adapter_dir is None:
+            raise RuntimeError(
+                "update_adapter on a vLLM worker built without lora_rank: start it with the "
+                "adapters' rank (policy.generation.vllm_cfg.lora_adapter_refit=true does)"
+            )
+        from vllm.lora.request import LoRARequest
+
+        from tempering.models.policy.lora import save_peft_adapter
+
+        folder = save_peft_adapter(
+            self._adapter_dir / "policy", adapter["tensors"], adapter["config"]
+        )
+        request = LoRARequest("tempering-policy", 1, str(folder), load_inplace=True)
+        if not self.llm.llm_engine.add_lora(request):
+            raise RuntimeError(f"vLLM did not load the adapter written to {folder}")
+        self._lora_request = request
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old adapters
 
     def generate(
         self, data: Mapping[str, Any], greedy: bool = False, sampling: SamplingConfig | None = None
@@ -181,7 +215,9 @@ class VllmGenerationWorker:
         params = [
             self._sampling_params(cfg, greedy, cap, s) for cap, s in zip(caps, seeds, strict=True)
         ]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(
+            prompts, params, use_tqdm=False, lora_request=self._lora_request
+        )
         completions = [out.outputs[0] for out in outputs]
         return self._contract_output(input_ids, lengths, completions, cfg.top_logprobs)
 
@@ -205,8 +241,17 @@ class VllmGenerationWorker:
         if engine_core is not None:
             engine_core.shutdown()
         self.llm = None
+        if self._adapter_dir is not None:
+            shutil.rmtree(self._adapter_dir, ignore_errors=True)
 
     # ---- internals -------------------------------------------------------------------------
+
+    def _check_awake(self, method: str) -> None:
+        if self._asleep:
+            raise RuntimeError(
+                f"{method} called while the vLLM engine sleeps; call "
+                "prepare_for_generation() first (sleep level 1 keeps no writable weights)."
+            )
 
     def _request_seeds(
         self, sampling: SamplingConfig | None, greedy: bool, n: int
@@ -275,6 +320,23 @@ class VllmGenerationWorker:
             detokenize=bool(cfg.stop_strings),  # text is only needed to spot stop strings
             logprobs=cfg.top_logprobs,  # the sampled token's log-prob (+ the top k)
         )
+
+
+# the ranks vLLM 0.32 accepts as max_lora_rank (an adapter of a lower rank fits the slot)
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def _lora_engine_args(rank: int | None) -> dict[str, Any]:
+    """`vllm.LLM` arguments for one adapter slot of at least ``rank`` (none without LoRA)."""
+    if rank is None:
+        return {}
+    fitting = [r for r in _VLLM_LORA_RANKS if r >= rank]
+    if not fitting:
+        raise ValueError(
+            f"LoRA rank {rank} exceeds vLLM's largest adapter rank {_VLLM_LORA_RANKS[-1]}; "
+            "lower policy.dtensor_cfg.lora_cfg.dim or set vllm_cfg.lora_adapter_refit=false"
+        )
+    return {"enable_lora": True, "max_loras": 1, "max_lora_rank": fitting[0]}
 
 
 def _check_filters(cfg: SamplingConfig) -> None:

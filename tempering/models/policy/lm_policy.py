@@ -216,6 +216,10 @@ class PolicyWeights:
         """``(object ref, bytes)`` of one bucket in ``dtype``, put by rank 0 (never fetched here)."""
         return _run_all(self.worker_group, "refit.bucket", names, dtype)[0]
 
+    def adapter(self) -> tuple[Any, int]:
+        """``(object ref, bytes)`` of the LoRA adapters alone, put by rank 0 (PEFT's names)."""
+        return _run_all(self.worker_group, "refit.adapter")[0]
+
 
 def _run_all(worker_group: RayWorkerGroup, method: str, *args: Any) -> list[Any]:
     """``method`` (a worker's, or ``"component.method"``) on every worker, in rank order."""

@@ -147,7 +147,7 @@ class LoraAdapters:
         layer's three tensors must come together (refit buckets never split a layer)."""
         out: dict[str, torch.Tensor] = {}
         for name, tensor in state.items():
-            if name.endswith((_A, _B)):
+            if is_adapter(name):
                 continue
             if _BASE not in name:
                 out[name] = tensor
@@ -187,12 +187,17 @@ class LoraAdapters:
         return out
 
 
+def is_adapter(name: str) -> bool:
+    """Whether a peft-named state-dict entry is a LoRA adapter matrix."""
+    return name.endswith((_A, _B))
+
+
 def adapter_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The adapter tensors of a full peft-named state, under PEFT's file names
     (``base_model.model.<module>.lora_A.weight``: the adapter name dropped)."""
     out = {}
     for name, tensor in state.items():
-        if name.endswith((_A, _B)):
+        if is_adapter(name):
             key = "base_model.model." + name.replace(f".{ADAPTER}.weight", ".weight")
             out[key] = tensor.detach().to("cpu", torch.float32).contiguous()
     return out

@@ -7,7 +7,8 @@ it through `Policy.refit`: the ranks agree on layer-aligned buckets (`buckets`),
 bucket every rank joins the all-gathers and rank 0 puts the gathered tensors, cast to the
 engine's dtype, into Ray's object store (`bucket`). With LoRA the engines receive merged
 weights under the model's own names (`PolicyState.hf_weights`); a bucket holds a whole
-decoder layer, so each adapter arrives with its base weight.
+decoder layer, so each adapter arrives with its base weight. A vLLM engine can take the
+adapters alone instead (`adapter`, for ``vllm_cfg.lora_adapter_refit``).
 """
 
 from __future__ import annotations
@@ -73,6 +74,26 @@ class WeightStreamer:
 
         out = {k: _in_dtype(v, dtype) for k, v in self.state.hf_weights(out).items()}
         return ray.put(out), sum(t.numel() * t.element_size() for t in out.values())
+
+
+    def adapter(self) -> tuple[Any, int] | None:
+        """The LoRA adapters alone for an engine's adapter refit (collective): rank 0 puts
+        ``{"tensors": PEFT-named fp32 adapters, "config": adapter_config.json's content}``
+        into Ray's object store and returns ``(ref, bytes)``, the others None."""
+        from tempering.models.policy.lora import adapter_state, is_adapter
+
+        lora = self.state.lora
+        if lora is None:
+            raise RuntimeError("refit.adapter: this policy trains without LoRA adapters")
+        state, rank = self.state.model.state_dict(), self.state.topo.rank
+        gathered = {name: full_tensor(t) for name, t in state.items() if is_adapter(name)}
+        if rank != 0:
+            return None
+        import ray
+
+        tensors = adapter_state(gathered)
+        payload = {"tensors": tensors, "config": lora.peft_config(self.state.source.model_path)}
+        return ray.put(payload), sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _in_dtype(t: torch.Tensor, dtype: str | None) -> torch.Tensor:
