@@ -127,9 +127,8 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any], plan: Any = None) -> 
     )
     _warn_uncorrected_precision(cfg)
     generation = build_generation(
-        cfg.policy.generation, policy, model_path, tokenizer, plan, cfg.cluster,
+        cfg.policy, policy, model_path, tokenizer, plan, cfg.cluster,
         in_flight_weight_updates=cfg.grpo.async_grpo.in_flight_weight_updates,
-        lora_rank=cfg.policy.dtensor_cfg.lora_cfg.dim,
     )  # fmt: skip
     chat = build_chat_service(
         cfg.policy.generation, generation, tokenizer, cfg.policy.max_total_sequence_length

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from tempering.config.schemas import ClusterConfig
+from tempering.config.schemas import ClusterConfig, PolicyConfig
 from tempering.config.schemas import GenerationConfig as GenerationSection
 from tempering.distributed.batched_data_dict import BatchedDataDict
 from tempering.models.generation.interfaces import SamplingConfig
@@ -224,19 +224,18 @@ def data_parallel_generate(
 
 
 def build_generation(
-    gen: GenerationSection,
+    policy_cfg: PolicyConfig,
     policy: Any,
     model_path: str,
     tokenizer: Any,
     plan: Any,
     cluster_cfg: ClusterConfig,
     in_flight_weight_updates: bool = False,
-    lora_rank: int | None = None,
 ) -> ColocatedGeneration | SplitGeneration:
-    """The generator the placement ``plan`` describes (see the module docstring);
-    ``in_flight_weight_updates`` (split torch workers only; the config refuses the rest):
-    refits reach workers while they generate. ``lora_rank``: the policy's LoRA rank, for
-    ``vllm_cfg.lora_adapter_refit``."""
+    """The generator ``policy.generation`` and the placement ``plan`` describe (see the module
+    docstring); ``in_flight_weight_updates`` (split torch workers only; the config refuses the
+    rest): refits reach workers while they generate."""
+    gen = policy_cfg.generation
     sampling = sampling_from_config(gen, tokenizer)
     if gen.backend == "torch" and gen.colocated.enabled:
         return ColocatedGeneration(policy, sampling, gen.torch_dtype_name)
@@ -274,7 +273,7 @@ def build_generation(
             enable_sleep_mode=gen.colocated.enabled,
             # CPU engines need an explicit KV-cache size (GPU ones size it from utilization).
             kv_cache_memory_bytes=None if on_gpus else 256 * 2**20,
-            lora_rank=lora_rank if v.lora_adapter_refit else None,
+            lora_rank=policy_cfg.dtensor_cfg.lora_cfg.dim if adapter_refit else None,
         )
         refit_dtype = v.precision  # weights travel in the engine's dtype
     if group_plan.colocated_with:  # vLLM on the policy's GPUs (GPU only; not yet run on hardware)
