@@ -210,14 +210,24 @@ def build_checkpointer(ckpt_cfg: CheckpointingConfig) -> Any | None:
     )
 
 
-def maybe_resume(checkpointer: Any | None, policy: Any, dataloader: Any) -> tuple[int, dict]:
-    """Load the newest complete checkpoint, if any: returns (step, training_info)."""
+def maybe_resume(
+    checkpointer: Any | None, policy: Any, dataloader: Any, config: dict[str, Any]
+) -> tuple[int, dict]:
+    """Load the newest complete checkpoint, if any: returns (step, training_info). A
+    ``config`` (the resolved one) that differs from the checkpoint's is logged key by key."""
     if checkpointer is None:
         return 0, {}
     found = checkpointer.maybe_resume()
     if found is None:
         return 0, {}
     step, info = found
+    changes = checkpointer.config_changes(checkpointer.step_dir(step), config)
+    if changes:
+        log.warning(
+            "resuming %s with a config that differs from the checkpoint's in %d key(s) "
+            "(a fresh run needs another checkpointing.checkpoint_dir): %s",
+            checkpointer.step_dir(step), len(changes), "; ".join(changes),
+        )  # fmt: skip
     policy.load_checkpoint(str(checkpointer.policy_dir(step)))
     if dataloader is not None and "dataloader" in info:
         dataloader.load_state_dict(info["dataloader"])

@@ -144,7 +144,7 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any], plan: Any = None) -> 
     else:
         turns = InProcessTurnClient(chat)
     checkpointer = common.build_checkpointer(cfg.checkpointing)
-    start_step, info = common.maybe_resume(checkpointer, policy, dataloader)
+    start_step, info = common.maybe_resume(checkpointer, policy, dataloader, resolved)
     if start_step:
         chat.refit(lambda: generation.refit(policy, version=start_step), version=start_step)
     logger = common.build_logger(cfg.logger, resolved, start_step)

@@ -197,7 +197,9 @@ def resume(run: PreferenceRun, data_metrics: dict[str, float], monitored_policy:
     """Once ``run.model`` is built: checkpoints (resuming from the newest), the logger, the
     ``data/*`` figures and the resource monitor of ``monitored_policy``'s workers."""
     run.checkpointer = common.build_checkpointer(run.cfg.checkpointing)
-    run.start_step, _ = common.maybe_resume(run.checkpointer, run.model, run.dataloader)
+    run.start_step, _ = common.maybe_resume(
+        run.checkpointer, run.model, run.dataloader, run.resolved
+    )
     run.logger = common.build_logger(run.cfg.logger, run.resolved, run.start_step)
     run.logger.log_metrics(data_metrics, run.start_step, prefix="data")
     run.monitor = common.build_resource_monitor(run.cfg.logger, policy=monitored_policy)

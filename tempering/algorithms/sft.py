@@ -145,7 +145,7 @@ def setup(cfg: SFTMasterConfig, resolved: dict[str, Any]) -> SFTRun:
             policy, sampling_from_config(gen, tokenizer), gen.torch_dtype_name
         )
     checkpointer = common.build_checkpointer(cfg.checkpointing)
-    start_step, _ = common.maybe_resume(checkpointer, policy, dataloader)
+    start_step, _ = common.maybe_resume(checkpointer, policy, dataloader, resolved)
     logger = common.build_logger(cfg.logger, resolved, start_step)
     return SFTRun(
         cfg,

@@ -187,6 +187,23 @@ class CheckpointManager:
         logger.info("resuming from %s (step %s)", latest, info["step"])
         return int(info["step"]), info
 
+    def config_changes(self, folder: str | Path, config: Mapping[str, Any]) -> list[str]:
+        """``key: saved -> now`` for each config entry (dotted) that differs between the
+        checkpoint's ``config.yaml`` and ``config`` (redacted alike): a resumed run is told
+        what it changed, e.g. a longer ``max_num_steps`` or, by mistake, another model."""
+        from tempering.utils.logger import redact_secrets
+
+        path = Path(folder) / CONFIG_FILE
+        if not path.is_file():
+            return []
+        saved = _flatten(yaml.safe_load(path.read_text()) or {})
+        now = _flatten(redact_secrets(_plain(config)))
+        return [
+            f"{key}: {saved.get(key, '(absent)')!r} -> {now.get(key, '(absent)')!r}"
+            for key in sorted(saved.keys() | now.keys())
+            if saved.get(key) != now.get(key)
+        ]
+
     def remove_partial_checkpoints(self) -> list[Path]:
         """Delete the temporary folders of saves that never finished (``step_<N>.tmp-<pid>``
         of a process that is gone: a crash or kill mid-save); return what was removed."""
@@ -260,6 +277,17 @@ def _process_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (lists stay whole)."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping) and value:
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def _plain(value: Any) -> Any:

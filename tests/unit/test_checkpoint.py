@@ -46,6 +46,22 @@ def test_save_writes_complete_folder_and_resume_info(tmp_path) -> None:
     assert mgr.should_save(5, is_last_step=True)
 
 
+def test_a_resume_names_the_config_keys_that_changed(tmp_path) -> None:
+    mgr = CheckpointManager(tmp_path, save_period=1)
+    saved = {"grpo": {"max_num_steps": 10, "seed": 42}, "policy": {"model_name": "tiny-arith"},
+             "logger": {"wandb": {"api_key": "s3cret"}}}  # fmt: skip
+    with mgr.save(1, {}, config=saved) as d:
+        (d / "policy").mkdir()
+    assert mgr.config_changes(mgr.step_dir(1), saved) == []  # a plain resume: nothing to say
+    now = {"grpo": {"max_num_steps": 20, "seed": 42}, "policy": {"model_name": "smollm2"},
+           "logger": {"wandb": {"api_key": "other"}}, "new": [1]}  # fmt: skip
+    assert mgr.config_changes(mgr.step_dir(1), now) == [
+        "grpo.max_num_steps: 10 -> 20",
+        "new: '(absent)' -> [1]",
+        "policy.model_name: 'tiny-arith' -> 'smollm2'",
+    ]  # the key stays redacted on both sides, never printed
+
+
 def test_crash_inside_save_leaves_no_checkpoint(tmp_path) -> None:
     mgr = CheckpointManager(tmp_path, save_period=1)
     _save(mgr, 1)
