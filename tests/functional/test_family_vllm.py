@@ -108,7 +108,9 @@ def vllm_results(tmp_path_factory) -> dict:
         [python, str(root / "driver.py"), json.dumps(args)],
         env=env, capture_output=True, text=True, timeout=1100,
     )  # fmt: skip
-    assert proc.returncode == 0, f"vLLM driver failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, (
+        f"vLLM driver failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    )
     results = torch.load(root / "out.pt", weights_only=False)
     for name, r in results.items():
         print(f"vLLM {name}: {r.get('seconds', 'error')}", file=sys.stderr)

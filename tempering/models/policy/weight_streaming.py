@@ -75,7 +75,6 @@ class WeightStreamer:
         out = {k: _in_dtype(v, dtype) for k, v in self.state.hf_weights(out).items()}
         return ray.put(out), sum(t.numel() * t.element_size() for t in out.values())
 
-
     def adapter(self) -> tuple[Any, int] | None:
         """The LoRA adapters alone for an engine's adapter refit (collective): rank 0 puts
         ``{"tensors": PEFT-named fp32 adapters, "config": adapter_config.json's content}``
