@@ -98,3 +98,30 @@ def make_worker(tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch):
     yield build
     if built:
         built[-1].shutdown()
+
+
+# ---- the release image's build, overlapped with the slow tier (tests/functional/test_container.py)
+
+
+def _container_items(items: list[pytest.Item]) -> list[pytest.Item]:
+    return [item for item in items if item.path.name == "test_container.py"]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The container test runs last, so the image it checks builds in the background meanwhile."""
+    last = _container_items(items)
+    if last:
+        items[:] = [item for item in items if item not in last] + last
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """A session that will run the container test starts its image build now."""
+    selected = _container_items(session.items)
+    if selected and not session.config.option.collectonly:
+        selected[0].module.start_image_build(session.config)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    selected = _container_items(session.items)
+    if selected:
+        selected[0].module.stop_image_build(session.config)
