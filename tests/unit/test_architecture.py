@@ -235,3 +235,16 @@ def test_import_resolution_sees_each_form(tmp_path, source, expected):
     path = tmp_path / "m.py"
     path.write_text("def f():\n    " + source)
     assert expected in _imports("tempering.models.x", path)
+
+
+@pytest.mark.parametrize("command", [["check"], ["format", "--check"]])
+def test_the_checkout_is_lint_clean_and_formatted(command):
+    """``ruff check`` and ``ruff format --check`` (pyproject.toml's settings) over the whole
+    checkout: drift is caught here, not by the next engineer's formatter."""
+    import subprocess
+    import sys
+
+    root = PACKAGE.parent
+    result = subprocess.run([sys.executable, "-m", "ruff", *command, "."], cwd=root,
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
