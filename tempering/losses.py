@@ -35,6 +35,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tempering.config.schemas import off_policy_loss_problems
+from tempering.logits import (
+    HiddenLogits,
+    as_logits,
+    next_token_entropy,
+    next_token_logprobs,
+    topk_next_token,
+)
 
 LossType = Literal["token", "sequence"]
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -118,10 +125,11 @@ class _NextTokenLogprob(torch.autograd.Function):
         return out.to(logits.dtype), None
 
 
-def token_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
+def token_logprobs(logits: Tensor | HiddenLogits, input_ids: Tensor) -> Tensor:
     """Log-prob of each token under the logits that predict it, in the contract's layout.
 
-    logits: ``[B, S, V]``; input_ids: ``[B, S]``. Returns ``[B, S]`` where position ``t >= 1`` is
+    logits: ``[B, S, V]`` (a tensor, or `HiddenLogits`: computed chunk by chunk, never whole);
+    input_ids: ``[B, S]``. Returns ``[B, S]`` where position ``t >= 1`` is
     ``log_softmax(logits[:, t - 1])[input_ids[:, t]]`` and position 0 is 0. Computed as
     ``logit - logsumexp`` in at least fp32 (stable for large logits), on the whole contiguous
     logits (the last position scores a dummy target and is dropped; its gradient is zero).
@@ -132,17 +140,23 @@ def token_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
             f"{tuple(logits.shape)} and input_ids {tuple(input_ids.shape)}."
         )
     targets = F.pad(input_ids[:, 1:].long(), (0, 1), value=0)  # [B, S]: next token; last: dummy
-    picked = _NextTokenLogprob.apply(logits, targets)  # [B, S]: picked[:, t] scores token t+1
+    if isinstance(logits, HiddenLogits):
+        picked = next_token_logprobs(logits, targets)
+    else:  # [B, S]: picked[:, t] scores token t+1
+        picked = _NextTokenLogprob.apply(logits, targets)
     return F.pad(picked[:, :-1], (1, 0), value=0.0)
 
 
-def token_entropy(logits: Tensor, mask: Tensor | None = None) -> Tensor:
+def token_entropy(logits: Tensor | HiddenLogits, mask: Tensor | None = None) -> Tensor:
     """Entropy of the next-token distribution, aligned like `token_logprobs` (position 0 = 0).
 
     Returns ``[B, S]``; entry ``t`` is the entropy of the distribution that scored token ``t``.
     With ``mask`` (``[B, S]``) only the entries where it is non-zero are computed (the others
     are 0): a loss's metric needs its valid tokens, not the prompt's. Not differentiated.
     """
+    if isinstance(logits, HiddenLogits):  # every row at once (a training pass computed them)
+        ent = F.pad(next_token_entropy(logits)[:, :-1], (1, 0))
+        return ent if mask is None else ent * F.pad((mask[:, 1:] != 0).to(ent.dtype), (1, 0))
     with torch.no_grad():
         work = logits[:, :-1]
         if mask is None:
@@ -585,13 +599,16 @@ class BradleyTerryLoss:
 # --------------------------------------------------------------------------------------------
 
 
-def topk_logprobs(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+def topk_logprobs(logits: Tensor | HiddenLogits, k: int) -> tuple[Tensor, Tensor]:
     """A teacher's ``k`` most likely next tokens at every position, in the contract layout:
     ``values[b, t]`` / ``indices[b, t]`` ``[B, S, k]`` are the top-k log-probs (normalised over
     the WHOLE vocabulary, so their mass says what top-k leaves out) of token ``t`` given
     ``input_ids[b, :t]``; position 0 is 0 (nothing predicts it). Only these travel."""
-    logp = torch.log_softmax(_upcast(logits[:, :-1]), dim=-1)
-    values, indices = logp.topk(k, dim=-1)  # [B, S-1, k]
+    if isinstance(logits, HiddenLogits):
+        values, indices = (x[:, :-1] for x in topk_next_token(logits, k))
+    else:
+        logp = torch.log_softmax(_upcast(logits[:, :-1]), dim=-1)
+        values, indices = logp.topk(k, dim=-1)  # [B, S-1, k]
     return F.pad(values, (0, 0, 1, 0)), F.pad(indices, (0, 0, 1, 0))
 
 
@@ -641,6 +658,7 @@ class DistillationLoss:
         global_valid_toks: Tensor,
         global_valid_seqs: Tensor,
     ) -> tuple[Tensor, dict[str, float]]:
+        logits = as_logits(logits)  # the student's full distribution at the teacher's top-k
         width = logits.shape[1]  # a micro-batch may be cut to its longest row
         indices = data["teacher_topk_indices"][:, 1:width].long()  # [B, S-1, k]
         teacher = data["teacher_topk_logprobs"][:, 1:width].float()

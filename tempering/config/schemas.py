@@ -308,6 +308,13 @@ class PolicyConfig(Section):
         "their shared prefix once, with a tree attention mask (exact; "
         "tempering/models/policy/shared_prefix.py); false computes every row whole"
     )  # fmt: skip
+    logprob_chunk_size: int | None = Field(
+        None, ge=1, description="rows of logits computed at a time, reduced and dropped (each "
+        "token's log-prob, the entropy; tempering/logits.py): null = ~64 MiB of them, and only "
+        "where it costs nothing (log-prob and reference passes; training a frozen output "
+        "projection, as LoRA does); a number also chunks a trained projection's logits "
+        "(saves their memory, costs one more pass of the projection in backward)"
+    )  # fmt: skip
     max_grad_norm: float | None = 1.0
     max_consecutive_nonfinite_steps: int = Field(
         3, ge=1, description="a NaN/Inf loss or gradient skips the update (counted in "

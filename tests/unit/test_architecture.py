@@ -35,6 +35,7 @@ LAYERS: dict[str, int] = {
     "config": 1,
     "distributed": 2,
     "losses": 3,
+    "logits": 3,
     "models": 4,
     "data": 5,
     "experience": 5,

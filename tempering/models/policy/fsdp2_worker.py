@@ -53,6 +53,7 @@ from tempering.models.policy.model_setup import (
     check_options,
     init_topology,
     load_sharded,
+    logprob_chunk_rows,
     mixed_precision,
     require_head,
     shared_prefix_ratio,
@@ -102,6 +103,10 @@ class FSDP2PolicyWorker:
         lora: `LoraSpec`'s fields (``dim``, ``alpha``, ``dropout``, ``target_modules``,
             ``exclude_modules``, ``match_all_linear``) to train LoRA adapters on a frozen base
             (`tempering.models.policy.lora`); None trains every weight.
+        logprob_chunk_size: rows of logits computed at a time by the chunked log-prob path
+            (`tempering.logits`); None: ~64 MiB of them, and only where it costs nothing
+            (no-grad passes, a frozen output projection); a number: that many rows, a
+            trained projection too (one more projection pass in backward, for memory).
         max_consecutive_nonfinite: a step whose loss or gradient norm is NaN/Inf is skipped
             (no update, counted as ``num_nonfinite_skipped``); this many in a row raise
             `NonFiniteTrainingError` naming what was non-finite.
@@ -134,6 +139,7 @@ class FSDP2PolicyWorker:
         lean_loading: bool = True,
         shared_prefix: bool = True,
         lora: dict[str, Any] | None = None,
+        logprob_chunk_size: int | None = None,
     ) -> None:
         check_options(precision, head, pad_token_id)
         if num_threads is not None:
@@ -151,6 +157,8 @@ class FSDP2PolicyWorker:
             topo.device,
             shared_prefix_ratio(self.state.model, head) if shared_prefix else None,
             pad_token_id,
+            logprob_chunk_rows(self.state.model, head, logprob_chunk_size),
+            fuse_trained_head=logprob_chunk_size is not None,
         )
         self.moe = MoERouting.of(self.state.model)  # a router's load-balancing loss (moe.py)
         self.optimizer_step: OptimizerStep | None = None

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from tempering.distributed.batched_data_dict import BatchedDataDict, PackedBin
+from tempering.logits import HiddenLogits, as_logits
 from tempering.models.policy.shared_prefix import SharedPrefixPlan, plan_shared_prefix
 
 # How a micro-batch runs through the model: packed into one row, as shared-prefix groups, or
@@ -39,12 +40,17 @@ class ForwardPass:
         device: where micro-batches are computed.
         shared_prefix: the cost ratio of `plan_shared_prefix`; None: rows computed whole.
         pad_token_id: the pad id shared-prefix plans fill with (0 when None).
+        chunk_rows: rows of logits a `HiddenLogits` computes at a time; None: the logits are
+            always materialised (a reward model; a head the chunked path cannot compute).
+        fuse_trained_head: chunk a trained output projection's logits too (`chunked`).
     """
 
     head: str
     device: torch.device
     shared_prefix: float | None
     pad_token_id: int | None
+    chunk_rows: int | None = None
+    fuse_trained_head: bool = False
 
     def split(
         self,
@@ -86,54 +92,92 @@ class ForwardPass:
         mb: BatchedDataDict,
         layout: Layout = None,
         router: list[Any] | None = None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | HiddenLogits:
         """``[B, S, V]`` float logits of micro-batch ``mb``, computed in its ``layout`` (see
-        `split`; None: the padded rows); ``[B]`` scores for ``head="score"``. ``router``
-        (a mixture-of-experts model in training, `moe.py`): the padded and packed layouts
-        append ``(aux_loss, router_logits, token mask or None)`` to it."""
-        if isinstance(layout, SharedPrefixPlan):
-            return layout.forward(model)  # [B, S, V], each row as if computed alone
-        packed = layout
+        `split`; None: the padded rows) -- as `HiddenLogits` (the last hidden states and the
+        output projection, reduced chunk by chunk by the loss) where `chunked` says so;
+        ``[B]`` scores for ``head="score"``. ``router`` (a mixture-of-experts model in
+        training, `moe.py`): the padded and packed layouts append ``(aux_loss,
+        router_logits, token mask or None)`` to it."""
         if self.head == "score":
-            if packed is not None:
-                raise ValueError("a reward model (head='score') does not take packed batches")
+            if layout is not None:
+                raise ValueError("a reward model (head='score') takes its rows whole")
             ids = mb["input_ids"]
             seq = torch.arange(ids.shape[1], device=ids.device)
             attention_mask = (seq[None, :] < mb["input_lengths"][:, None]).long()
             return model(input_ids=ids, attention_mask=attention_mask).logits.float()[:, 0]
-        if packed is not None:
+        moe = {"output_router_logits": True} if router is not None else {}
+        if isinstance(layout, SharedPrefixPlan):
+            out, weight = self._run(model, **layout.inputs(self.device))
+            return self._finish(layout.rows(out.logits), weight)  # each row as if alone
+        if isinstance(layout, PackedBin):
             # One row holding every sequence; transformers builds a block-diagonal causal mask
             # from position_ids that restart at 0 when attention_mask is None.
-            cu = packed.cu_seqlens.to(self.device)
-            out = model(
-                input_ids=packed.input_ids[None].to(self.device),
-                position_ids=packed.position_ids[None].to(self.device),
-                use_cache=False,
+            cu = layout.cu_seqlens.to(self.device)
+            out, weight = self._run(
+                model,
+                input_ids=layout.input_ids[None].to(self.device),
+                position_ids=layout.position_ids[None].to(self.device),
                 # sequence bounds for varlen attention (packed_attention.py, flash-attention)
                 cu_seq_lens_q=cu,
                 cu_seq_lens_k=cu,
-                max_length_q=packed.max_seqlen,
-                max_length_k=packed.max_seqlen,
-                **({"output_router_logits": True} if router is not None else {}),
+                max_length_q=layout.max_seqlen,
+                max_length_k=layout.max_seqlen,
+                **moe,
             )
             if router is not None:
                 router.append((out.aux_loss, out.router_logits, None))
-            return packed.unpack(out.logits[0].float())  # [n, max_seqlen, V] == mb's layout
+            return self._finish(layout.unpack(out.logits[0]), weight)  # == mb's layout
         input_ids = mb["input_ids"]
         seq = torch.arange(input_ids.shape[1], device=input_ids.device)
         attention_mask = (seq[None, :] < mb["input_lengths"][:, None]).long()  # [B, S]
-        if router is None:
-            out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        else:
-            out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                        output_router_logits=True)  # fmt: skip
+        out, weight = self._run(model, input_ids=input_ids, attention_mask=attention_mask, **moe)
+        if router is not None:
             router.append((out.aux_loss, out.router_logits, attention_mask))
-        return out.logits.float()  # [B, S, V]
+        return self._finish(out.logits, weight)  # [B, S, V]
+
+    def chunked(self, model: torch.nn.Module) -> bool:
+        """Whether `model`'s logits stay unmaterialised now: `chunk_rows` is set and either
+        no gradient flows (log-probs, references) or the output projection is frozen (LoRA),
+        or `fuse_trained_head` (one more projection pass in backward, for memory)."""
+        if self.chunk_rows is None:
+            return False
+        if self.fuse_trained_head or not torch.is_grad_enabled():
+            return True
+        return not model.get_output_embeddings().weight.requires_grad
+
+    def _run(self, model: torch.nn.Module, **inputs: Any) -> tuple[Any, torch.Tensor | None]:
+        """``model(**inputs)``, and the output projection's weight when its ``logits`` are
+        the hidden states instead (`chunked`): the projection passes them through."""
+        if not self.chunked(model):
+            return model(**inputs, use_cache=False), None
+        head = model.get_output_embeddings()
+        seen: list[torch.Tensor] = []
+
+        def passthrough(hidden: torch.Tensor) -> torch.Tensor:
+            seen.append(head.weight)  # as the forward sees it (FSDP2: gathered whole)
+            return hidden
+
+        head.forward = passthrough
+        try:
+            out = model(**inputs, use_cache=False)
+        finally:
+            del head.forward
+        return out, seen[0]
+
+    def _finish(
+        self, out: torch.Tensor, weight: torch.Tensor | None
+    ) -> torch.Tensor | HiddenLogits:
+        if weight is None:
+            return out.float()
+        assert self.chunk_rows is not None
+        return HiddenLogits(out, weight, self.chunk_rows)
 
     def padding(self, model: torch.nn.Module) -> torch.Tensor:
         """A one-token pass whose result is dropped: a rank with fewer micro-batches runs it so
-        that every rank joins the same FSDP2 collectives."""
-        return self.logits(model, dummy_batch(self.device))
+        that every rank joins the same FSDP2 collectives (its logits whole: a backward through
+        them reaches every parameter, as the other ranks' passes do)."""
+        return as_logits(self.logits(model, dummy_batch(self.device)))
 
 
 def computed_tokens(mb: BatchedDataDict, layout: Layout) -> int:

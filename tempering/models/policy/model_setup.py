@@ -409,3 +409,30 @@ def shared_prefix_ratio(model: torch.nn.Module, head: str) -> float | None:
         return None
     params = sum(p.numel() for p in model.parameters())
     return attention_cost_ratio(model.config, params)
+
+
+def logprob_chunk_rows(model: torch.nn.Module, head: str, configured: int | None) -> int | None:
+    """Rows of logits `HiddenLogits` computes at a time (`configured`, else ~64 MiB of them);
+    None (logits materialised whole, logged) for a score head and for an output projection
+    the chunked path does not compute: not a bias-free ``nn.Linear`` (e.g. a LoRA-wrapped
+    lm_head) or logits soft-capped after it (Gemma 2)."""
+    if head != "causal_lm":
+        return None
+    from tempering.logits import default_chunk_rows
+
+    proj = model.get_output_embeddings()
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    if type(proj) is not torch.nn.Linear or proj.bias is not None or softcap is not None:
+        logger.warning(
+            "policy.logprob_chunk_size: this model's logits are materialised whole (output "
+            "projection %s, bias %s, final_logit_softcapping %s): chunks need a bias-free "
+            "nn.Linear whose output is the logits",
+            type(proj).__name__, getattr(proj, "bias", None) is not None, softcap,
+        )  # fmt: skip
+        if configured is not None:
+            raise ValueError(
+                f"policy.logprob_chunk_size={configured} cannot apply to this model (see the "
+                "warning above); set it to null"
+            )
+        return None
+    return configured if configured is not None else default_chunk_rows(proj.weight.shape[0])

@@ -51,15 +51,21 @@ class SharedPrefixPlan:
     def forward(self, model: torch.nn.Module) -> torch.Tensor:
         """The micro-batch's ``[B, S, V]`` float logits, computed on the groups."""
         device = next(model.parameters()).device
-        out = model(
-            input_ids=self.input_ids.to(device),
-            position_ids=self.position_ids.to(device),
-            attention_mask=self.mask.to(device),
-            use_cache=False,
-        )
-        logits = out.logits.float()  # [G, L, V]
-        flat = logits.reshape(-1, logits.shape[-1])
-        return flat[self.gather.to(device).reshape(-1)].reshape(*self.gather.shape, -1)
+        return self.rows(model(**self.inputs(device), use_cache=False).logits.float())
+
+    def inputs(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The model's keyword arguments that compute the groups."""
+        return {
+            "input_ids": self.input_ids.to(device),
+            "position_ids": self.position_ids.to(device),
+            "attention_mask": self.mask.to(device),
+        }
+
+    def rows(self, out: torch.Tensor) -> torch.Tensor:
+        """The groups' ``[G, L, D]`` outputs (logits, hidden states) as the micro-batch's
+        ``[B, S, D]``, each row as if computed alone."""
+        flat = out.reshape(-1, out.shape[-1])
+        return flat[self.gather.to(out.device).reshape(-1)].reshape(*self.gather.shape, -1)
 
 
 def attention_cost_ratio(config: Any, num_params: int) -> float:

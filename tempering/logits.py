@@ -1,0 +1,197 @@
+"""Logits that are never materialised whole: a micro-batch's last hidden states and the output
+projection, reduced chunk by chunk to what a loss reads (each target's log-prob, the entropy,
+a teacher's top-k).
+
+At SmolLM2's 49k vocabulary the fp32 logits of one micro-batch of 4 x 384 tokens are 302 MB,
+and training through them keeps the logits and writes their gradient: ~0.8 GB at the peak,
+more than the model's weights. `HiddenLogits` holds ``hidden [B, S, H]`` and the projection's
+weight ``[V, H]`` instead; the functions here compute a chunk of rows' logits, reduce them and
+drop them, so at most one chunk (~64 MB) lives at a time.
+
+Backward: with a frozen projection (LoRA, whose base is frozen; any no-grad pass) the gradient
+with respect to each row's hidden state, ``(onehot(target) - softmax) @ W / T``, is computed
+in the forward pass while the chunk's softmax is at hand, and backward only scales it by the
+incoming gradient: the same products as the materialised path, in another order. A trained
+projection also needs ``grad W``, which needs the softmax again: backward recomputes each
+chunk's logits, one more pass of the projection (about a third more of its cost), so the
+policy fuses a trained head only when asked (`policy.logprob_chunk_size`).
+
+Torch only: a layer below the models, beside `tempering.losses`, which accepts a
+`HiddenLogits` wherever it takes logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# Rows per chunk when the caller does not say: ~64 MiB of fp32 logits (341 rows at a 49k
+# vocabulary), never fewer than 64 rows (smaller products run far below the CPU's peak).
+CHUNK_BYTES = 64 * 2**20
+MIN_CHUNK_ROWS = 64
+
+
+def default_chunk_rows(vocab_size: int) -> int:
+    return max(MIN_CHUNK_ROWS, CHUNK_BYTES // (4 * vocab_size))
+
+
+@dataclass
+class HiddenLogits:
+    """The logits ``F.linear(hidden, weight).float() / temperature``, not yet computed.
+
+    ``hidden`` ``[B, S, H]`` (the model's dtype), ``weight`` ``[V, H]`` (the output
+    projection, bias-free), ``chunk_rows``: rows of logits computed at a time. ``logits / t``
+    gives the same logits at temperature ``t`` (as on a tensor). ``entropy`` is filled by a
+    training pass of `next_token_logprobs` (``[B, S]``, not differentiated), so a loss's
+    entropy metric costs no second pass.
+    """
+
+    hidden: Tensor
+    weight: Tensor
+    chunk_rows: int
+    temperature: float = 1.0
+    entropy: Tensor | None = field(default=None, repr=False)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.hidden.shape[:2], self.weight.shape[0]))
+
+    def dim(self) -> int:
+        return 3
+
+    def __truediv__(self, temperature: float) -> HiddenLogits:
+        return HiddenLogits(
+            self.hidden, self.weight, self.chunk_rows, self.temperature * float(temperature)
+        )
+
+    def materialize(self) -> Tensor:
+        """The whole ``[B, S, V]`` float logits (for a loss that needs every vocabulary entry)."""
+        return _logits(self.hidden, self.weight, self.temperature)
+
+
+def as_logits(logits: Tensor | HiddenLogits) -> Tensor:
+    """A tensor of logits, materialising a `HiddenLogits`."""
+    return logits.materialize() if isinstance(logits, HiddenLogits) else logits
+
+
+def _logits(hidden: Tensor, weight: Tensor, temperature: float) -> Tensor:
+    """Exactly what the model's forward and the policy computed: the projection in the
+    model's dtype, then float, then the temperature."""
+    z = F.linear(hidden, weight).float()
+    return z / temperature if temperature != 1.0 else z
+
+
+def _chunks(n: int, rows: int) -> list[slice]:
+    return [slice(s, min(s + rows, n)) for s in range(0, n, rows)]
+
+
+class _FusedNextTokenLogprob(torch.autograd.Function):
+    """Per row ``n``: ``z[n, targets[n]] - logsumexp(z[n])`` and (training) the entropy of
+    ``softmax(z[n])``, where ``z = F.linear(hidden, weight).float() / temperature``, computed
+    a chunk of rows at a time. See the module's docstring for the two backward modes."""
+
+    @staticmethod
+    def forward(  # noqa: PLR0913
+        ctx,  # noqa: ANN001
+        hidden: Tensor,  # [N, H]
+        weight: Tensor,  # [V, H]
+        targets: Tensor,  # [N]
+        rows: int,
+        temperature: float,
+    ) -> tuple[Tensor, Tensor]:
+        n = hidden.shape[0]
+        training = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        keep_direction = ctx.needs_input_grad[0] and not ctx.needs_input_grad[1]
+        picked = hidden.new_empty(n, dtype=torch.float32)
+        lse = hidden.new_empty(n, dtype=torch.float32)
+        entropy = hidden.new_zeros(n, dtype=torch.float32)
+        direction = torch.empty_like(hidden) if keep_direction else None
+        for c in _chunks(n, rows):
+            z = _logits(hidden[c], weight, temperature)  # [c, V]
+            lse[c] = torch.logsumexp(z, dim=-1)
+            picked[c] = z.gather(-1, targets[c, None]).squeeze(-1) - lse[c]
+            if not training:
+                continue
+            logp = z.sub_(lse[c, None])  # in place: z is log-softmax now
+            p = logp.exp()
+            entropy[c] = -torch.linalg.vecdot(p, logp)
+            if direction is not None:  # d picked / d hidden = (onehot - p) @ W / T
+                p.neg_().scatter_add_(-1, targets[c, None], p.new_ones(p.shape[0], 1))
+                if temperature != 1.0:
+                    p.div_(temperature)
+                direction[c] = p.to(weight.dtype) @ weight
+        ctx.rows, ctx.temperature = rows, temperature
+        ctx.mark_non_differentiable(entropy)
+        if direction is not None:
+            ctx.save_for_backward(direction)
+        else:
+            ctx.save_for_backward(hidden, weight, targets, lse)
+        return picked, entropy
+
+    @staticmethod
+    def backward(  # noqa: ANN205
+        ctx,  # noqa: ANN001
+        grad: Tensor,
+        _grad_entropy: Tensor,
+    ):
+        if len(ctx.saved_tensors) == 1:  # the frozen head's precomputed direction
+            (direction,) = ctx.saved_tensors
+            return (direction * grad[:, None]).to(direction.dtype), None, None, None, None
+        hidden, weight, targets, lse = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
+        for c in _chunks(hidden.shape[0], ctx.rows):
+            g = _logits(hidden[c], weight, ctx.temperature)  # recomputed [c, V]
+            g.sub_(lse[c, None]).exp_().mul_(-grad[c, None])  # -p * grad
+            g.scatter_add_(-1, targets[c, None], grad[c, None])  # + onehot * grad
+            if ctx.temperature != 1.0:
+                g.div_(ctx.temperature)
+            g = g.to(weight.dtype)
+            if grad_hidden is not None:
+                grad_hidden[c] = g @ weight
+            grad_weight.addmm_(g.T.float(), hidden[c].float())
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None
+
+
+def next_token_logprobs(logits: HiddenLogits, targets: Tensor) -> Tensor:
+    """``[B, S]``: ``log_softmax(logits[b, t])[targets[b, t]]`` in fp32, chunk by chunk;
+    a training pass also fills ``logits.entropy``."""
+    hidden = logits.hidden
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    picked, entropy = _FusedNextTokenLogprob.apply(
+        flat, logits.weight, targets.reshape(-1), logits.chunk_rows, logits.temperature
+    )
+    if torch.is_grad_enabled() and (hidden.requires_grad or logits.weight.requires_grad):
+        logits.entropy = entropy.reshape(hidden.shape[:2])
+    return picked.reshape(hidden.shape[:2])
+
+
+@torch.no_grad()
+def next_token_entropy(logits: HiddenLogits) -> Tensor:
+    """``[B, S]``: the entropy of every row's distribution (from the training pass when it
+    ran, else chunk by chunk now)."""
+    if logits.entropy is not None:
+        return logits.entropy
+    hidden = logits.hidden
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    out = flat.new_empty(flat.shape[0], dtype=torch.float32)
+    for c in _chunks(flat.shape[0], logits.chunk_rows):
+        logp = torch.log_softmax(_logits(flat[c], logits.weight, logits.temperature), dim=-1)
+        out[c] = -torch.linalg.vecdot(logp.exp(), logp)
+    return out.reshape(hidden.shape[:2])
+
+
+@torch.no_grad()
+def topk_next_token(logits: HiddenLogits, k: int) -> tuple[Tensor, Tensor]:
+    """``[B, S, k]`` top-k log-probs and their token ids of every row, chunk by chunk."""
+    hidden = logits.hidden
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    values = flat.new_empty(flat.shape[0], k, dtype=torch.float32)
+    indices = torch.empty(flat.shape[0], k, dtype=torch.long, device=flat.device)
+    for c in _chunks(flat.shape[0], logits.chunk_rows):
+        logp = torch.log_softmax(_logits(flat[c], logits.weight, logits.temperature), dim=-1)
+        values[c], indices[c] = logp.topk(k, dim=-1)
+    return values.reshape(*hidden.shape[:2], k), indices.reshape(*hidden.shape[:2], k)

@@ -1,0 +1,135 @@
+"""Chunked logits (`tempering/logits.py`): `HiddenLogits` gives the losses what whole logits
+give them -- the log-probs, their gradients (frozen and trained output projection), the
+entropy, the top-k -- without a ``[B, S, V]`` tensor, and the policy worker uses it where it
+costs nothing (and where asked) with the same training step as whole logits."""
+
+from __future__ import annotations
+
+import pytest
+import test_lora
+import torch
+import torch.nn.functional as F
+from test_lora import LORA, _batch
+
+from tempering.logits import HiddenLogits
+from tempering.losses import ClippedPGLoss, token_entropy, token_logprobs, topk_logprobs
+
+B, S, H, V = 3, 7, 16, 50
+lone_rank = test_lora.lone_rank  # the fixture: a worker built in this process
+
+
+def _inputs(dtype: torch.dtype = torch.float32, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, S, H, generator=g).to(dtype)
+    weight = torch.randn(V, H, generator=g).to(dtype)
+    ids = torch.randint(0, V, (B, S), generator=g)
+    return hidden, weight, ids
+
+
+@pytest.mark.parametrize("train_weight", [False, True])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_logprobs_and_gradients_equal_whole_logits(train_weight, temperature) -> None:
+    hidden, weight, ids = _inputs()
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_(train_weight)
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_(train_weight)
+    upstream = torch.randn(B, S)  # a loss's gradient on each log-prob
+    want = token_logprobs(F.linear(h1, w1).float() / temperature, ids)
+    (want * upstream).sum().backward()
+    # 4 rows per chunk: 21 rows make 6 chunks, the last one short
+    got = token_logprobs(HiddenLogits(h2, w2, chunk_rows=4) / temperature, ids)
+    (got * upstream).sum().backward()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(h2.grad, h1.grad, atol=1e-5, rtol=1e-5)
+    assert h2.grad.abs().max() > 1e-2  # a gradient that says something
+    if train_weight:
+        torch.testing.assert_close(w2.grad, w1.grad, atol=1e-5, rtol=1e-5)
+    else:
+        assert w2.grad is None
+
+
+def test_bf16_hidden_states_follow_the_bf16_model_path() -> None:
+    """A bf16 model computes its projection in bf16 and the log-probs in fp32: the chunks do
+    the same, so they agree to fp32 rounding, not bf16's."""
+    hidden, weight, ids = _inputs(torch.bfloat16)
+    want = token_logprobs(F.linear(hidden, weight).float(), ids)
+    got = token_logprobs(HiddenLogits(hidden, weight, chunk_rows=5), ids)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_entropy_and_topk_equal_whole_logits() -> None:
+    hidden, weight, ids = _inputs()
+    whole = F.linear(hidden, weight)
+    mask = (torch.arange(S)[None] < torch.tensor([[7], [3], [5]])).float()
+    want = token_entropy(whole, mask)
+    # without a training pass: computed chunk by chunk on demand
+    torch.testing.assert_close(
+        token_entropy(HiddenLogits(hidden, weight, 4), mask), want, atol=1e-5, rtol=0
+    )
+    # after a training pass (what a loss's entropy metric reads): no second pass, same values
+    chunked = HiddenLogits(hidden.clone().requires_grad_(), weight, 4)
+    token_logprobs(chunked, ids)
+    assert chunked.entropy is not None
+    torch.testing.assert_close(token_entropy(chunked, mask), want, atol=1e-5, rtol=0)
+    values, indices = topk_logprobs(HiddenLogits(hidden, weight, 4) / 0.5, 5)
+    want_v, want_i = topk_logprobs(whole / 0.5, 5)
+    torch.testing.assert_close(values, want_v, atol=1e-5, rtol=0)
+    assert torch.equal(indices, want_i)
+
+
+def _grpo_batch(seed: int, rows: int = 8) -> dict:
+    batch = _batch(seed, rows)
+    g = torch.Generator().manual_seed(seed)
+    batch["advantages"] = torch.randn(rows, generator=g)
+    batch["generation_logprobs"] = -torch.rand(batch["input_ids"].shape, generator=g)
+    return batch
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora-frozen-head", "full-trained-head"])
+def test_worker_steps_equal_with_and_without_chunks(lora, lone_rank, tmp_path) -> None:
+    """Two GRPO steps (KL to the reference, entropy metric) of a worker that chunks its logits
+    (LoRA: by default, its head is frozen; full fine-tuning: logprob_chunk_size=4) equal a
+    worker's that materialises them, in losses, metrics and the weights it ends with."""
+    from tempering.models.policy.microbatching import ForwardPass
+
+    path = _tiny_model(tmp_path)
+    extra = {"lora": LORA} if lora else {"logprob_chunk_size": 4, "init_reference_model": True}
+    results = []
+    for chunked in (True, False):
+        worker = lone_rank(path, **extra)
+        fp = worker.forward_pass
+        assert fp.chunk_rows is not None
+        if not chunked:  # the same worker, logits whole everywhere
+            worker.forward_pass = ForwardPass(fp.head, fp.device, fp.shared_prefix,
+                                              fp.pad_token_id)  # fmt: skip
+        loss = ClippedPGLoss(reference_policy_kl_penalty=0.1)
+        steps = []
+        for seed in (0, 1):
+            batch = _grpo_batch(seed)
+            batch["prev_logprobs"] = worker.get_logprobs(batch)["logprobs"]
+            ref = worker.get_reference_policy_logprobs(batch)["reference_policy_logprobs"]
+            batch["reference_policy_logprobs"] = ref
+            steps.append(worker.train(batch, loss))
+        results.append((steps, worker.refit.state_dict()))
+    (chunked_steps, chunked_w), (whole_steps, whole_w) = results
+    for a, b in zip(chunked_steps, whole_steps, strict=True):
+        for key in ("loss", "entropy", "kl_penalty", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    for name, tensor in whole_w.items():
+        torch.testing.assert_close(chunked_w[name], tensor, atol=1e-5, rtol=0)
+    initial = torch.load(f"{path}/initial.pt")
+    moved = sum(int((whole_w[n] - t).abs().max() > 1e-4) for n, t in initial.items())
+    assert moved > 0  # the steps changed the weights
+
+
+def _tiny_model(tmp_path) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(tmp_path)
+    torch.save(model.state_dict(), tmp_path / "initial.pt")
+    return str(tmp_path)
