@@ -112,6 +112,7 @@ def build_policy_from_config(
         sequence_packing=packing.enabled,
         shared_prefix=policy_cfg.shared_prefix,
         logprob_chunk_size=policy_cfg.logprob_chunk_size,
+        allocator=policy_cfg.allocator,
         learning_rate=opt.kwargs.lr,
         weight_decay=opt.kwargs.weight_decay,
         betas=opt.kwargs.betas,

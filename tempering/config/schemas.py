@@ -315,6 +315,11 @@ class PolicyConfig(Section):
         "projection, as LoRA does); a number also chunks a trained projection's logits "
         "(saves their memory, costs one more pass of the projection in backward)"
     )  # fmt: skip
+    allocator: Literal["mimalloc", "system"] = Field(
+        "mimalloc", description="the policy workers' malloc: mimalloc (preloaded from the "
+        "cmeel-mimalloc wheel; a training step's resident peak ~0.6x glibc's, no slower) or "
+        "system (glibc); tempering/utils/allocator.py"
+    )  # fmt: skip
     max_grad_norm: float | None = 1.0
     max_consecutive_nonfinite_steps: int = Field(
         3, ge=1, description="a NaN/Inf loss or gradient skips the update (counted in "

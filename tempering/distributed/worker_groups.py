@@ -48,6 +48,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tempering import OPENMP_ENV
 from tempering.distributed import deadlines
 from tempering.distributed.actor_environments import get_actor_executable, resolve_python
+from tempering.utils.allocator import check_allocator
 
 if TYPE_CHECKING:
     from tempering.distributed.batched_data_dict import BatchedDataDict
@@ -169,6 +170,7 @@ class IsolatedWorkerInitializer:
             "python": sys.executable,
             "gpu_ids": [str(i) for i in ctx.get_accelerator_ids().get("GPU", [])],
             "bundle": bundle_of_this_actor(),
+            "allocator": check_allocator(),  # mimalloc or system (utils/allocator.py)
         }
 
     def execute(self, _method_name: str, *args: Any, **kwargs: Any) -> Any:

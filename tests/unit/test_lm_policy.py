@@ -78,6 +78,8 @@ def _plain_logprobs(model: torch.nn.Module, data: BatchedDataDict) -> torch.Tens
 
 def test_policy_implements_the_interfaces(policy) -> None:
     assert isinstance(policy, PolicyInterface)
+    # the workers run on mimalloc, preloaded by the group (tempering/utils/allocator.py)
+    assert [w["allocator"] for w in policy.worker_group.worker_info] == ["mimalloc"] * 2
     assert isinstance(policy, RefittablePolicy) and isinstance(policy, HFExportablePolicy)
     assert policy.dp_size == 2
 

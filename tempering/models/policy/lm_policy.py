@@ -28,6 +28,7 @@ from tempering.distributed.virtual_cluster import RayVirtualCluster
 from tempering.distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup
 from tempering.losses import LossFunction
 from tempering.models.policy.interfaces import PolicyInterface
+from tempering.utils.allocator import allocator_env
 
 POLICY_WORKER_FQN = "tempering.models.policy.fsdp2_worker.FSDP2PolicyWorker"
 _LOGPROB_KEYS = ("input_ids", "input_lengths")
@@ -236,6 +237,7 @@ def build_policy(
     tensor_parallel_size: int = 1,
     gpu_share: float | None = None,
     cpu_share: float | None = None,
+    allocator: str = "mimalloc",
     **kwargs: Any,
 ) -> Policy:
     """Start one `FSDP2PolicyWorker` per bundle of `cluster` and wrap them in a `Policy`.
@@ -248,6 +250,8 @@ def build_policy(
     each documented and defaulted once, where it is used. ``gpu_share``: the share of its
     bundle's GPU each worker takes in Ray's accounting (colocated vLLM takes the rest);
     ``cpu_share``: its CPUs (None: all; 0 for a group on bundles another group holds).
+    ``allocator``: the workers' malloc, "mimalloc" (preloaded) or "system"
+    (`tempering.utils.allocator`).
     """
     policy_kwargs = {k: kwargs.pop(k) for k in _POLICY_ARGS if k in kwargs}
     inspect.signature(Policy).bind(None, **policy_kwargs)  # a missing batch size: TypeError
@@ -257,7 +261,8 @@ def build_policy(
         POLICY_WORKER_FQN, model_path, tensor_parallel_size=tensor_parallel_size, **kwargs
     )
     group = RayWorkerGroup(
-        cluster, builder, name_prefix=name_prefix, env_vars=env_vars,
+        cluster, builder, name_prefix=name_prefix,
+        env_vars={**allocator_env(allocator), **(env_vars or {})},
         tensor_parallel_size=tensor_parallel_size, num_gpus_per_worker=gpu_share,
         num_cpus_per_worker=cpu_share,
     )  # fmt: skip
