@@ -5,9 +5,9 @@ freed blocks inside its heap and cannot reuse a hole for a larger block, so with
 heap grew to about twice the live tensors: SmolLM2-135M LoRA SFT (one rank, micro-batch 4 x
 384) held 2.2-2.4 GiB live (``mallinfo2``) at a resident peak of 5.3-5.7 GiB. mimalloc
 (Microsoft's allocator, from the ``cmeel-mimalloc`` wheel) sorts blocks by size class:
-3.1-3.7 GiB for the same steps, and no slower once it keeps what it frees
-(``MIMALLOC_PURGE_DELAY=-1``: returning pages to the kernel and faulting them back in cost
-~25% of a step). The README's LoRA section has the figures.
+3.5-3.7 GiB for the same steps, and no slower, once it keeps what it frees
+(``MIMALLOC_PURGE_DELAY=-1``; with its default purging, returning pages to the kernel and
+faulting them back in cost ~25% of a step). The README's LoRA section has the figures.
 
 The library has to be loaded before the process starts, so `allocator_env` gives the variables
 a worker group starts its workers with (``LD_PRELOAD``), and `check_allocator` (in the worker)

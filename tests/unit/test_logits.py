@@ -133,3 +133,11 @@ def _tiny_model(tmp_path) -> str:
     model.save_pretrained(tmp_path)
     torch.save(model.state_dict(), tmp_path / "initial.pt")
     return str(tmp_path)
+
+
+def test_a_chunk_size_where_no_logits_are_chunked_fails_naming_the_key(lone_rank, tmp_path):
+    path = _tiny_model(tmp_path)
+    with pytest.raises(ValueError, match="policy.logprob_chunk_size=4 applies to a causal LM"):
+        lone_rank(path, head="score", pad_token_id=0, logprob_chunk_size=4)
+    # a reward model keeps its scores whole, and says nothing when not asked to chunk
+    assert lone_rank(path, head="score", pad_token_id=0).forward_pass.chunk_rows is None

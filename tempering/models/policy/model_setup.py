@@ -417,6 +417,11 @@ def logprob_chunk_rows(model: torch.nn.Module, head: str, configured: int | None
     the chunked path does not compute: not a bias-free ``nn.Linear`` (e.g. a LoRA-wrapped
     lm_head) or logits soft-capped after it (Gemma 2)."""
     if head != "causal_lm":
+        if configured is not None:
+            raise ValueError(
+                f"policy.logprob_chunk_size={configured} applies to a causal LM's logits; a "
+                f"{head!r} head computes scores: set it to null"
+            )
         return None
     from tempering.logits import default_chunk_rows
 
