@@ -22,6 +22,7 @@ Torch only: a layer below the models, beside `tempering.losses`, which accepts a
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -169,29 +170,32 @@ def next_token_logprobs(logits: HiddenLogits, targets: Tensor) -> Tensor:
     return picked.reshape(hidden.shape[:2])
 
 
+def _log_softmax_chunks(logits: HiddenLogits) -> Iterator[tuple[slice, Tensor]]:
+    """Each chunk of flattened rows with its ``[c, V]`` fp32 log-softmax."""
+    flat = logits.hidden.reshape(-1, logits.hidden.shape[-1])
+    for c in _chunks(flat.shape[0], logits.chunk_rows):
+        yield c, torch.log_softmax(_logits(flat[c], logits.weight, logits.temperature), dim=-1)
+
+
 @torch.no_grad()
 def next_token_entropy(logits: HiddenLogits) -> Tensor:
     """``[B, S]``: the entropy of every row's distribution (from the training pass when it
     ran, else chunk by chunk now)."""
     if logits.entropy is not None:
         return logits.entropy
-    hidden = logits.hidden
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    out = flat.new_empty(flat.shape[0], dtype=torch.float32)
-    for c in _chunks(flat.shape[0], logits.chunk_rows):
-        logp = torch.log_softmax(_logits(flat[c], logits.weight, logits.temperature), dim=-1)
+    rows = logits.hidden.shape[:2]
+    out = logits.hidden.new_empty(rows.numel(), dtype=torch.float32)
+    for c, logp in _log_softmax_chunks(logits):
         out[c] = -torch.linalg.vecdot(logp.exp(), logp)
-    return out.reshape(hidden.shape[:2])
+    return out.reshape(rows)
 
 
 @torch.no_grad()
 def topk_next_token(logits: HiddenLogits, k: int) -> tuple[Tensor, Tensor]:
     """``[B, S, k]`` top-k log-probs and their token ids of every row, chunk by chunk."""
-    hidden = logits.hidden
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    values = flat.new_empty(flat.shape[0], k, dtype=torch.float32)
-    indices = torch.empty(flat.shape[0], k, dtype=torch.long, device=flat.device)
-    for c in _chunks(flat.shape[0], logits.chunk_rows):
-        logp = torch.log_softmax(_logits(flat[c], logits.weight, logits.temperature), dim=-1)
+    rows = logits.hidden.shape[:2]
+    values = logits.hidden.new_empty(rows.numel(), k, dtype=torch.float32)
+    indices = torch.empty(rows.numel(), k, dtype=torch.long, device=logits.hidden.device)
+    for c, logp in _log_softmax_chunks(logits):
         values[c], indices[c] = logp.topk(k, dim=-1)
-    return values.reshape(*hidden.shape[:2], k), indices.reshape(*hidden.shape[:2], k)
+    return values.reshape(*rows, k), indices.reshape(*rows, k)

@@ -9,7 +9,7 @@ import pytest
 import test_lora
 import torch
 import torch.nn.functional as F
-from test_lora import LORA, _batch
+from test_lora import LORA, _batch, save_tiny_llama
 
 from tempering.logits import HiddenLogits
 from tempering.losses import ClippedPGLoss, token_entropy, token_logprobs, topk_logprobs
@@ -122,15 +122,8 @@ def test_worker_steps_equal_with_and_without_chunks(lora, lone_rank, tmp_path) -
 
 
 def _tiny_model(tmp_path) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-    )  # fmt: skip
-    model = LlamaForCausalLM(cfg)
-    model.save_pretrained(tmp_path)
+    """A tied output projection (the trained-head case trains the embedding through it)."""
+    model = save_tiny_llama(tmp_path, tie_word_embeddings=True)
     torch.save(model.state_dict(), tmp_path / "initial.pt")
     return str(tmp_path)
 

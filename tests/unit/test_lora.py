@@ -29,15 +29,22 @@ LORA = {"dim": 4, "alpha": 8.0, "target_modules": (), "match_all_linear": True}
 KWARGS = {"learning_rate": 2e-2, "num_threads": 1, "max_grad_norm": 1.0}
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
+def save_tiny_llama(path, tie_word_embeddings: bool = False) -> LlamaForCausalLM:
+    """A seeded 2-layer Llama (vocabulary 100) saved to `path`; returned too."""
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie_word_embeddings,
     )  # fmt: skip
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("lora_model")
-    LlamaForCausalLM(cfg).save_pretrained(path)
+    save_tiny_llama(path)
     return str(path)
 
 
