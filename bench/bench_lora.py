@@ -58,14 +58,16 @@ def grpo_batch(rows: BatchedDataDict) -> BatchedDataDict:
     return batch
 
 
-def run_one(model: str, algorithm: str, lora: dict | None, data: list[BatchedDataDict]) -> dict:
+def run_one(
+    model: str, algorithm: str, lora: dict | None, data: list[BatchedDataDict], checkpointing: bool
+) -> dict:
     """One fresh worker: per-step seconds after a warm-up step, peak RSS, checkpoint bytes."""
     cluster = RayVirtualCluster([1], num_cpus_per_bundle=1, name="bench-lora")
     policy = build_policy(
         cluster, resolve_model_path(model), train_global_batch_size=data[0].size,
         train_micro_batch_size=4, logprob_micro_batch_size=8, learning_rate=1e-5,
         num_threads=os.cpu_count() or 2, init_reference_model=algorithm != "sft",
-        lora=lora, name_prefix="bench-lora",
+        lora=lora, activation_checkpointing=checkpointing, name_prefix="bench-lora",
     )  # fmt: skip
     times = []
     try:
@@ -113,6 +115,10 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=16, help="LoRA rank")
     parser.add_argument("--max-seq-len", type=int, default=384)
     parser.add_argument("--algorithms", default=",".join(ALGORITHMS))
+    parser.add_argument(
+        "--activation-checkpointing", action="store_true",
+        help="recompute each decoder layer in backward, on both sides",
+    )  # fmt: skip
     args = parser.parse_args()
 
     lora = {"dim": args.dim, "alpha": 2.0 * args.dim}
@@ -130,7 +136,9 @@ def main() -> None:
         order = [("full", None), ("lora", lora)]
         for algorithm in args.algorithms.split(","):
             for mode, spec in order if run % 2 == 0 else order[::-1]:
-                r = run_one(args.model, algorithm, spec, batches[algorithm])
+                r = run_one(
+                    args.model, algorithm, spec, batches[algorithm], args.activation_checkpointing
+                )  # fmt: skip
                 results.setdefault((algorithm, mode), []).append(r)
                 print(f"run {run + 1} {algorithm:<4} {mode:<4} step {r['step_s']:6.2f} s  peak "
                       f"RSS in training {r['peak_rss_gb']:.2f} GiB (process lifetime "

@@ -34,6 +34,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from tempering.models.families import tp_plan_for
+from tempering.models.policy.gated_mlp import use_lean_gated_mlp
 from tempering.models.policy.lora import LoraAdapters, LoraSpec
 from tempering.models.policy.packed_attention import use_packed_sdpa
 from tempering.models.policy.shared_prefix import BOOL_MASK_ATTENTION, attention_cost_ratio
@@ -318,6 +319,7 @@ def load_sharded(
     if adapters is not None and mp_policy.param_dtype is not None:
         adapters.freeze_base_in(model, mp_policy.param_dtype)  # bf16: half the base's memory
     use_packed_sdpa(model)  # packed micro-batches cost their sequences, not their bins
+    use_lean_gated_mlp(model)  # act(gate(x)) recomputed in backward, not saved
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     layers = _decoder_layers(model)

@@ -1,0 +1,98 @@
+"""Gated MLPs that keep two activations for backward instead of three.
+
+A gated MLP -- ``down(act(gate(x)) * up(x))`` in Llama, Qwen, Mistral, Gemma and (from one
+fused ``gate_up`` projection) Phi-3 -- run by plain autograd keeps, per layer and token,
+``gate(x)`` (for the activation's backward), ``act(gate(x))`` and ``up(x)`` (for the
+product's): three ``[tokens, intermediate]`` tensors, the widest a decoder layer saves.
+`gated_product` keeps ``gate(x)`` and ``up(x)`` and recomputes ``act(gate(x))`` in backward
+(one elementwise pass): SmolLM2-135M, a 4 x 384-token micro-batch, 9 MiB less per layer,
+270 MiB of its 1.78 GiB of saved activations. The same operations in the same order, so
+gradients are unchanged (tests/unit/test_gated_mlp.py). The product itself stays saved by
+``down`` (its weight gradient, or a LoRA adapter's).
+
+`use_lean_gated_mlp` rebinds ``forward`` of the MLP modules whose forward is one of the two
+shapes above (by class, `LLAMA_STYLE` / `FUSED_GATE_UP`); any other module keeps its own,
+and the count of each is logged. No-grad passes (log-probs, generation) take the plain path.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# HF classes whose forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``
+LLAMA_STYLE = frozenset(
+    {"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Qwen2MoeMLP", "Qwen3MoeMLP",
+     "GemmaMLP", "Gemma2MLP", "Gemma3MLP"}
+)  # fmt: skip
+# ... and ``gate, up = gate_up_proj(x).chunk(2, -1); down_proj(up * activation_fn(gate))``
+FUSED_GATE_UP = frozenset({"Phi3MLP"})
+
+
+class _GatedProduct(torch.autograd.Function):
+    """``act(gate) * up``, saving ``gate`` and ``up`` only."""
+
+    @staticmethod
+    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor, act: Callable) -> torch.Tensor:
+        ctx.act = act
+        ctx.save_for_backward(gate, up)
+        return act(gate) * up
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        gate, up = ctx.saved_tensors
+        with torch.enable_grad():
+            leaf = gate.detach().requires_grad_()
+            activated = ctx.act(leaf)
+        grad_gate = grad_up = None
+        if ctx.needs_input_grad[0]:  # autograd's own order: (grad * up), then act's backward
+            (grad_gate,) = torch.autograd.grad(activated, leaf, grad * up)
+        if ctx.needs_input_grad[1]:
+            grad_up = grad * activated.detach()
+        return grad_gate, grad_up, None
+
+
+def gated_product(gate: torch.Tensor, up: torch.Tensor, act: Callable) -> torch.Tensor:
+    """``act(gate) * up``; with autograd recording, its backward recomputes ``act(gate)``."""
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return _GatedProduct.apply(gate, up, act)
+    return act(gate) * up
+
+
+def _llama_style_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return self.down_proj(gated_product(self.gate_proj(x), self.up_proj(x), self.act_fn))
+
+
+def _fused_gate_up_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+    return self.down_proj(gated_product(gate, up, self.activation_fn))
+
+
+def use_lean_gated_mlp(model: torch.nn.Module) -> Counter:
+    """Rebind the gated MLPs' ``forward`` (see module doc); returns and logs what changed, by
+    class (``{"LlamaMLP": 30}``), and the MLP-named modules left as they are."""
+    changed: Counter = Counter()
+    left: Counter = Counter()
+    for module in model.modules():
+        name = type(module).__name__
+        if name in LLAMA_STYLE:
+            module.forward = types.MethodType(_llama_style_forward, module)
+            changed[name] += 1
+        elif name in FUSED_GATE_UP:
+            module.forward = types.MethodType(_fused_gate_up_forward, module)
+            changed[name] += 1
+        elif name.endswith(("MLP", "Experts")):
+            left[name] += 1
+    if changed or left:
+        logger.info(
+            "gated MLPs keep two activations for backward: %s%s", dict(changed) or "none",
+            f"; left as they are (their own forward): {dict(left)}" if left else "",
+        )  # fmt: skip
+    return changed
