@@ -22,6 +22,12 @@ range (these machines are noisy), and LoRA / full ratios. Never pass/fail.
 - **Checkpoint size**: one step checkpoint of each (LoRA: adapters and their AdamW state).
 
 LoRA: rank 16, alpha 32, every linear layer of the decoder (``--dim``).
+
+``--plain-loop`` (SFT) adds a peer for the time ratio: the same rows through a plain
+``transformers`` + ``peft`` loop in this process (no tempering, no Ray; log-softmax, gather,
+AdamW; fp32, all cores), full and LoRA interleaved with the rest, so the ratio tempering gets
+can be read against what the same products give without it. Time only (its memory is the
+driver's). ``--activation-checkpointing`` recomputes each decoder layer on both sides.
 """
 
 from __future__ import annotations
@@ -90,6 +96,44 @@ def run_one(
             "lifetime_peak_gb": lifetime}  # fmt: skip
 
 
+def plain_loop(
+    model: str, lora: dict | None, data: list[BatchedDataDict], checkpointing: bool
+) -> dict:
+    """Median seconds per SFT step of a plain transformers (+ peft) loop on the same rows
+    (micro-batches of 4, each cut to its longest row), after a warm-up step."""
+    from peft import LoraConfig
+    from peft.tuners.lora import LoraModel
+
+    from tempering.models.hf import load_causal_lm
+
+    torch.set_num_threads(os.cpu_count() or 2)
+    net = load_causal_lm(resolve_model_path(model)).train()
+    if checkpointing:
+        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora is not None:
+        config = LoraConfig(r=lora["dim"], lora_alpha=lora["alpha"], target_modules="all-linear")
+        LoraModel(net, config, "default")
+        for name, param in net.named_parameters():
+            param.requires_grad_("lora_" in name)
+    optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-5)
+    times = []
+    for batch in data:
+        start = time.perf_counter()
+        for rows in (slice(0, 4), slice(4, 8)):
+            lengths = batch["input_lengths"][rows]
+            ids = batch["input_ids"][rows, : int(lengths.max())]
+            mask = batch["token_mask"][rows, 1 : ids.shape[1]]
+            attention = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()
+            logits = net(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+            logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+            (-(logp * mask).sum() / mask.sum() / 2).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(time.perf_counter() - start)
+    del net, optimizer
+    return {"step_s": statistics.median(times[1:])}
+
+
 def _step(policy: Any, algorithm: str, batch: BatchedDataDict) -> None:
     if algorithm == "sft":
         policy.train(batch, NLLLoss())
@@ -116,10 +160,15 @@ def main() -> None:
     parser.add_argument("--max-seq-len", type=int, default=384)
     parser.add_argument("--algorithms", default=",".join(ALGORITHMS))
     parser.add_argument(
+        "--plain-loop", action="store_true", help="SFT: time a plain transformers+peft loop too"
+    )
+    parser.add_argument(
         "--activation-checkpointing", action="store_true",
         help="recompute each decoder layer in backward, on both sides",
     )  # fmt: skip
     args = parser.parse_args()
+    if args.plain_loop and "sft" not in args.algorithms.split(","):
+        parser.error("--plain-loop times SFT steps: add sft to --algorithms")
 
     lora = {"dim": args.dim, "alpha": 2.0 * args.dim}
     batches = {
@@ -144,6 +193,11 @@ def main() -> None:
                       f"RSS in training {r['peak_rss_gb']:.2f} GiB (process lifetime "
                       f"{r['lifetime_peak_gb']:.2f})  checkpoint {r['ckpt_mb']:.1f} MiB",
                       flush=True)  # fmt: skip
+        if args.plain_loop:  # the same order as tempering's pair in this run
+            for mode, spec in order if run % 2 == 0 else order[::-1]:
+                r = plain_loop(args.model, spec, batches["sft"], args.activation_checkpointing)
+                results.setdefault(("plain", mode), []).append(r)
+                print(f"run {run + 1} plain sft {mode:<4} step {r['step_s']:6.2f} s", flush=True)
 
     print(f"\n{args.model}, LoRA rank {args.dim} vs full fine-tuning; medians of {args.runs} "
           "interleaved runs [min-max]")  # fmt: skip
@@ -164,6 +218,10 @@ def main() -> None:
             f"{algorithm:<6}full / lora: {ratio('step_s'):.2f}x faster, RSS lora/full "
             f"{1 / ratio('peak_rss_gb'):.2f}, checkpoint {ratio('ckpt_mb'):.0f}x smaller"
         )
+    if args.plain_loop:
+        full, lo = (sorted(r["step_s"] for r in results["plain", m]) for m in ("full", "lora"))
+        print(f"plain transformers+peft SFT loop: full {spread(full)} s, lora {spread(lo)} s, "
+              f"{statistics.median(full) / statistics.median(lo):.2f}x faster")  # fmt: skip
 
 
 if __name__ == "__main__":
