@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from tempering.models.families import tp_plan_for
 from tempering.models.policy.gated_mlp import use_lean_gated_mlp
 from tempering.models.policy.lora import LoraAdapters, LoraSpec
+from tempering.models.policy.norm_recompute import recompute_norm_outputs
 from tempering.models.policy.packed_attention import use_packed_sdpa
 from tempering.models.policy.shared_prefix import BOOL_MASK_ATTENTION, attention_cost_ratio
 
@@ -323,6 +324,8 @@ def load_sharded(
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     layers = _decoder_layers(model)
+    if not activation_checkpointing:  # (it recomputes whole layers already)
+        recompute_norm_outputs(layers)  # norm outputs recomputed in backward, not saved
     if topo.world_size == 1 and mp_policy.param_dtype is None:
         # One fp32 rank has nothing to shard, gather or reduce: FSDP2's per-layer hooks
         # and DTensor dispatch cost ~20% of a tiny-arith step (bench/bench_floor.py).
