@@ -63,7 +63,10 @@ def test_same_gradients_and_fewer_saved_bytes(family: str) -> None:
     assert plain_bytes - lean_bytes == layers * ids.numel() * plain.config.intermediate_size * 4
 
 
-@pytest.mark.parametrize("act", [torch.nn.functional.silu, torch.nn.GELU(approximate="tanh")])
+@pytest.mark.parametrize(
+    "act", [torch.nn.functional.silu, torch.nn.GELU(approximate="tanh"), torch.tanh],
+    ids=["silu", "gelu-tanh", "other"],  # the last through autograd, not an aten kernel
+)  # fmt: skip
 def test_gated_product_gradients(act) -> None:
     g = torch.Generator().manual_seed(0)
     gate, up, grad = (torch.randn(5, 7, generator=g, dtype=torch.float64) for _ in range(3))
