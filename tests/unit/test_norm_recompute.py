@@ -91,3 +91,17 @@ def test_backward_twice_and_no_grad() -> None:
         assert torch.equal(p.grad, q.grad)
     with torch.no_grad():
         assert torch.equal(plain(input_ids=ids).logits, lean(input_ids=ids).logits)
+
+
+def test_an_input_modified_in_place_is_named_not_recomputed_wrong() -> None:
+    norm = torch.nn.LayerNorm(4)
+    layer = torch.nn.Sequential(norm)
+    layer.out = torch.nn.Linear(4, 4)
+    layer.forward = lambda x: layer.out(norm(x))
+    assert recompute_norm_outputs([layer]) == 1
+    assert recompute_norm_outputs([layer]) == 1  # twice: installed once
+    x = torch.randn(2, 4)  # needs no gradient: autograd keeps no version check of its own
+    y = layer(x)
+    x.add_(1.0)
+    with pytest.raises(RuntimeError, match="LayerNorm's input was modified in place"):
+        y.sum().backward()

@@ -10,7 +10,7 @@ saved activations. The same operations on the same input, so gradients are uncha
 (tests/unit/test_norm_recompute.py).
 
 How: each decoder layer's forward runs inside `torch.autograd.graph.saved_tensors_hooks`;
-forward hooks on its two norms record their outputs (held until the layer's forward returns,
+forward hooks on its norms record their outputs (held until the layer's forward returns,
 so no other tensor can take their memory meanwhile), and the pack hook swaps a saved tensor
 that shares a norm output's storage for a recipe with its view geometry. With activation
 checkpointing the layer is recomputed whole already, so this is not installed.
@@ -46,9 +46,21 @@ class _NormOutput:
     output: torch.Tensor | None  # held during the layer's forward only
     pending: int = 0  # consumers that saved it and have not unpacked yet
     recomputed: torch.Tensor | None = None
+    versions: tuple = ()  # the inputs' version counters when recorded
+
+    def __post_init__(self) -> None:
+        self.versions = tuple(getattr(x, "_version", None) for x in self.inputs)
 
     def value(self) -> torch.Tensor:
         if self.recomputed is None:
+            now = tuple(getattr(x, "_version", None) for x in self.inputs)
+            if now != self.versions:  # autograd's own check, for an input it did not save
+                raise RuntimeError(
+                    f"{type(self.norm).__name__}'s input was modified in place after its "
+                    "forward, so its output cannot be recomputed in backward "
+                    "(tempering/models/policy/norm_recompute.py); set "
+                    "policy.dtensor_cfg.activation_checkpointing=true, which does not use it"
+                )
             with torch.no_grad():
                 self.recomputed = self.norm(*self.inputs)
         out = self.recomputed
@@ -113,7 +125,8 @@ def recompute_norm_outputs(layers: list[torch.nn.Module]) -> int:
     done = 0
     for layer in layers:
         norms = [m for m in layer.modules() if type(m).__name__.endswith(NORM_CLASS_SUFFIXES)]
-        if not norms:
+        if not norms or hasattr(layer, "_forward_saving_norms"):  # none, or installed already
+            done += bool(norms)
             continue
         for norm in norms:
             norm.register_forward_hook(_record_norm(layer))
