@@ -44,6 +44,7 @@ __all__ = [
     "family_for_model_type",
     "get_family",
     "register_family",
+    "tiny_model",
     "tool_parser_for_eot",
     "tp_plan_for",
 ]
@@ -352,6 +353,21 @@ def tiny_config(
     )
 
 
+def tiny_model(
+    family: ModelFamily | str,
+    seed: int = 0,
+    shape: dict[str, Any] | None = None,
+    tokenizer: PreTrainedTokenizerFast | None = None,
+) -> Any:
+    """A tiny random-weight model of `family` (seeded; the global RNG left as it was), token
+    ids from `tokenizer` (default: the family's tiny one)."""
+    fam = get_family(family)
+    config = tiny_config(fam, tokenizer or build_tokenizer(fam), shape)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return getattr(transformers, fam.model_class)(config)
+
+
 def build_tiny(
     family: ModelFamily | str,
     out_dir: str | Path,
@@ -360,13 +376,9 @@ def build_tiny(
 ) -> Path:
     """Save a tiny random-weight model of `family` (seeded) + its tokenizer to `out_dir`;
     ``shape`` overrides `TINY_SHAPE` entries (e.g. `VLLM_CPU_SHAPE`)."""
-    fam = get_family(family)
     out_dir = Path(out_dir)
-    tokenizer = build_tokenizer(fam)
-    config = tiny_config(fam, tokenizer, shape)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = getattr(transformers, fam.model_class)(config)
+    tokenizer = build_tokenizer(get_family(family))
+    model = tiny_model(family, seed, shape, tokenizer)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out_dir)

@@ -8,9 +8,8 @@ import copy
 
 import pytest
 import torch
-import transformers
 
-from tempering.models.families import FAMILIES, build_tokenizer, tiny_config
+from tempering.models.families import FAMILIES, tiny_model
 from tempering.models.policy.gated_mlp import gated_product, use_lean_gated_mlp
 
 
@@ -28,11 +27,7 @@ def _saved_bytes(fn) -> tuple[torch.Tensor, int]:
 
 
 def _model(family: str) -> torch.nn.Module:
-    fam = FAMILIES[family]
-    config = tiny_config(fam, build_tokenizer(fam))
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return getattr(transformers, fam.model_class)(config).train()
+    return tiny_model(family).train()
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -8,19 +8,14 @@ import copy
 
 import pytest
 import torch
-import transformers
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from tempering.models.families import FAMILIES, build_tokenizer, tiny_config
+from tempering.models.families import FAMILIES, tiny_model
 from tempering.models.policy.norm_recompute import NORM_CLASS_SUFFIXES, recompute_norm_outputs
 
 
 def _model(family: str) -> torch.nn.Module:
-    fam = FAMILIES[family]
-    config = tiny_config(fam, build_tokenizer(fam))
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return getattr(transformers, fam.model_class)(config).train()
+    return tiny_model(family).train()
 
 
 def _held_norm_bytes(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
