@@ -14,7 +14,15 @@ in the forward pass while the chunk's softmax is at hand, and backward only scal
 incoming gradient: the same products as the materialised path, in another order. A trained
 projection also needs ``grad W``, which needs the softmax again: backward recomputes each
 chunk's logits, one more pass of the projection (about a third more of its cost), so the
-policy fuses a trained head only when asked (`policy.logprob_chunk_size`).
+policy fuses a trained head only when asked (`policy.logprob_chunk_size`); otherwise a trained
+projection's rows are materialised under plain autograd, as the model's own head would compute
+them (`HiddenLogits.fused` False).
+
+Only the rows a loss reads: a loss's log-probs are read where its token mask is set (an SFT
+row's answer, a GRPO sample's generated tokens, never the prompt or the padding), so
+`next_token_logprobs` takes the rows it needs and projects only those -- at SmolLM2's 49k
+vocabulary the projection is a fifth of the model's products, and a GSM8K SFT batch reads 38%
+of the positions it computes.
 
 Torch only: a layer below the models, beside `tempering.losses`, which accepts a
 `HiddenLogits` wherever it takes logits.
@@ -39,22 +47,70 @@ def default_chunk_rows(vocab_size: int) -> int:
     return max(MIN_CHUNK_ROWS, CHUNK_BYTES // (4 * vocab_size))
 
 
+def upcast(logits: Tensor) -> Tensor:
+    """Half-precision logits are computed in fp32; fp32/fp64 are kept as they are."""
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        return logits.float()
+    return logits
+
+
+def needed_rows(mask: Tensor | None) -> Tensor | None:
+    """``[B, S]`` bool: the rows of logits a log-prob read at ``mask [B, S]`` needs (row ``t``
+    scores token ``t + 1``; the last row scores nothing). None: every row."""
+    if mask is None:
+        return None
+    return F.pad(mask[:, 1:] != 0, (0, 1), value=False)
+
+
+class NextTokenLogprob(torch.autograd.Function):
+    """``logits[..., targets] - logsumexp(logits)`` over the last dimension, with a one-pass
+    backward (materialised logits, ``[B, S, V]`` or ``[N, V]``).
+
+    Autograd through ``log_softmax`` + ``gather`` on a ``[:, :-1]`` slice walks the ``[B, S, V]``
+    logits about seven times (the slice's copy, the saved log-softmax, gather's zero-filled
+    gradient, log-softmax's backward, the slice's zero-filled gradient and its copy); at a
+    49k vocabulary that was a fifth of an SFT step. This keeps no ``[B, S, V]`` output and
+    writes the gradient once: ``(onehot(target) - softmax(logits)) * grad``.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor) -> Tensor:  # noqa: ANN001 (ctx)
+        work = upcast(logits)
+        lse = torch.logsumexp(work, dim=-1)  # [B, S]
+        picked = work.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+        ctx.save_for_backward(logits, lse, targets)
+        return picked
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # noqa: ANN001 (ctx)
+        logits, lse, targets = ctx.saved_tensors
+        out = upcast(logits) - lse.unsqueeze(-1)  # a new [B, S, V]: every write below is in place
+        out.exp_().mul_(-grad.unsqueeze(-1))
+        out.scatter_add_(-1, targets.unsqueeze(-1), grad.unsqueeze(-1))
+        return out.to(logits.dtype), None
+
+
 @dataclass
 class HiddenLogits:
     """The logits ``F.linear(hidden, weight).float() / temperature``, not yet computed.
 
     ``hidden`` ``[B, S, H]`` (the model's dtype), ``weight`` ``[V, H]`` (the output
     projection, bias-free), ``chunk_rows``: rows of logits computed at a time. ``logits / t``
-    gives the same logits at temperature ``t`` (as on a tensor). ``entropy`` is filled by a
-    training pass of `next_token_logprobs` (``[B, S]``, not differentiated), so a loss's
-    entropy metric costs no second pass.
+    gives the same logits at temperature ``t`` (as on a tensor). ``fused``: a training pass
+    differentiates through the chunked function (a frozen projection; a trained one when the
+    policy fuses it); False: through the needed rows' materialised logits (a trained
+    projection: the model's own path). ``entropy`` is filled by a training pass of
+    `next_token_logprobs` (``[B, S]``, not differentiated) at ``entropy_rows`` (None: every
+    row), so a loss's entropy metric costs no second pass.
     """
 
     hidden: Tensor
     weight: Tensor
     chunk_rows: int
     temperature: float = 1.0
+    fused: bool = True
     entropy: Tensor | None = field(default=None, repr=False)
+    entropy_rows: Tensor | None = field(default=None, repr=False)
 
     @property
     def shape(self) -> torch.Size:
@@ -65,7 +121,11 @@ class HiddenLogits:
 
     def __truediv__(self, temperature: float) -> HiddenLogits:
         return HiddenLogits(
-            self.hidden, self.weight, self.chunk_rows, self.temperature * float(temperature)
+            self.hidden,
+            self.weight,
+            self.chunk_rows,
+            self.temperature * float(temperature),
+            self.fused,
         )
 
     def materialize(self) -> Tensor:
@@ -157,17 +217,47 @@ class _FusedNextTokenLogprob(torch.autograd.Function):
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None
 
 
-def next_token_logprobs(logits: HiddenLogits, targets: Tensor) -> Tensor:
-    """``[B, S]``: ``log_softmax(logits[b, t])[targets[b, t]]`` in fp32, chunk by chunk;
-    a training pass also fills ``logits.entropy``."""
-    hidden = logits.hidden
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    picked, entropy = _FusedNextTokenLogprob.apply(
-        flat, logits.weight, targets.reshape(-1), logits.chunk_rows, logits.temperature
-    )
-    if torch.is_grad_enabled() and (hidden.requires_grad or logits.weight.requires_grad):
-        logits.entropy = entropy.reshape(hidden.shape[:2])
-    return picked.reshape(hidden.shape[:2])
+def next_token_logprobs(
+    logits: HiddenLogits, targets: Tensor, rows: Tensor | None = None
+) -> Tensor:
+    """``[B, S]``: ``log_softmax(logits[b, t])[targets[b, t]]`` in fp32 at the ``rows``
+    (``[B, S]`` bool, `needed_rows`; None: all) and 0 elsewhere: only those rows are projected.
+    A training pass also fills ``logits.entropy`` at the same rows."""
+    hidden, weight = logits.hidden, logits.weight
+    shape = hidden.shape[:2]
+    flat, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    index = None if rows is None else rows.reshape(-1).nonzero().squeeze(-1)
+    if index is not None:
+        flat, flat_targets = flat.index_select(0, index), flat_targets.index_select(0, index)
+    training = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    if logits.fused or not training:
+        picked, entropy = _FusedNextTokenLogprob.apply(
+            flat, weight, flat_targets, logits.chunk_rows, logits.temperature
+        )
+    else:  # a trained projection: the model's own path, on the needed rows only
+        z = _logits(flat, weight, logits.temperature)  # [n, V]
+        picked = NextTokenLogprob.apply(z, flat_targets)
+        entropy = _entropy(z.detach(), logits.chunk_rows)
+    if training:
+        logits.entropy, logits.entropy_rows = _spread(entropy, index, shape), rows
+    return _spread(picked, index, shape)
+
+
+def _spread(values: Tensor, index: Tensor | None, shape: torch.Size) -> Tensor:
+    """``[n]`` values computed at the flat ``index`` as ``[B, S]``, 0 elsewhere."""
+    if index is None:
+        return values.reshape(shape)
+    return values.new_zeros(shape.numel()).index_copy(0, index, values).reshape(shape)
+
+
+@torch.no_grad()
+def _entropy(z: Tensor, rows: int) -> Tensor:
+    """``[n]``: the entropy of ``softmax(z[i])`` for logits ``z [n, V]``, a chunk at a time."""
+    out = z.new_empty(z.shape[0])
+    for c in _chunks(z.shape[0], rows):
+        logp = torch.log_softmax(z[c], dim=-1)
+        out[c] = -torch.linalg.vecdot(logp.exp(), logp)
+    return out
 
 
 def _log_softmax_chunks(logits: HiddenLogits) -> Iterator[tuple[slice, Tensor]]:
@@ -178,16 +268,23 @@ def _log_softmax_chunks(logits: HiddenLogits) -> Iterator[tuple[slice, Tensor]]:
 
 
 @torch.no_grad()
-def next_token_entropy(logits: HiddenLogits) -> Tensor:
-    """``[B, S]``: the entropy of every row's distribution (from the training pass when it
-    ran, else chunk by chunk now)."""
-    if logits.entropy is not None:
+def next_token_entropy(logits: HiddenLogits, rows: Tensor | None = None) -> Tensor:
+    """``[B, S]``: the entropy of the distribution of every row in ``rows`` (``[B, S]`` bool;
+    None: all; 0 elsewhere), from the training pass when it covered them, else computed now."""
+    done = logits.entropy_rows
+    if logits.entropy is not None and (
+        done is None or (rows is not None and not bool((rows & ~done).any()))
+    ):
         return logits.entropy
-    rows = logits.hidden.shape[:2]
-    out = logits.hidden.new_empty(rows.numel(), dtype=torch.float32)
-    for c, logp in _log_softmax_chunks(logits):
-        out[c] = -torch.linalg.vecdot(logp.exp(), logp)
-    return out.reshape(rows)
+    shape = logits.hidden.shape[:2]
+    flat = logits.hidden.reshape(-1, logits.hidden.shape[-1])
+    index = None if rows is None else rows.reshape(-1).nonzero().squeeze(-1)
+    if index is not None:
+        flat = flat.index_select(0, index)
+    out = flat.new_empty(flat.shape[0], dtype=torch.float32)
+    for c in _chunks(flat.shape[0], logits.chunk_rows):
+        out[c] = _entropy(_logits(flat[c], logits.weight, logits.temperature), logits.chunk_rows)
+    return _spread(out, index, shape)
 
 
 @torch.no_grad()

@@ -37,10 +37,13 @@ from torch import Tensor
 from tempering.config.schemas import off_policy_loss_problems
 from tempering.logits import (
     HiddenLogits,
+    NextTokenLogprob,
     as_logits,
+    needed_rows,
     next_token_entropy,
     next_token_logprobs,
     topk_next_token,
+    upcast,
 )
 
 LossType = Literal["token", "sequence"]
@@ -91,41 +94,9 @@ class LossFunction(Protocol):
 # --------------------------------------------------------------------------------------------
 
 
-def _upcast(logits: Tensor) -> Tensor:
-    """Half-precision logits are computed in fp32; fp32/fp64 are kept as they are."""
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        return logits.float()
-    return logits
-
-
-class _NextTokenLogprob(torch.autograd.Function):
-    """``logits[b, t, targets[b, t]] - logsumexp(logits[b, t])`` with a one-pass backward.
-
-    Autograd through ``log_softmax`` + ``gather`` on a ``[:, :-1]`` slice walks the ``[B, S, V]``
-    logits about seven times (the slice's copy, the saved log-softmax, gather's zero-filled
-    gradient, log-softmax's backward, the slice's zero-filled gradient and its copy); at a
-    49k vocabulary that was a fifth of an SFT step. This keeps no ``[B, S, V]`` output and
-    writes the gradient once: ``(onehot(target) - softmax(logits)) * grad``.
-    """
-
-    @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor) -> Tensor:  # noqa: ANN001 (ctx)
-        work = _upcast(logits)
-        lse = torch.logsumexp(work, dim=-1)  # [B, S]
-        picked = work.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-        ctx.save_for_backward(logits, lse, targets)
-        return picked
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # noqa: ANN001 (ctx)
-        logits, lse, targets = ctx.saved_tensors
-        out = _upcast(logits) - lse.unsqueeze(-1)  # a new [B, S, V]: every write below is in place
-        out.exp_().mul_(-grad.unsqueeze(-1))
-        out.scatter_add_(-1, targets.unsqueeze(-1), grad.unsqueeze(-1))
-        return out.to(logits.dtype), None
-
-
-def token_logprobs(logits: Tensor | HiddenLogits, input_ids: Tensor) -> Tensor:
+def token_logprobs(
+    logits: Tensor | HiddenLogits, input_ids: Tensor, mask: Tensor | None = None
+) -> Tensor:
     """Log-prob of each token under the logits that predict it, in the contract's layout.
 
     logits: ``[B, S, V]`` (a tensor, or `HiddenLogits`: computed chunk by chunk, never whole);
@@ -133,6 +104,8 @@ def token_logprobs(logits: Tensor | HiddenLogits, input_ids: Tensor) -> Tensor:
     ``log_softmax(logits[:, t - 1])[input_ids[:, t]]`` and position 0 is 0. Computed as
     ``logit - logsumexp`` in at least fp32 (stable for large logits), on the whole contiguous
     logits (the last position scores a dummy target and is dropped; its gradient is zero).
+    ``mask`` (``[B, S]``): only the positions where it is non-zero are wanted, the others are
+    0 -- with `HiddenLogits` only their rows are projected (a loss passes its token mask).
     """
     if logits.dim() != 3 or input_ids.shape != logits.shape[:2]:
         raise ValueError(
@@ -140,10 +113,13 @@ def token_logprobs(logits: Tensor | HiddenLogits, input_ids: Tensor) -> Tensor:
             f"{tuple(logits.shape)} and input_ids {tuple(input_ids.shape)}."
         )
     targets = F.pad(input_ids[:, 1:].long(), (0, 1), value=0)  # [B, S]: next token; last: dummy
+    rows = needed_rows(mask)
     if isinstance(logits, HiddenLogits):
-        picked = next_token_logprobs(logits, targets)
+        picked = next_token_logprobs(logits, targets, rows)
     else:  # [B, S]: picked[:, t] scores token t+1
-        picked = _NextTokenLogprob.apply(logits, targets)
+        picked = NextTokenLogprob.apply(logits, targets)
+        if rows is not None:
+            picked = picked * rows
     return F.pad(picked[:, :-1], (1, 0), value=0.0)
 
 
@@ -154,16 +130,18 @@ def token_entropy(logits: Tensor | HiddenLogits, mask: Tensor | None = None) -> 
     With ``mask`` (``[B, S]``) only the entries where it is non-zero are computed (the others
     are 0): a loss's metric needs its valid tokens, not the prompt's. Not differentiated.
     """
-    if isinstance(logits, HiddenLogits):  # every row at once (a training pass computed them)
-        ent = F.pad(next_token_entropy(logits)[:, :-1], (1, 0))
-        return ent if mask is None else ent * F.pad((mask[:, 1:] != 0).to(ent.dtype), (1, 0))
+    if isinstance(logits, HiddenLogits):  # the training pass's, or computed at the mask now
+        rows = needed_rows(mask)
+        ent = next_token_entropy(logits, rows)
+        ent = ent if rows is None else ent * rows
+        return F.pad(ent[:, :-1], (1, 0))
     with torch.no_grad():
         work = logits[:, :-1]
         if mask is None:
             keep = torch.ones(work.shape[:2], dtype=torch.bool, device=logits.device)
         else:
             keep = mask[:, 1:] != 0
-        logp = torch.log_softmax(_upcast(work[keep]), dim=-1)  # [N, V]: only the kept rows
+        logp = torch.log_softmax(upcast(work[keep]), dim=-1)  # [N, V]: only the kept rows
         ent = torch.zeros(logits.shape[:2], dtype=logp.dtype, device=logits.device)
         ent[:, 1:][keep] = -(logp.exp() * logp).sum(-1)
     return ent
@@ -251,7 +229,7 @@ class NLLLoss:
         global_valid_toks: Tensor,
         global_valid_seqs: Tensor,
     ) -> tuple[Tensor, dict[str, float]]:
-        logprobs = token_logprobs(logits, data["input_ids"])  # [B, S]
+        logprobs = token_logprobs(logits, data["input_ids"], data.get("token_mask"))  # [B, S]
         mask = _valid_token_mask(data, logprobs)
         loss = -(logprobs * mask).sum() / _as_tensor(global_valid_toks, logprobs)
         return loss, {"loss": float(loss.item()), "num_valid_tokens": float(mask.sum().item())}
@@ -376,7 +354,7 @@ class ClippedPGLoss:
         global_valid_toks: Tensor,
         global_valid_seqs: Tensor,
     ) -> tuple[Tensor, dict[str, float]]:
-        curr = token_logprobs(logits, data["input_ids"])  # [B, S]
+        curr = token_logprobs(logits, data["input_ids"], data.get("token_mask"))  # [B, S]
         mask = _valid_token_mask(data, curr)  # [B, S]
         prev = data["prev_logprobs"].to(curr.dtype) if "prev_logprobs" in data else curr.detach()
         gen = data["generation_logprobs"].to(curr.dtype)
@@ -520,7 +498,7 @@ class DPOLoss:
         global_valid_toks: Tensor,
         global_valid_seqs: Tensor,
     ) -> tuple[Tensor, dict[str, float]]:
-        logprobs = token_logprobs(logits, data["input_ids"])  # [B, S]
+        logprobs = token_logprobs(logits, data["input_ids"], data["token_mask"])  # [B, S]
         token_mask = data["token_mask"].to(logprobs.dtype)
         ref = data["reference_policy_logprobs"].to(logprobs.dtype)
         pair_mask = _pair_mask(data["sample_mask"].to(logprobs.dtype))  # [B/2]
@@ -580,7 +558,7 @@ class BradleyTerryLoss:
             raise ValueError(
                 f"BradleyTerryLoss expects scores of shape [B] (or [B, 1]); got {tuple(scores.shape)}."
             )
-        scores = _upcast(scores)
+        scores = upcast(scores)
         pair_mask = _pair_mask(data["sample_mask"].to(scores.dtype))
         margin = scores[0::2] - scores[1::2]
         loss = (-F.logsigmoid(margin) * pair_mask).sum() / _as_tensor(global_valid_seqs, scores)
@@ -607,7 +585,7 @@ def topk_logprobs(logits: Tensor | HiddenLogits, k: int) -> tuple[Tensor, Tensor
     if isinstance(logits, HiddenLogits):
         values, indices = (x[:, :-1] for x in topk_next_token(logits, k))
     else:
-        logp = torch.log_softmax(_upcast(logits[:, :-1]), dim=-1)
+        logp = torch.log_softmax(upcast(logits[:, :-1]), dim=-1)
         values, indices = logp.topk(k, dim=-1)  # [B, S-1, k]
     return F.pad(values, (0, 0, 1, 0)), F.pad(indices, (0, 0, 1, 0))
 
@@ -662,7 +640,7 @@ class DistillationLoss:
         width = logits.shape[1]  # a micro-batch may be cut to its longest row
         indices = data["teacher_topk_indices"][:, 1:width].long()  # [B, S-1, k]
         teacher = data["teacher_topk_logprobs"][:, 1:width].float()
-        student = torch.log_softmax(_upcast(logits[:, :-1]), dim=-1).gather(-1, indices)
+        student = torch.log_softmax(upcast(logits[:, :-1]), dim=-1).gather(-1, indices)
         t_norm = teacher - teacher.logsumexp(-1, keepdim=True)  # renormalised on K
         s_norm = student - student.logsumexp(-1, keepdim=True)
         t, s = (teacher, student) if self.zero_outside_topk else (t_norm, s_norm)

@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from tempering.distributed.batched_data_dict import BatchedDataDict
+from tempering.logits import as_logits
 from tempering.losses import NLLLoss
 from tempering.models.policy.fsdp2_worker import FSDP2PolicyWorker
 from tempering.models.policy.optim import build_lr_scheduler, build_optimizer, lr_multiplier
@@ -223,7 +224,8 @@ class _PoisonedNLL(NLLLoss):
         if self.where == "loss":
             loss = loss * float("nan")
         elif self.where == "grad":
-            loss = loss + torch.sqrt(logits.sum() - logits.sum().detach())
+            whole = as_logits(logits)  # the contract: logits may come as HiddenLogits
+            loss = loss + torch.sqrt(whole.sum() - whole.sum().detach())
         return loss, metrics
 
 

@@ -47,6 +47,51 @@ def test_chunked_logprobs_and_gradients_equal_whole_logits(train_weight, tempera
         assert w2.grad is None
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["chunked", "materialised-rows"])
+def test_only_the_masked_rows_are_projected(fused, monkeypatch) -> None:
+    """With a mask, the log-probs and the gradients of the hidden states and a trained
+    projection equal whole logits' read at the mask, and the projection sees only the rows the
+    mask reads (row t scores token t + 1): a prompt and padding cost it nothing."""
+    import tempering.logits as logits_module
+
+    hidden, weight, ids = _inputs()
+    mask = torch.zeros(B, S)
+    mask[0, 2:] = 1  # an answer after a two-token prompt
+    mask[1, 4:6] = 1
+    mask[2, 1] = 1  # row 2: one token, the rest unread
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    upstream = torch.randn(B, S)
+    want = token_logprobs(F.linear(h1, w1).float(), ids) * mask
+    (want * upstream).sum().backward()
+    projected: list[int] = []
+    real = logits_module._logits
+
+    def counting(h, w, t):
+        projected.append(h.shape[0])
+        return real(h, w, t)
+
+    monkeypatch.setattr(logits_module, "_logits", counting)
+    chunked = HiddenLogits(h2, w2, chunk_rows=4, fused=fused)
+    got = token_logprobs(chunked, ids, mask)
+    (got * upstream).sum().backward()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(h2.grad, h1.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w2.grad, w1.grad, atol=1e-5, rtol=1e-5)
+    assert h2.grad[2, 2:].abs().max() == 0 and h2.grad[0, 1:-1].abs().min() > 0
+    # forward: 5 + 2 + 1 rows; the fused backward recomputes the same 8 once more
+    assert sum(projected) == int(mask.sum()) * (2 if fused else 1)
+    # the entropy the training pass left covers the mask; a wider one is computed anew
+    whole = F.linear(hidden, weight)
+    torch.testing.assert_close(
+        token_entropy(chunked, mask), token_entropy(whole, mask), atol=1e-5, rtol=0
+    )
+    wider = torch.ones(B, S)
+    torch.testing.assert_close(
+        token_entropy(chunked, wider), token_entropy(whole, wider), atol=1e-5, rtol=0
+    )
+
+
 def test_bf16_hidden_states_follow_the_bf16_model_path() -> None:
     """A bf16 model computes its projection in bf16 and the log-probs in fp32: the chunks do
     the same, so they agree to fp32 rounding, not bf16's."""
@@ -81,18 +126,27 @@ def _grpo_batch(seed: int, rows: int = 8) -> dict:
     g = torch.Generator().manual_seed(seed)
     batch["advantages"] = torch.randn(rows, generator=g)
     batch["generation_logprobs"] = -torch.rand(batch["input_ids"].shape, generator=g)
+    batch["token_mask"][:, :3] = 0  # a prompt: its positions are not the loss's
     return batch
 
 
-@pytest.mark.parametrize("lora", [True, False], ids=["lora-frozen-head", "full-trained-head"])
-def test_worker_steps_equal_with_and_without_chunks(lora, lone_rank, tmp_path) -> None:
-    """Two GRPO steps (KL to the reference, entropy metric) of a worker that chunks its logits
-    (LoRA: by default, its head is frozen; full fine-tuning: logprob_chunk_size=4) equal a
-    worker's that materialises them, in losses, metrics and the weights it ends with."""
+WORKERS = {
+    "lora-frozen-head": {"lora": LORA},  # chunked by default: its head is frozen
+    "full-fused-head": {"logprob_chunk_size": 4, "init_reference_model": True},
+    "full-needed-rows": {"init_reference_model": True},  # the default: only the loss's rows
+}
+
+
+@pytest.mark.parametrize("kind", list(WORKERS))
+def test_worker_steps_equal_with_and_without_chunks(kind, lone_rank, tmp_path) -> None:
+    """Two GRPO steps (KL to the reference, entropy metric) of a worker whose loss computes
+    only the logits it reads (LoRA's frozen head and logprob_chunk_size=4: chunk by chunk;
+    full fine-tuning by default: the masked rows under autograd) equal a worker's that
+    materialises every position's logits, in losses, metrics and the weights it ends with."""
     from tempering.models.policy.microbatching import ForwardPass
 
     path = _tiny_model(tmp_path)
-    extra = {"lora": LORA} if lora else {"logprob_chunk_size": 4, "init_reference_model": True}
+    extra = WORKERS[kind]
     results = []
     for chunked in (True, False):
         worker = lone_rank(path, **extra)

@@ -334,7 +334,9 @@ class FSDP2PolicyWorker:
                 if with_reference:
                     with torch.no_grad(), self.state.reference() as reference:
                         ref = self.forward_pass.logits(reference, mb, layouts[i])
-                        mb["reference_policy_logprobs"] = token_logprobs(ref, mb["input_ids"])
+                        mb["reference_policy_logprobs"] = token_logprobs(
+                            ref, mb["input_ids"], mb.get("token_mask")
+                        )  # read by the loss at its token mask only
                 router: list[Any] | None = [] if self.moe is not None else None
                 logits = self.forward_pass.logits(model, mb, layouts[i], router)
                 loss, metrics = loss_fn(logits, mb, *normalisers)
@@ -446,8 +448,8 @@ class FSDP2PolicyWorker:
         def head(logits: torch.Tensor, mb: BatchedDataDict) -> tuple[torch.Tensor]:
             if temperature != 1.0:
                 logits = logits / temperature
-            lp = token_logprobs(logits, mb["input_ids"])  # [b, s]
-            return (lp * _valid_positions(lp, mb),)
+            real = _valid_positions(mb["input_ids"], mb)
+            return (token_logprobs(logits, mb["input_ids"], real),)  # [b, s], 0 at padding
 
         return self._per_token(model, data, batching, head, ((),))[0]
 

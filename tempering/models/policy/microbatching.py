@@ -41,7 +41,9 @@ class ForwardPass:
         shared_prefix: the cost ratio of `plan_shared_prefix`; None: rows computed whole.
         pad_token_id: the pad id shared-prefix plans fill with (0 when None).
         chunk_rows: rows of logits a `HiddenLogits` computes at a time; None: the logits are
-            always materialised (a reward model; a head the chunked path cannot compute).
+            always materialised whole (a reward model; a head `HiddenLogits` cannot compute).
+            Otherwise every pass returns a `HiddenLogits` (a loss projects only the rows it
+            reads), differentiated chunk by chunk where `chunked` says so.
         fuse_trained_head: chunk a trained output projection's logits too (`chunked`).
     """
 
@@ -109,7 +111,7 @@ class ForwardPass:
         moe = {"output_router_logits": True} if router is not None else {}
         if isinstance(layout, SharedPrefixPlan):
             out, weight = self._run(model, **layout.inputs(self.device))
-            return self._finish(layout.rows(out.logits), weight)  # each row as if alone
+            return self._finish(model, layout.rows(out.logits), weight)  # each row as if alone
         if isinstance(layout, PackedBin):
             # One row holding every sequence; transformers builds a block-diagonal causal mask
             # from position_ids that restart at 0 when attention_mask is None.
@@ -127,19 +129,20 @@ class ForwardPass:
             )
             if router is not None:
                 router.append((out.aux_loss, out.router_logits, None))
-            return self._finish(layout.unpack(out.logits[0]), weight)  # == mb's layout
+            return self._finish(model, layout.unpack(out.logits[0]), weight)  # == mb's layout
         input_ids = mb["input_ids"]
         seq = torch.arange(input_ids.shape[1], device=input_ids.device)
         attention_mask = (seq[None, :] < mb["input_lengths"][:, None]).long()  # [B, S]
         out, weight = self._run(model, input_ids=input_ids, attention_mask=attention_mask, **moe)
         if router is not None:
             router.append((out.aux_loss, out.router_logits, attention_mask))
-        return self._finish(out.logits, weight)  # [B, S, V]
+        return self._finish(model, out.logits, weight)  # [B, S, V]
 
     def chunked(self, model: torch.nn.Module) -> bool:
-        """Whether `model`'s logits stay unmaterialised now: `chunk_rows` is set and either
-        no gradient flows (log-probs, references) or the output projection is frozen (LoRA),
-        or `fuse_trained_head` (one more projection pass in backward, for memory)."""
+        """Whether `model`'s logits are differentiated chunk by chunk now: `chunk_rows` is set
+        and either no gradient flows (log-probs, references) or the output projection is
+        frozen (LoRA), or `fuse_trained_head` (one more projection pass in backward, for
+        memory). Otherwise a loss materialises the rows it reads under autograd."""
         if self.chunk_rows is None:
             return False
         if self.fuse_trained_head or not torch.is_grad_enabled():
@@ -148,8 +151,8 @@ class ForwardPass:
 
     def _run(self, model: torch.nn.Module, **inputs: Any) -> tuple[Any, torch.Tensor | None]:
         """``model(**inputs)``, and the output projection's weight when its ``logits`` are
-        the hidden states instead (`chunked`): the projection passes them through."""
-        if not self.chunked(model):
+        the hidden states instead (`chunk_rows` set): the projection passes them through."""
+        if self.chunk_rows is None:
             return model(**inputs, use_cache=False), None
         head = model.get_output_embeddings()
         seen: list[torch.Tensor] = []
@@ -166,12 +169,12 @@ class ForwardPass:
         return out, seen[0]
 
     def _finish(
-        self, out: torch.Tensor, weight: torch.Tensor | None
+        self, model: torch.nn.Module, out: torch.Tensor, weight: torch.Tensor | None
     ) -> torch.Tensor | HiddenLogits:
         if weight is None:
             return out.float()
         assert self.chunk_rows is not None
-        return HiddenLogits(out, weight, self.chunk_rows)
+        return HiddenLogits(out, weight, self.chunk_rows, fused=self.chunked(model))
 
     def padding(self, model: torch.nn.Module) -> torch.Tensor:
         """A one-token pass whose result is dropped: a rank with fewer micro-batches runs it so
