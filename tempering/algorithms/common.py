@@ -111,6 +111,7 @@ def build_policy_from_config(
         logprob_max_tokens_per_microbatch=dyn.logprob_mb_tokens if dyn.enabled else None,
         sequence_packing=packing.enabled,
         shared_prefix=policy_cfg.shared_prefix,
+        padding_free=policy_cfg.padding_free,
         logprob_chunk_size=policy_cfg.logprob_chunk_size,
         allocator=policy_cfg.allocator,
         learning_rate=opt.kwargs.lr,

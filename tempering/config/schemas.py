@@ -196,6 +196,12 @@ class PolicyConfig(Section):
         "their shared prefix once, with a tree attention mask (exact; "
         "tempering/models/policy/shared_prefix.py); false computes every row whole"
     )  # fmt: skip
+    padding_free: bool = Field(
+        True, description="a micro-batch whose padding costs more than its rows' own attention "
+        "calls runs its rows, in order, as one packed row (exact; tempering/models/policy/"
+        "microbatching.py: long rows of uneven length, e.g. SmolLM2 GSM8K SFT); false computes "
+        "the padding"
+    )  # fmt: skip
     logprob_chunk_size: int | None = Field(
         None, ge=1, description="rows of logits computed at a time, reduced and dropped (each "
         "token's log-prob, the entropy; tempering/logits.py): null = ~64 MiB of them, and only "

@@ -99,6 +99,32 @@ class PackedBin:
         return out
 
 
+def pack_in_order(data: BatchedDataDict) -> PackedBin:
+    """Every row of ``data``, in order, as one bin of ``input_ids`` (a micro-batch computed
+    without its padding; `PackedBin.unpack` gives back its rows in the same order)."""
+    _require(data, "input_ids")
+    lengths = [int(n) for n in data["input_lengths"].tolist()]
+    return _bin(data, list(range(len(lengths))), lengths, ["input_ids"])
+
+
+def _bin(data: BatchedDataDict, members: list[int], lens: list[int], keys: list[str]) -> PackedBin:
+    """The rows ``members`` (of lengths ``lens``) of ``data`` packed back to back."""
+    cu = torch.zeros(len(members) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
+    tokens = {
+        k: torch.cat([data[k][i, :L] for i, L in zip(members, lens, strict=True)]) for k in keys
+    }
+    device = tokens["input_ids"].device
+    return PackedBin(
+        indices=torch.tensor(members, dtype=torch.long),
+        input_ids=tokens["input_ids"],
+        position_ids=torch.cat([torch.arange(L, device=device) for L in lens]),
+        cu_seqlens=cu,
+        max_seqlen=max(lens),
+        tokens=tokens,
+    )
+
+
 def _as_array(value: Any) -> Any:
     """A CPU tensor's numpy view (shared memory), or None where numpy cannot hold it
     (bfloat16, GPU tensors, tensors that need grad, subclasses)."""
@@ -396,28 +422,7 @@ class BatchedDataDict(dict):
         if "input_ids" not in keys:
             keys.insert(0, "input_ids")
         bins = first_fit_decreasing(lengths, max_tokens_per_bin)
-        out = []
-        for members in bins:
-            lens = [lengths[i] for i in members]
-            cu = torch.zeros(len(members) + 1, dtype=torch.int32)
-            cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
-            tokens = {
-                k: torch.cat([self[k][i, :L] for i, L in zip(members, lens, strict=True)])
-                for k in keys
-            }
-            device = tokens["input_ids"].device
-            position_ids = torch.cat([torch.arange(L, device=device) for L in lens])
-            out.append(
-                PackedBin(
-                    indices=torch.tensor(members, dtype=torch.long),
-                    input_ids=tokens["input_ids"],
-                    position_ids=position_ids,
-                    cu_seqlens=cu,
-                    max_seqlen=max(lens),
-                    tokens=tokens,
-                )
-            )
-        return out
+        return [_bin(self, members, [lengths[i] for i in members], keys) for members in bins]
 
     # --------------------------------------------------------------- helpers
     def _lengths_within(self, length_key: str, limit: int, where: str, fix: str) -> list[int]:

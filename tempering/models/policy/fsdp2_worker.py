@@ -55,6 +55,7 @@ from tempering.models.policy.model_setup import (
     load_sharded,
     logprob_chunk_rows,
     mixed_precision,
+    padding_free_costs,
     require_head,
     shared_prefix_ratio,
 )
@@ -100,6 +101,8 @@ class FSDP2PolicyWorker:
             difference).
         shared_prefix: rows of a micro-batch that start alike run their shared prefix once
             (`tempering.models.policy.shared_prefix`; exact, counted in num_computed_tokens).
+        padding_free: a micro-batch whose padding costs more than packing its rows runs them
+            as one packed row, in order (`microbatching.PaddingFree`; exact).
         lora: `LoraSpec`'s fields (``dim``, ``alpha``, ``dropout``, ``target_modules``,
             ``exclude_modules``, ``match_all_linear``) to train LoRA adapters on a frozen base
             (`tempering.models.policy.lora`); None trains every weight.
@@ -138,6 +141,7 @@ class FSDP2PolicyWorker:
         tensor_parallel_size: int = 1,
         lean_loading: bool = True,
         shared_prefix: bool = True,
+        padding_free: bool = True,
         lora: dict[str, Any] | None = None,
         logprob_chunk_size: int | None = None,
     ) -> None:
@@ -159,6 +163,9 @@ class FSDP2PolicyWorker:
             pad_token_id,
             logprob_chunk_rows(self.state.model, head, logprob_chunk_size),
             fuse_trained_head=logprob_chunk_size is not None,
+            padding_free=(
+                padding_free_costs(self.state.model, head, topo.device) if padding_free else None
+            ),
         )
         self.moe = MoERouting.of(self.state.model)  # a router's load-balancing loss (moe.py)
         self.optimizer_step: OptimizerStep | None = None

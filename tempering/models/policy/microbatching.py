@@ -12,7 +12,9 @@ cuts it into micro-batches and runs each through a model in its *layout*. Three 
   works unchanged.
 
 Unpacked micro-batches may also run as shared-prefix groups (rows that start alike compute
-their common prefix once; `tempering.models.policy.shared_prefix`).
+their common prefix once; `tempering.models.policy.shared_prefix`) or padding-free: their rows,
+in order, as one packed row (the micro-batch keeps its rows; only its padding is not computed).
+`ForwardPass.layout` picks the cheapest of the three by `PaddingFree`'s cost model.
 """
 
 from __future__ import annotations
@@ -22,13 +24,39 @@ from typing import Any
 
 import torch
 
-from tempering.distributed.batched_data_dict import BatchedDataDict, PackedBin
+from tempering.distributed.batched_data_dict import BatchedDataDict, PackedBin, pack_in_order
 from tempering.logits import HiddenLogits, as_logits
 from tempering.models.policy.shared_prefix import SharedPrefixPlan, plan_shared_prefix
 
 # How a micro-batch runs through the model: packed into one row, as shared-prefix groups, or
 # (None) as its padded rows.
 Layout = PackedBin | SharedPrefixPlan | None
+
+
+@dataclass(frozen=True)
+class PaddingFree:
+    """Costs, in tokens' worth of matmuls, that decide whether a micro-batch runs padding-free.
+
+    A token costs 1; a (query, key) pair of attention ``ratio`` (`attention_cost_ratio`); a
+    padded row attends causally (half its square), a shared-prefix row densely; a padding-free
+    micro-batch costs its real tokens, each sequence's causal square, and ``per_sequence``
+    for each sequence: the per-sequence attention calls and the packing around them, fixed
+    costs that dwarf a short row's matmuls on a small model (tiny-arith: 128 rows of ~12
+    tokens ran 2x slower padding-free) and vanish on a large one (SmolLM2: ~6 tokens a row).
+    """
+
+    ratio: float
+    per_sequence: float
+
+    def cheaper(self, mb: BatchedDataDict, plan: SharedPrefixPlan | None) -> bool:
+        """Whether ``mb`` costs less padding-free than as ``plan`` (None: its padded rows)."""
+        lengths = [int(n) for n in mb["input_lengths"].tolist()]
+        free = sum(n + self.ratio * n * n / 2 + self.per_sequence for n in lengths)
+        if plan is not None:
+            rows, width = plan.input_ids.shape
+            return free < rows * width * (1 + self.ratio * width)
+        rows, width = mb["input_ids"].shape
+        return free < rows * width * (1 + self.ratio * width / 2)
 
 
 @dataclass(frozen=True)
@@ -45,6 +73,8 @@ class ForwardPass:
             Otherwise every pass returns a `HiddenLogits` (a loss projects only the rows it
             reads), differentiated chunk by chunk where `chunked` says so.
         fuse_trained_head: chunk a trained output projection's logits too (`chunked`).
+        padding_free: the cost model that lets a micro-batch run without its padding; None:
+            never (a reward model; an attention without varlen support).
     """
 
     head: str
@@ -53,6 +83,7 @@ class ForwardPass:
     pad_token_id: int | None
     chunk_rows: int | None = None
     fuse_trained_head: bool = False
+    padding_free: PaddingFree | None = None
 
     def split(
         self,
@@ -81,12 +112,17 @@ class ForwardPass:
             perm = None
         return mbs, [self._plan(mb) for mb in mbs], perm
 
-    def _plan(self, mb: BatchedDataDict) -> SharedPrefixPlan | None:
-        if self.shared_prefix is None:
-            return None
-        return plan_shared_prefix(
-            mb["input_ids"], mb["input_lengths"], self.shared_prefix, self.pad_token_id or 0
-        )
+    def _plan(self, mb: BatchedDataDict) -> Layout:
+        """The cheapest layout of an unpacked micro-batch: a shared-prefix plan where one
+        pays, padding-free where that costs less, else (None) its padded rows."""
+        plan = None
+        if self.shared_prefix is not None:
+            plan = plan_shared_prefix(
+                mb["input_ids"], mb["input_lengths"], self.shared_prefix, self.pad_token_id or 0
+            )
+        if mb.size and self.padding_free is not None and self.padding_free.cheaper(mb, plan):
+            return pack_in_order(mb)
+        return plan
 
     def logits(
         self,

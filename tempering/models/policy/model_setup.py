@@ -416,6 +416,33 @@ def shared_prefix_ratio(model: torch.nn.Module, head: str) -> float | None:
     return attention_cost_ratio(model.config, params)
 
 
+# One sequence's fixed cost in a padding-free micro-batch, per decoder layer, in matmul FLOPs:
+# its own attention calls (forward and backward) and its share of the packing, measured on the
+# 2-core CPU (tiny-arith: 128 rows of ~12 tokens, 2 layers, ran 0.12 s slower padding-free
+# than padded, ~0.9 ms a row at ~10 us per token of 1.2 MFLOP).
+SEQUENCE_LAYER_FLOPS = 5e7
+VARLEN_ATTENTION = ("tempering_packed_sdpa", "flash_attention_2", "flash_attention_3")
+
+
+def padding_free_costs(model: torch.nn.Module, head: str, device: torch.device) -> Any:
+    """`PaddingFree`'s cost model for ``model`` (None: never padding-free -- a score head,
+    whose rows are taken whole; an attention without varlen support; tempering's
+    per-sequence SDPA on a GPU, where each sequence's kernel launches were not measured)."""
+    from tempering.models.policy.microbatching import PaddingFree
+
+    attention = getattr(model.config, "_attn_implementation", None)
+    if head != "causal_lm" or attention not in VARLEN_ATTENTION:
+        return None
+    per_layer = SEQUENCE_LAYER_FLOPS
+    if attention.startswith("flash_attention"):
+        per_layer = 0.0  # one varlen kernel for every sequence
+    elif device.type != "cpu":
+        return None
+    params = sum(p.numel() for p in model.parameters())
+    per_sequence = model.config.num_hidden_layers * per_layer / (2 * max(params, 1))
+    return PaddingFree(attention_cost_ratio(model.config, params), per_sequence)
+
+
 def logprob_chunk_rows(model: torch.nn.Module, head: str, configured: int | None) -> int | None:
     """Rows of logits `HiddenLogits` computes at a time (`configured`, else ~64 MiB of them);
     None (logits materialised whole, logged) for a score head and for an output projection
