@@ -8,8 +8,8 @@ Scales (each flag overrides its scale's value):
   row, loss on the answer), 128 rows per step, max length 32, lr 1e-3, 2 threads, 30 steps
   (5 left out);
 - smollm2: SmolLM2-135M-Instruct on GSM8K worked solutions in the model's chat template (loss
-  on the assistant turn), 8 rows per step, max length 512 (no row is cut), lr 1e-5, 2
-  threads, 6 steps (2 left out).
+  on the assistant turn), 8 rows per step, max length 512 (1 of the first 48 rows is cut to
+  it), lr 1e-5, 2 threads, 6 steps (2 left out).
 
 Same tokens on both sides: the rows are tokenized once by tempering (`tokenize_message_logs`,
 assistant-only loss mask) and TRL gets them pre-tokenized (``input_ids`` and ``labels`` with
