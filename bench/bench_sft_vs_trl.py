@@ -15,9 +15,12 @@ Same tokens on both sides: the rows are tokenized once by tempering (`tokenize_m
 assistant-only loss mask) and TRL gets them pre-tokenized (``input_ids`` and ``labels`` with
 -100 outside the loss), so neither side's tokenizer or template makes a difference. Same batch
 (no gradient accumulation; TRL's sampler made sequential, so step k trains the same rows on
-both sides), each batch padded to its longest row on both sides (no packing:
-TRL's ``packing=False``, tempering's ``sequence_packing`` off), fp32 on CPU, AdamW at the same
-constant learning rate, gradient clipping at 1.0, gradient checkpointing off.
+both sides), no packing on either side (TRL's ``packing=False``, tempering's
+``sequence_packing`` off: a step's rows are the same batch on both sides), fp32 on CPU, AdamW
+at the same constant learning rate, gradient clipping at 1.0, gradient checkpointing off.
+Each side's defaults otherwise: TRL pads each batch to its longest row (``padding_free=False``;
+``--trl-padding-free`` sets it), tempering picks each micro-batch's layout by its cost model
+(padded rows, shared prefixes, or padding-free: `policy.padding_free`).
 
 - tempering: the real controller path, a `Policy` over one FSDP2 worker in a Ray actor, the
   batches from SFT's own prefetching loader (taking the batch is inside the timed step);
@@ -61,8 +64,11 @@ TRL_SCRIPT = textwrap.dedent(
 
     cfg = SFTConfig(
         output_dir=args["out"], per_device_train_batch_size=args["rows"],
-        max_steps=args["steps"], learning_rate=args["lr"], max_length=args["max_len"],
-        packing=False, padding_free=False, use_cpu=True, bf16=False, fp16=False,
+        max_steps=args["steps"], learning_rate=args["lr"],
+        # TRL refuses max_length with padding_free (it would not enforce it); the rows come
+        # cut to max_len already
+        max_length=None if args["padding_free"] else args["max_len"],
+        packing=False, padding_free=args["padding_free"], use_cpu=True, bf16=False, fp16=False,
         gradient_checkpointing=False, report_to=[], save_strategy="no", logging_steps=10**6,
         dataloader_num_workers=0, lr_scheduler_type="constant", warmup_steps=0,
         max_grad_norm=1.0, weight_decay=0.0, seed=0, shuffle_dataset=False,
@@ -147,6 +153,7 @@ def bench_trl(model: str, rows: list[dict], args) -> list[float]:
         spec = {
             "model": model, "data": str(data), "out": str(Path(tmp) / "out"), "rows": args.rows,
             "steps": args.steps, "lr": args.lr, "max_len": args.max_len, "threads": args.threads,
+            "padding_free": args.trl_padding_free,
         }  # fmt: skip
         return run_trl(TRL_SCRIPT, spec)["step_times"]
 
@@ -162,6 +169,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, help="first steps left out")
     parser.add_argument("--threads", type=int, help="torch threads, both sides")
     parser.add_argument("--runs", type=int, default=3, help="runs of each side, interleaved")
+    parser.add_argument(
+        "--trl-padding-free", action="store_true",
+        help="TRL's padding_free=True (its rows flattened into one; on sdpa transformers masks "
+        "them apart densely): the peer's own way past the padding tempering skips",
+    )  # fmt: skip
     args = parser.parse_args()
     for key, value in SCALES[args.scale].items():
         if getattr(args, key) is None:
@@ -182,7 +194,8 @@ def main() -> None:
         )  # fmt: skip
     ratios = [t / o for o, t in zip(ours, theirs, strict=True)]
     print(
-        f"workload: {model}, {args.rows} rows/step, max_len {args.max_len}, no packing, fp32 CPU,"
+        f"workload: {model}, {args.rows} rows/step, max_len {args.max_len}, no packing (TRL"
+        f" padding_free={args.trl_padding_free}), fp32 CPU,"
         f" {args.threads} thread(s); per run the median of {args.steps - args.warmup} steps after"
         f" {args.warmup}; below the median of {args.runs} runs (min-max)"
     )
