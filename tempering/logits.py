@@ -225,10 +225,8 @@ def next_token_logprobs(
     A training pass also fills ``logits.entropy`` at the same rows."""
     hidden, weight = logits.hidden, logits.weight
     shape = hidden.shape[:2]
-    flat, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-    index = None if rows is None else rows.reshape(-1).nonzero().squeeze(-1)
-    if index is not None:
-        flat, flat_targets = flat.index_select(0, index), flat_targets.index_select(0, index)
+    flat, index = _flat_rows(hidden, rows)
+    flat_targets = targets.reshape(-1) if index is None else targets.reshape(-1)[index]
     training = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     if logits.fused or not training:
         picked, entropy = _FusedNextTokenLogprob.apply(
@@ -241,6 +239,16 @@ def next_token_logprobs(
     if training:
         logits.entropy, logits.entropy_rows = _spread(entropy, index, shape), rows
     return _spread(picked, index, shape)
+
+
+def _flat_rows(hidden: Tensor, rows: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """``hidden [B, S, H]``'s rows in ``rows`` (``[B, S]`` bool; None: all) as ``[n, H]``, and
+    their flat index (None: all)."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    if rows is None:
+        return flat, None
+    index = rows.reshape(-1).nonzero().squeeze(-1)
+    return flat.index_select(0, index), index
 
 
 def _spread(values: Tensor, index: Tensor | None, shape: torch.Size) -> Tensor:
@@ -276,15 +284,11 @@ def next_token_entropy(logits: HiddenLogits, rows: Tensor | None = None) -> Tens
         done is None or (rows is not None and not bool((rows & ~done).any()))
     ):
         return logits.entropy
-    shape = logits.hidden.shape[:2]
-    flat = logits.hidden.reshape(-1, logits.hidden.shape[-1])
-    index = None if rows is None else rows.reshape(-1).nonzero().squeeze(-1)
-    if index is not None:
-        flat = flat.index_select(0, index)
+    flat, index = _flat_rows(logits.hidden, rows)
     out = flat.new_empty(flat.shape[0], dtype=torch.float32)
     for c in _chunks(flat.shape[0], logits.chunk_rows):
         out[c] = _entropy(_logits(flat[c], logits.weight, logits.temperature), logits.chunk_rows)
-    return _spread(out, index, shape)
+    return _spread(out, index, logits.hidden.shape[:2])
 
 
 @torch.no_grad()
