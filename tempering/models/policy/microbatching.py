@@ -14,7 +14,7 @@ cuts it into micro-batches and runs each through a model in its *layout*. Three 
 Unpacked micro-batches may also run as shared-prefix groups (rows that start alike compute
 their common prefix once; `tempering.models.policy.shared_prefix`) or padding-free: their rows,
 in order, as one packed row (the micro-batch keeps its rows; only its padding is not computed).
-`ForwardPass.layout` picks the cheapest of the three by `PaddingFree`'s cost model.
+`ForwardPass.split` picks each one's cheapest layout by `PaddingFree`'s cost model.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 
 from tempering.distributed.batched_data_dict import BatchedDataDict, PackedBin, pack_in_order
 from tempering.logits import HiddenLogits, as_logits
-from tempering.models.policy.shared_prefix import SharedPrefixPlan, plan_shared_prefix
+from tempering.models.policy.shared_prefix import SharedPrefixPlan, plan_shared_prefix, row_cost
 
 # How a micro-batch runs through the model: packed into one row, as shared-prefix groups, or
 # (None) as its padded rows.
@@ -51,12 +51,9 @@ class PaddingFree:
     def cheaper(self, mb: BatchedDataDict, plan: SharedPrefixPlan | None) -> bool:
         """Whether ``mb`` costs less padding-free than as ``plan`` (None: its padded rows)."""
         lengths = [int(n) for n in mb["input_lengths"].tolist()]
-        free = sum(n + self.ratio * n * n / 2 + self.per_sequence for n in lengths)
-        if plan is not None:
-            rows, width = plan.input_ids.shape
-            return free < rows * width * (1 + self.ratio * width)
-        rows, width = mb["input_ids"].shape
-        return free < rows * width * (1 + self.ratio * width / 2)
+        free = sum(row_cost(n, self.ratio, False) + self.per_sequence for n in lengths)
+        rows, width = (plan.input_ids if plan is not None else mb["input_ids"]).shape
+        return free < rows * row_cost(width, self.ratio, dense=plan is not None)
 
 
 @dataclass(frozen=True)

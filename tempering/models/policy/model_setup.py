@@ -36,8 +36,9 @@ from torch.distributed.tensor import DTensor
 from tempering.models.families import tp_plan_for
 from tempering.models.policy.gated_mlp import use_lean_gated_mlp
 from tempering.models.policy.lora import LoraAdapters, LoraSpec
+from tempering.models.policy.microbatching import PaddingFree
 from tempering.models.policy.norm_recompute import recompute_norm_outputs
-from tempering.models.policy.packed_attention import use_packed_sdpa
+from tempering.models.policy.packed_attention import PACKED_SDPA, use_packed_sdpa
 from tempering.models.policy.shared_prefix import BOOL_MASK_ATTENTION, attention_cost_ratio
 
 logger = logging.getLogger(__name__)
@@ -421,15 +422,15 @@ def shared_prefix_ratio(model: torch.nn.Module, head: str) -> float | None:
 # 2-core CPU (tiny-arith: 128 rows of ~12 tokens, 2 layers, ran 0.12 s slower padding-free
 # than padded, ~0.9 ms a row at ~10 us per token of 1.2 MFLOP).
 SEQUENCE_LAYER_FLOPS = 5e7
-VARLEN_ATTENTION = ("tempering_packed_sdpa", "flash_attention_2", "flash_attention_3")
+VARLEN_ATTENTION = (PACKED_SDPA, "flash_attention_2", "flash_attention_3")
 
 
-def padding_free_costs(model: torch.nn.Module, head: str, device: torch.device) -> Any:
+def padding_free_costs(
+    model: torch.nn.Module, head: str, device: torch.device
+) -> PaddingFree | None:
     """`PaddingFree`'s cost model for ``model`` (None: never padding-free -- a score head,
     whose rows are taken whole; an attention without varlen support; tempering's
     per-sequence SDPA on a GPU, where each sequence's kernel launches were not measured)."""
-    from tempering.models.policy.microbatching import PaddingFree
-
     attention = getattr(model.config, "_attn_implementation", None)
     if head != "causal_lm" or attention not in VARLEN_ATTENTION:
         return None

@@ -82,8 +82,9 @@ def _common(a: list[int], b: list[int]) -> int:
     return i
 
 
-def _cost(tokens: int, ratio: float, dense: bool) -> float:
-    # a lone row's attention is causal (half the square); a group's mask is dense
+def row_cost(tokens: int, ratio: float, dense: bool) -> float:
+    """One row's cost in tokens' worth of matmuls: its tokens and its attention pairs at
+    ``ratio`` each -- causal for a lone row (half the square), dense for a group's mask."""
     return tokens + ratio * tokens * tokens * (1.0 if dense else 0.5)
 
 
@@ -106,8 +107,10 @@ def plan_shared_prefix(
         if groups:
             shared = _common(rows[groups[-1][-1]], rows[i])
             grown = sizes[-1] + lengths[i] - shared
-            apart = _cost(sizes[-1], ratio, len(groups[-1]) > 1) + _cost(lengths[i], ratio, False)
-            if shared and _cost(grown, ratio, True) < apart:
+            apart = row_cost(sizes[-1], ratio, len(groups[-1]) > 1) + row_cost(
+                lengths[i], ratio, False
+            )
+            if shared and row_cost(grown, ratio, True) < apart:
                 groups[-1].append(i)
                 sizes[-1] = grown
                 saved = True
