@@ -189,6 +189,15 @@ class IsolatedWorkerInitializer:
             raise AttributeError(f"worker class {self._fqn} has no method {_method_name!r}")
         return method(*args, **kwargs)
 
+    def call(self, request: tuple[str, tuple, dict]) -> Any:
+        """`execute` with the method name and all its arguments as one Ray argument. Ray
+        serialises each argument of a remote call on its own: a train call (a batch and seven
+        keywords) measured ~1 ms slower on the 2-core machine than one tuple of them, 1.5% of a
+        tiny SFT step. The worker group uses `execute` where an argument is an ``ObjectRef``
+        (Ray resolves those only at the top level)."""
+        method, args, kwargs = request
+        return self.execute(method, *args, **kwargs)
+
     def resource_usage(self, reset_peak: bool = False) -> dict[str, float]:
         """This process's CPU time, peak memory and GPU use (``tempering.utils.resources``);
         ``reset_peak`` then restarts its ``rss_hwm_gb`` high-water mark."""
@@ -376,7 +385,11 @@ class RayWorkerGroup:
         return self.get_all_worker_results(futures)[:: self.tp_size]
 
     def _submit(self, rank: int, method: str, args: tuple, kwargs: dict) -> ray.ObjectRef:
-        ref = self.workers[rank].execute.remote(method, *args, **kwargs)
+        worker = self.workers[rank]
+        if any(isinstance(a, ray.ObjectRef) for a in (*args, *kwargs.values())):
+            ref = worker.execute.remote(method, *args, **kwargs)  # Ray resolves the refs
+        else:
+            ref = worker.call.remote((method, args, kwargs))
         self._ref_info[ref.hex()] = (rank, method)
         return ref
 

@@ -7,6 +7,7 @@ import sys
 import time
 
 import pytest
+import ray
 import torch
 
 from tempering.distributed.batched_data_dict import BatchedDataDict
@@ -64,6 +65,12 @@ def test_single_data_results_in_rank_order(echo_group):
     results = echo_group.get_all_worker_results(futures, timeout_s=60)
     assert [r["rank"] for r in results] == [0, 1]
     assert all(r["args"] == (7,) and r["kwargs"] == {"key": "v"} for r in results)
+    # Plain arguments travel as one tuple (`call`); an ObjectRef among them makes the group use
+    # `execute`, where Ray resolves it: the worker sees the value, not the ref.
+    ref = ray.put([1, 2])
+    futures = echo_group.run_all_workers_single_data("echo", ref, key=ray.put("w"))
+    results = echo_group.get_all_worker_results(futures, timeout_s=60)
+    assert all(r["args"] == ([1, 2],) and r["kwargs"] == {"key": "w"} for r in results)
     # Results follow the order of the futures given, whichever finishes first.
     futures = echo_group.run_all_workers_single_data("echo")
     assert [r["rank"] for r in echo_group.get_all_worker_results(futures[::-1])] == [1, 0]
