@@ -143,11 +143,19 @@ class HangInInitWorker:
 class DyingWorker:
     """Exits its process without a Python exception (like a kill or an OOM)."""
 
-    def die(self, only_rank: int | None = None) -> int:
+    def die(self, only_rank: int | None = None, last_words: str = "") -> int:
         rank = int(os.environ["RANK"])
         if only_rank is None or rank == only_rank:
+            if last_words:
+                os.write(2, f"{last_words}\n".encode())
             os._exit(1)
         return rank
+
+    def segfault(self) -> None:
+        """A crash in native code (what a bad kernel or a gloo abort looks like)."""
+        import faulthandler
+
+        faulthandler._sigsegv()
 
     def wait_for_peer(self) -> int:
         """Block in a gloo barrier that never completes if a peer is dead."""

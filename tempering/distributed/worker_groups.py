@@ -31,6 +31,7 @@ import importlib
 import logging
 import operator
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -214,6 +215,24 @@ class IsolatedWorkerInitializer:
         if callable(shutdown):
             shutdown()
         deadlines.remove_if_empty(self._stack_file)
+
+
+def _last_words(ray_detail: str, lines: int = 30) -> str:
+    """The end of a dead worker's stderr (Ray's ``logs/worker-*-<pid>.err``), found by the
+    pid in Ray's message, when its log is on this machine: a segfault's stack (Ray enables
+    ``faulthandler`` in workers), a C++ abort or the OOM killer's absence show there, and the
+    session folder may be gone by the time anyone looks."""
+    found = re.search(r"\bpid: (\d+)", ray_detail)
+    try:
+        logs = Path(ray._private.worker._global_node.get_logs_dir_path())
+        files = sorted(logs.glob(f"worker-*-{found.group(1)}.err")) if found else []
+    except (AttributeError, OSError):  # no local node (a client) or no session folder
+        files = []
+    if not files:
+        return "The worker's own log is under the Ray session's logs/ folder."
+    text = files[-1].read_text(errors="replace").rstrip().splitlines()[-lines:]
+    body = "\n".join(f"  | {line}" for line in text) if text else "  | (empty)"
+    return f"The end of its stderr ({files[-1]}):\n{body}"
 
 
 class RayWorkerGroup:
@@ -517,7 +536,7 @@ class RayWorkerGroup:
             raise WorkerDiedError(
                 f"worker group {self.name!r} ({self.fqn}) {where} {what} during {method!r} "
                 f"(an exception in __init__, a kill, out of memory, or os._exit); Ray says:\n"
-                f"{detail}\nThe worker's own log is under the Ray session's logs/ folder.",
+                f"{detail}\n{_last_words(detail)}",
                 worker_traceback=detail,
                 **context,
             ) from None

@@ -68,12 +68,17 @@ def test_dying_worker_is_reported_within_seconds(cluster):
         start = time.monotonic()
         with pytest.raises(WorkerDiedError) as info:
             group.get_all_worker_results(
-                group.run_all_workers_single_data("die", only_rank=1), timeout_s=60
+                group.run_all_workers_single_data(
+                    "die", only_rank=1, last_words="cannot allocate the 3rd bucket"
+                ),
+                timeout_s=60,
             )
         elapsed = time.monotonic() - start
         assert elapsed < 30, f"death took {elapsed:.1f} s to surface"
         assert (info.value.rank, info.value.method) == (1, "die")
         assert "died during 'die'" in str(info.value)
+        # what it wrote to stderr before dying travels with the error (Ray's log may be gone)
+        assert "| cannot allocate the 3rd bucket" in str(info.value)
         # A peer blocked in a collective with the dead rank does not hang the controller:
         # rank 0 waits in a gloo rendezvous that can never complete; the gather still
         # surfaces rank 1's death (it is already dead) instead of waiting on rank 0.
@@ -82,6 +87,17 @@ def test_dying_worker_is_reported_within_seconds(cluster):
         with pytest.raises(WorkerDiedError) as info:
             group.get_all_worker_results(futures, timeout_s=60)
         assert info.value.rank == 1 and time.monotonic() - start < 30
+    finally:
+        group.shutdown(graceful_timeout_s=0)
+
+
+def test_a_segfault_names_its_stack(cluster):
+    group = RayWorkerGroup(cluster, RayWorkerBuilder(f"{PKG}.DyingWorker"), "segv")
+    try:
+        with pytest.raises(WorkerDiedError) as info:
+            group.get_all_worker_results([group.run_single_worker(0, "segfault")], timeout_s=60)
+        message = str(info.value)
+        assert "Segmentation fault" in message and "in segfault" in message, message
     finally:
         group.shutdown(graceful_timeout_s=0)
 
