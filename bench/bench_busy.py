@@ -2,6 +2,7 @@
 against the same machine idle.
 
     uv run bench/bench_busy.py [--steps 30] [--runs 3] [--set KEY=VALUE ...] [--env NAME=VALUE ...]
+        [--variant LABEL:NAME=VALUE,NAME=VALUE ...]
 
 A user's laptop always runs something else. Each run starts the default GRPO job
 (``examples/run_grpo_math.py``, no validation, no checkpoints, ``--steps`` steps) twice, once on
@@ -9,8 +10,12 @@ the idle machine and once beside ``python3 -c "while True: pass"`` (one of the m
 taken), alternating which goes first. Per job, the median of the steps after the first
 ``WARMUP`` (step, generation and train phases, from its metrics.jsonl); then the median of the
 runs with their spread (min-max), and the busy/idle factor. ``--set`` passes config overrides
-and ``--env`` environment variables to both jobs (to compare a change: run once with, once
-without). A benchmark prints figures; it never passes or fails.
+and ``--env`` environment variables to both jobs. ``--variant`` (repeatable) adds environment
+variables of its own to a variant of the setup; the variants' jobs are interleaved within each
+run (idle and busy of each, the order rotating), so they meet the same minutes of this noisy
+machine. Where the policy workers report it, the median of ``resources/policy/threads`` (the
+torch threads the worker computed with, ``tempering/utils/threads.py``) is printed too. A
+benchmark prints figures; it never passes or fails.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 WARMUP = 3
 PHASES = ("timing/step_s", "timing/generation_s", "timing/train_s")
+THREADS = "resources/policy/threads"
 
 
 def run_job(steps: int, busy: bool, overrides: list[str], env: dict[str, str]) -> dict:
@@ -52,11 +58,27 @@ def run_job(steps: int, busy: bool, overrides: list[str], env: dict[str, str]) -
             hog.kill()
             hog.wait()
     steps_rows = [r for r in rows if "timing/step_s" in r and r["step"] > WARMUP]
-    return {k: statistics.median(r[k] for r in steps_rows) for k in PHASES}
+    out = {k: statistics.median(r[k] for r in steps_rows) for k in PHASES}
+    threads = [r[THREADS] for r in rows if THREADS in r and r["step"] > WARMUP]
+    if threads:
+        out[THREADS] = statistics.median(threads)
+    return out
 
 
 def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+
+
+def parse_variants(items: list[str]) -> dict[str, dict[str, str]]:
+    """``LABEL:NAME=VALUE,NAME=VALUE`` -> {label: env}; none given: one variant, ``base``."""
+    variants: dict[str, dict[str, str]] = {}
+    for item in items:
+        label, _, pairs = item.partition(":")
+        env = dict(p.split("=", 1) for p in pairs.split(",") if p)
+        if not label or any(not k for k in env):
+            sys.exit(f"--variant {item!r}: expected LABEL:NAME=VALUE[,NAME=VALUE]")
+        variants[label] = env
+    return variants or {"base": {}}
 
 
 def main() -> None:
@@ -65,23 +87,34 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--set", action="append", default=[], help="a config override")
     parser.add_argument("--env", action="append", default=[], help="NAME=VALUE for the jobs")
+    parser.add_argument("--variant", action="append", default=[], help="LABEL:NAME=VALUE,...")
     args = parser.parse_args()
     env = dict(item.split("=", 1) for item in args.env)
-    results: dict[bool, list[dict]] = {False: [], True: []}
+    variants = parse_variants(args.variant)
+    jobs = [(label, busy) for label in variants for busy in (False, True)]
+    results: dict[tuple[str, bool], list[dict]] = {job: [] for job in jobs}
     for run in range(args.runs):
-        for busy in (False, True) if run % 2 == 0 else (True, False):
-            results[busy].append(run_job(args.steps, busy, args.set, env))
-            print(f"run {run + 1}, {'busy' if busy else 'idle'}: {results[busy][-1]}", flush=True)
+        shift = run % len(jobs)
+        for label, busy in jobs[shift:] + jobs[:shift]:
+            result = run_job(args.steps, busy, args.set, {**env, **variants[label]})
+            results[(label, busy)].append(result)
+            print(f"run {run + 1}, {label}, {'busy' if busy else 'idle'}: {result}", flush=True)
 
     print(
         f"\nthe main job, {args.steps} steps (median of steps {WARMUP + 1}+), {args.runs} runs, "
         f"overrides {args.set or 'none'}, env {env or 'none'}; seconds, median (min-max):"
     )
-    for key in PHASES:
-        idle = [r[key] for r in results[False]]
-        busy = [r[key] for r in results[True]]
-        factors = [b / i for b, i in zip(busy, idle, strict=True)]
-        print(f"  {key:22s} idle {spread(idle)}  busy {spread(busy)}  factor {spread(factors)}")
+    for label, extra in variants.items():
+        print(f"{label} {extra or ''}")
+        idle_runs, busy_runs = results[(label, False)], results[(label, True)]
+        for key in PHASES:
+            idle = [r[key] for r in idle_runs]
+            busy = [r[key] for r in busy_runs]
+            factors = [b / i for b, i in zip(busy, idle, strict=True)]
+            print(f"  {key:22s} idle {spread(idle)}  busy {spread(busy)}  factor {spread(factors)}")
+        if all(THREADS in r for r in idle_runs + busy_runs):
+            print(f"  {THREADS:22s} idle {spread([r[THREADS] for r in idle_runs])}  "
+                  f"busy {spread([r[THREADS] for r in busy_runs])}")  # fmt: skip
 
 
 if __name__ == "__main__":

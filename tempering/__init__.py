@@ -15,6 +15,9 @@ __version__ = "0.1.0"
 # runtime loads (torch's import), so it is set here, before any of tempering imports torch; Ray
 # processes started by this one inherit it, and worker groups pass OPENMP_ENV to workers on
 # other nodes. A value the user set is kept (an OMP_WAIT_POLICY of theirs overrides the spin).
+# CPU workers also drop to the cores other processes leave free (tempering/utils/threads.py),
+# which keeps a busy machine at ~1x; the short spin still bounds a call that a competitor
+# enters halfway.
 OPENMP_DEFAULTS = {"GOMP_SPINCOUNT": "2000"}
 OPENMP_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # what workers get from the driver
 for _name, _value in OPENMP_DEFAULTS.items():

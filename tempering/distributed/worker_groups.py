@@ -50,6 +50,7 @@ from tempering import OPENMP_ENV
 from tempering.distributed import deadlines
 from tempering.distributed.actor_environments import get_actor_executable, resolve_python
 from tempering.utils.allocator import check_allocator
+from tempering.utils.threads import ThreadGovernor
 
 if TYPE_CHECKING:
     from tempering.distributed.batched_data_dict import BatchedDataDict
@@ -159,6 +160,8 @@ class IsolatedWorkerInitializer:
             ) from None
         self._fqn = fqn
         self._worker = worker_class(*args, **kwargs)
+        # torch threads follow the cores other processes leave free (utils/threads.py)
+        self._threads = ThreadGovernor.for_this_process()
 
     def describe(self) -> dict[str, Any]:
         """Where this worker runs."""
@@ -188,7 +191,13 @@ class IsolatedWorkerInitializer:
             method = None
         if method is None or not callable(method):
             raise AttributeError(f"worker class {self._fqn} has no method {_method_name!r}")
-        return method(*args, **kwargs)
+        if self._threads is None:
+            return method(*args, **kwargs)
+        self._threads.enter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            self._threads.leave()
 
     def call(self, request: tuple[str, tuple, dict]) -> Any:
         """`execute` with the method name and all its arguments as one Ray argument. Ray

@@ -8,6 +8,9 @@ gains, for each role -- ``controller``, ``policy``, ``generation`` (split genera
   per second of wall time (1.0 = one core kept busy; children such as math-verify's workers
   count towards their parent);
 - ``resources/<role>/peak_rss_gb``: the largest peak resident memory of one of its processes;
+- ``resources/<role>/threads``: torch's CPU threads in its processes together, at the sample,
+  and ``thread_changes``, how often they were changed so far (a worker lowers its threads while
+  other programs hold its cores and raises them after, ``tempering.utils.threads``);
 - ``resources/<role>/peak_gpu_mem_gb`` and ``gpu_util`` (0-1) where the process uses CUDA:
   torch's peak allocation, and the device's utilisation from NVML (``nvidia-ml-py``; without
   it the metric is absent and a warning says so once per process).
@@ -26,6 +29,8 @@ import resource
 import sys
 import time
 from collections.abc import Callable, Mapping
+
+from tempering.utils.threads import changes as thread_changes
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +81,11 @@ def process_usage() -> dict[str, float]:
         "rss_hwm_gb": _rss_hwm_gb(),  # the peak since the last reset_peak_rss (or start)
     }
     torch = sys.modules.get("torch")  # only where torch is already in use
+    if torch is not None:
+        usage["threads"] = torch.get_num_threads()  # utils/threads.py may lower it
+    changed = thread_changes()
+    if changed is not None:
+        usage["thread_changes"] = changed
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         usage["peak_gpu_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
         usage.update(_gpu_util(torch))
@@ -116,6 +126,10 @@ class ResourceMonitor:
                     for u, b in zip(now, before, strict=True)
                 )
             metrics[f"{key}/peak_rss_gb"] = max(u["peak_rss_gb"] for u in now)
+            for name in ("threads", "thread_changes"):
+                values = [u[name] for u in now if name in u]
+                if values:
+                    metrics[f"{key}/{name}"] = sum(values)
             gpu = [u for u in now if "peak_gpu_mem_gb" in u]
             if gpu:
                 metrics[f"{key}/peak_gpu_mem_gb"] = max(u["peak_gpu_mem_gb"] for u in gpu)

@@ -251,3 +251,4 @@ def test_resource_metrics_cover_every_role(grpo_run):
         assert m[f"resources/{role}/peak_rss_gb"] > 0.05, role  # a Python process with imports
     # the policy trained (and, colocated, generated) in the interval: its workers were busy
     assert m["resources/policy/cpu_cores"] > 0.05
+    assert m["resources/policy/threads"] >= 1  # torch's threads in the policy's workers

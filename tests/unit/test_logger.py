@@ -258,8 +258,9 @@ def test_resource_monitor_turns_samples_into_rates_per_role():
     samples = iter(
         [
             [{"cpu_s": 1.0, "wall_s": 10.0, "peak_rss_gb": 0.5}, {"cpu_s": 0.0, "wall_s": 10.0, "peak_rss_gb": 0.7}],
-            [{"cpu_s": 3.0, "wall_s": 12.0, "peak_rss_gb": 0.6}, {"cpu_s": 1.0, "wall_s": 12.0, "peak_rss_gb": 0.7,
-              "peak_gpu_mem_gb": 3.0, "gpu_util": 0.5}],
+            [{"cpu_s": 3.0, "wall_s": 12.0, "peak_rss_gb": 0.6, "threads": 1, "thread_changes": 1},
+             {"cpu_s": 1.0, "wall_s": 12.0, "peak_rss_gb": 0.7, "peak_gpu_mem_gb": 3.0, "gpu_util": 0.5,
+              "threads": 2, "thread_changes": 2}],
             [{"cpu_s": 4.0, "wall_s": 13.0, "peak_rss_gb": 0.6}],  # a worker fewer: no rate
         ]
     )  # fmt: skip
@@ -268,6 +269,7 @@ def test_resource_monitor_turns_samples_into_rates_per_role():
     assert m["resources/policy/cpu_cores"] == 1.5  # (2 + 1) CPU-s over 2 s of wall time
     assert m["resources/policy/peak_rss_gb"] == 0.7
     assert m["resources/policy/peak_gpu_mem_gb"] == 3.0 and m["resources/policy/gpu_util"] == 0.5
+    assert (m["resources/policy/threads"], m["resources/policy/thread_changes"]) == (3, 3)
     m = monitor.sample()
     assert "resources/policy/cpu_cores" not in m and m["resources/policy/peak_rss_gb"] == 0.6
     here = process_usage()

@@ -1,0 +1,140 @@
+"""Torch threads that follow the free cores (CPU workers).
+
+torch's CPU kernels split each operation across OpenMP threads that meet at a barrier. When
+another program holds one of the cores a worker computes on, the thread sharing that core is
+descheduled and its siblings wait for it at every barrier: spinning (libgomp spins 300,000
+times before it sleeps) the step went 8-13x slower beside one busy loop; sleeping at once
+costs a wake-up per operation on an idle machine (README "Shared machines"). One thread per
+free core has no sibling to wait for: beside a busy loop the tiny SFT step ran at 1.0-1.35x of
+the idle machine's with one thread, against 2.4x with two and a short spin.
+
+:class:`ThreadGovernor` measures, during the worker's own calls, how much CPU other processes
+took on the cores this process may run on (``/proc/stat`` for those cores, minus this
+process's CPU time from ``os.times``, host steal included), and between calls sets torch's
+threads to the cores they left free: never more than the worker was configured with, never
+fewer than one. Each change is counted and shown (``resources/<role>/threads`` and
+``thread_changes`` in metrics.jsonl, ``tempering.utils.resources``); the first
+``LOGGED_CHANGES`` of a process are logged as warnings with their reason (the worker's stderr,
+which Ray forwards to the driver's). Measured over calls only (the controller's
+work between calls is not a competitor), in windows of at least ``WINDOW_S`` of call time.
+``TEMPERING_ADAPTIVE_THREADS=0`` keeps the configured count (a machine of your own).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+
+log = logging.getLogger(__name__)
+
+ENV = "TEMPERING_ADAPTIVE_THREADS"
+WINDOW_S = 0.3  # call time per decision: /proc/stat counts in 10 ms ticks
+LOGGED_CHANGES = 5
+_governor: ThreadGovernor | None = None  # this process's (a worker has one)
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def _cores_busy_s(cores: frozenset[int]) -> float:
+    """CPU seconds the ``cores`` have spent busy (or stolen by the host) since boot."""
+    total = 0
+    with open("/proc/stat") as f:
+        for line in f:
+            name, _, rest = line.partition(" ")
+            if not name.startswith("cpu") or name == "cpu":
+                continue
+            if not name[3:].isdigit():
+                break
+            if int(name[3:]) in cores:
+                # user nice system idle iowait irq softirq steal (guest is inside user)
+                ticks = [int(x) for x in rest.split()[:8]]
+                total += sum(ticks) - ticks[3] - ticks[4]
+    return total * _TICK_S
+
+
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+class ThreadGovernor:
+    """Sets torch's thread count, between calls, to the cores other processes left free.
+
+    Args:
+        max_threads: the configured count (torch's when the worker started); never exceeded.
+    """
+
+    def __init__(self, max_threads: int) -> None:
+        self.max_threads = max_threads
+        self.threads = max_threads
+        self.changes = 0
+        self._cores = frozenset(os.sched_getaffinity(0))
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._start: tuple[float, float, float] | None = None
+        self._wall = self._others = 0.0
+
+    @classmethod
+    def for_this_process(cls) -> ThreadGovernor | None:
+        """A governor for torch's current thread count; None where torch is not loaded, it
+        runs one thread, the process sees a GPU (its CPU threads only feed the device there:
+        left as configured), or ``TEMPERING_ADAPTIVE_THREADS=0``."""
+        global _governor
+        torch = sys.modules.get("torch")
+        if torch is None or os.environ.get(ENV, "1") == "0" or not os.path.exists("/proc/stat"):
+            return None
+        if torch.cuda.is_available():
+            return None
+        threads = torch.get_num_threads()
+        _governor = cls(threads) if threads > 1 else None
+        return _governor
+
+    def _sample(self) -> tuple[float, float, float]:
+        return time.monotonic(), _cores_busy_s(self._cores), _own_cpu_s()
+
+    def enter(self) -> None:
+        """A call starts: apply the last decision, start measuring (only when no other call of
+        this process is in flight: overlapping calls measure nothing)."""
+        with self._lock:
+            self._in_flight += 1
+            self._start = self._sample() if self._in_flight == 1 else None
+
+    def leave(self) -> None:
+        """A call ended: add its window; decide once ``WINDOW_S`` of call time is in."""
+        with self._lock:
+            self._in_flight -= 1
+            start, self._start = self._start, None
+            if start is None or self._in_flight:
+                return
+            end = self._sample()
+            self._wall += end[0] - start[0]
+            self._others += max((end[1] - start[1]) - (end[2] - start[2]), 0.0)
+            if self._wall >= WINDOW_S:
+                self._decide(self._others / self._wall)
+                self._wall = self._others = 0.0
+
+    def _decide(self, others_cores: float) -> None:
+        free = len(self._cores) - others_cores
+        want = max(1, min(self.max_threads, int(free + 0.5)))
+        if want == self.threads:
+            return
+        import torch
+
+        if self.changes < LOGGED_CHANGES:
+            log.warning(
+                "torch threads %d -> %d: other processes kept %.2f of this worker's %d cores "
+                "busy during its last %.2f s of calls (%s=0 keeps %d)%s",
+                self.threads, want, others_cores, len(self._cores), self._wall, ENV,
+                self.max_threads, "; further changes are counted in resources/*/thread_changes"
+                if self.changes == LOGGED_CHANGES - 1 else "",
+            )  # fmt: skip
+        torch.set_num_threads(want)
+        self.threads = want
+        self.changes += 1
+
+
+def changes() -> int | None:
+    """How often this process's governor changed torch's threads (None: it has none)."""
+    return None if _governor is None else _governor.changes
