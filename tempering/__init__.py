@@ -15,10 +15,12 @@ __version__ = "0.1.0"
 # runtime loads (torch's import), so it is set here, before any of tempering imports torch; Ray
 # processes started by this one inherit it, and worker groups pass OPENMP_ENV to workers on
 # other nodes. A value the user set is kept (an OMP_WAIT_POLICY of theirs overrides the spin).
-# CPU workers also drop to the cores other processes leave free (tempering/utils/threads.py),
-# which keeps a busy machine at ~1x; the short spin still bounds a call that a competitor
-# enters halfway.
+# CPU policy workers, whose torch threads follow the cores other processes leave free (they
+# drop to one thread beside a competitor, within ~0.3 s even inside a call), run libgomp's own
+# spin instead: no sibling to wait for when the machine is busy, and no wake-ups when it is
+# idle (tempering/utils/threads.py, `governed_openmp_env`).
 OPENMP_DEFAULTS = {"GOMP_SPINCOUNT": "2000"}
 OPENMP_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # what workers get from the driver
+OPENMP_USER_SET = frozenset(k for k in OPENMP_ENV if k in _os.environ)  # kept everywhere
 for _name, _value in OPENMP_DEFAULTS.items():
     _os.environ.setdefault(_name, _value)

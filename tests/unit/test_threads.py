@@ -117,3 +117,37 @@ def test_a_real_busy_loop_takes_a_thread_and_gives_it_back() -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True
     ).stdout.split()
     assert out == ["1", "2", "2"], out
+
+
+def test_a_long_call_decides_at_its_safe_points(monkeypatch: pytest.MonkeyPatch, two_cores) -> None:
+    """A competitor that arrives halfway through one long call (a SmolLM2 train step) is met
+    at the next micro-batch or decode step, not when the call ends."""
+    clock = _FakeClock(monkeypatch)
+    torch.set_num_threads(2)
+    gov = ThreadGovernor.for_this_process()
+    gov.enter()
+    for _ in range(3):  # micro-batches, the machine idle
+        clock.now += 0.2
+        clock.own += 0.4
+        clock.cores_busy += 0.4
+        threads_mod.tick()
+    assert gov.threads == 2
+    for _ in range(4):  # a busy loop arrives: 0.75 of a core for 0.8 s
+        clock.now += 0.2
+        clock.own += 0.25
+        clock.cores_busy += 0.4
+        threads_mod.tick()
+    assert (gov.threads, torch.get_num_threads()) == (1, 1)  # still inside the call
+    gov.leave()
+
+
+def test_governed_workers_spin_as_libgomp_unless_the_user_chose(monkeypatch) -> None:
+    import tempering
+
+    monkeypatch.setattr(tempering, "OPENMP_USER_SET", frozenset())
+    assert threads_mod.governed_openmp_env() == {"GOMP_SPINCOUNT": "300000"}
+    monkeypatch.setenv(threads_mod.ENV, "0")  # no governor: the short spin bounds a busy box
+    assert threads_mod.governed_openmp_env() == {}
+    monkeypatch.delenv(threads_mod.ENV)
+    monkeypatch.setattr(tempering, "OPENMP_USER_SET", frozenset({"OMP_WAIT_POLICY"}))
+    assert threads_mod.governed_openmp_env() == {}

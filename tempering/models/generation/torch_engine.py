@@ -44,6 +44,7 @@ from tempering.models.generation.interfaces import (
     check_input_lengths,
     sampling_config,
 )
+from tempering.utils import threads
 
 logger = logging.getLogger(__name__)
 
@@ -366,6 +367,7 @@ class _Decode:
         rows = torch.arange(B, device=lengths.device)  # rows still in the batch (and the cache)
         steps = 0
         for step in range(generated.shape[1]):
+            threads.tick()  # torch threads follow the free cores (utils/threads.py)
             logp = torch.log_softmax(logits.float() / self.cfg.temperature, dim=-1)
             tokens = self._sample(logp)  # [b], b = len(rows)
             active = ~finished[rows]

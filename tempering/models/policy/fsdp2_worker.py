@@ -70,7 +70,7 @@ from tempering.models.policy.training import (
     local_batch_size,
 )
 from tempering.models.policy.weight_streaming import WeightStreamer
-from tempering.utils import faults
+from tempering.utils import faults, threads
 
 # (micro_batch_size, max_tokens_per_microbatch, pack_sequences): how a call cuts its batch
 Batching = tuple[int | None, int | None, bool]
@@ -336,6 +336,7 @@ class FSDP2PolicyWorker:
         loss_sum = 0.0
         mb_metrics: list[dict[str, float]] = []
         for i in range(topo.equalise(len(mbs))):
+            threads.tick()  # torch threads follow the free cores (utils/threads.py)
             if i < len(mbs):
                 mb = mbs[i].to(topo.device)
                 if with_reference:
@@ -480,6 +481,7 @@ class FSDP2PolicyWorker:
         )
         pieces: list[tuple[torch.Tensor, ...]] = []
         for i in range(self.state.topo.equalise(len(mbs))):
+            threads.tick()
             if i >= len(mbs):  # padding pass, result dropped
                 self.forward_pass.padding(model)
                 continue

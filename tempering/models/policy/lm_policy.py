@@ -29,6 +29,7 @@ from tempering.distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup
 from tempering.losses import LossFunction
 from tempering.models.policy.interfaces import PolicyInterface
 from tempering.utils.allocator import allocator_env
+from tempering.utils.threads import governed_openmp_env
 
 POLICY_WORKER_FQN = "tempering.models.policy.fsdp2_worker.FSDP2PolicyWorker"
 _LOGPROB_KEYS = ("input_ids", "input_lengths")
@@ -260,9 +261,10 @@ def build_policy(
     builder = RayWorkerBuilder(
         POLICY_WORKER_FQN, model_path, tensor_parallel_size=tensor_parallel_size, **kwargs
     )
+    cpu_openmp = {} if gpu_share else governed_openmp_env()  # CPU: threads follow free cores
     group = RayWorkerGroup(
         cluster, builder, name_prefix=name_prefix,
-        env_vars={**allocator_env(allocator), **(env_vars or {})},
+        env_vars={**allocator_env(allocator), **cpu_openmp, **(env_vars or {})},
         tensor_parallel_size=tensor_parallel_size, num_gpus_per_worker=gpu_share,
         num_cpus_per_worker=cpu_share,
     )  # fmt: skip
