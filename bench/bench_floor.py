@@ -30,13 +30,19 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+# The floor is plain torch as a user runs it: libgomp's own OpenMP spin (which tempering's CPU
+# policy workers run too), not the short one importing tempering gives this process. Set
+# before torch loads; a value of yours is kept.
+os.environ.setdefault("GOMP_SPINCOUNT", "300000")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 THREADS = 2
