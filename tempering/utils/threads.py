@@ -13,11 +13,11 @@ took on the cores this process may run on (``/proc/stat`` for those cores, minus
 process's CPU time from ``os.times``, host steal included), and between calls sets torch's
 threads to the cores they left free: never more than the worker was configured with, never
 fewer than one. Long calls also decide at safe points inside them (:func:`tick`: between
-micro-batches and between decode steps). Each change is counted and shown (``resources/<role>/threads`` and
-``thread_changes`` in metrics.jsonl, ``tempering.utils.resources``); the first
-``LOGGED_CHANGES`` of a process are logged as warnings with their reason (the worker's stderr,
-which Ray forwards to the driver's). Measured over calls only (the controller's
-work between calls is not a competitor), in windows of at least ``WINDOW_S`` of call time.
+micro-batches and between decode steps). Measured over calls only (the controller's work
+between calls is not a competitor), in windows of at least ``WINDOW_S`` of call time. Each
+change is counted and shown (``resources/<role>/threads`` and ``thread_changes`` in
+metrics.jsonl, ``tempering.utils.resources``); the first ``LOGGED_CHANGES`` of a process are
+logged as warnings with their reason (the worker's stderr, which Ray forwards to the driver's).
 ``TEMPERING_ADAPTIVE_THREADS=0`` keeps the configured count (a machine of your own).
 """
 
@@ -43,13 +43,11 @@ def _cores_busy_s(cores: frozenset[int]) -> float:
     """CPU seconds the ``cores`` have spent busy (or stolen by the host) since boot."""
     total = 0
     with open("/proc/stat") as f:
-        for line in f:
+        for line in f:  # "cpu" (all), then "cpu0", "cpu1", ..., then other counters
             name, _, rest = line.partition(" ")
-            if not name.startswith("cpu") or name == "cpu":
-                continue
-            if not name[3:].isdigit():
+            if not name.startswith("cpu"):
                 break
-            if int(name[3:]) in cores:
+            if name != "cpu" and int(name[3:]) in cores:
                 # user nice system idle iowait irq softirq steal (guest is inside user)
                 ticks = [int(x) for x in rest.split()[:8]]
                 total += sum(ticks) - ticks[3] - ticks[4]
@@ -98,12 +96,12 @@ class ThreadGovernor:
         return time.monotonic(), _cores_busy_s(self._cores), _own_cpu_s()
 
     def enter(self) -> None:
-        """A call starts: apply the last decision, start measuring (only when no other call of
-        this process is in flight: overlapping calls measure nothing)."""
+        """A call starts: measure from here (only when no other call of this process is in
+        flight: overlapping calls measure nothing)."""
         with self._lock:
             self._in_flight += 1
             self._start = self._sample() if self._in_flight == 1 else None
-            self._caller = threading.get_ident()
+            self._caller = threading.get_ident() if self._in_flight == 1 else 0
 
     def leave(self) -> None:
         """A call ended: add its window; decide once ``WINDOW_S`` of call time is in."""
@@ -161,7 +159,7 @@ def governed_openmp_env() -> dict[str, str]:
     """OpenMP settings for CPU workers that run a governor: libgomp's own spin (300,000)
     instead of the driver's short one. A worker that follows the free cores meets a competitor
     with one thread (no sibling to spin for), and on an idle machine the long spin saves a
-    wake-up per operation: SmolLM2-135M SFT steps 9.1 s against 9.5-11.1 with the short spin
+    wake-up per operation: SmolLM2-135M SFT steps 8.1-9.2 s against 9.5-11.1 with the short spin
     (README "Shared machines"). Nothing where the user set an OpenMP variable (theirs holds)
     or turned the governor off."""
     from tempering import OPENMP_USER_SET
