@@ -88,7 +88,8 @@ def test_off_by_env_or_for_one_thread(monkeypatch: pytest.MonkeyPatch, two_cores
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) != 2, reason="measured on the 2-core machine")
 def test_a_real_busy_loop_takes_a_thread_and_gives_it_back() -> None:
     """Real /proc/stat, a real busy-loop process, real matmul calls (in a subprocess, so this
-    process's threads are not touched)."""
+    process's threads are not touched). Needs the machine otherwise idle, as the test tiers
+    run: another job on the cores would rightly keep the worker at one thread."""
     script = textwrap.dedent(
         """
         import subprocess, sys, torch
