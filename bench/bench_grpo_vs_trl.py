@@ -30,13 +30,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import time
 from pathlib import Path
 
-from peers import ensure_bench_venv  # bench/peers.py (this folder is on sys.path)
+from peers import ensure_bench_venv, peer_env  # bench/peers.py (this folder is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -120,7 +119,7 @@ def run_trl(cfg, model: str, problems: list, steps: int) -> dict:
         "steps": steps,
         "out": "/tmp/tempering_bench_trl",
     }
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1", "WANDB_DISABLED": "true"}
+    env = peer_env(OMP_NUM_THREADS="2", HF_HUB_OFFLINE="1", WANDB_DISABLED="true")
     r = subprocess.run(
         [str(py), "-c", TRL_SCRIPT, json.dumps(payload)], capture_output=True, text=True, env=env
     )

@@ -12,6 +12,16 @@ REPO = Path(__file__).resolve().parents[1]
 BENCH_VENV = REPO / "venvs" / "bench"
 
 
+def peer_env(**extra: str) -> dict[str, str]:
+    """The environment a peer runs in: this one's, less the OpenMP settings that importing
+    tempering gave this process (``tempering.OPENMP_DEFAULTS``; a value the user set is kept),
+    so the peer waits at its barriers as its own users' processes do (libgomp's spin)."""
+    from tempering import OPENMP_DEFAULTS, OPENMP_USER_SET
+
+    ours = set(OPENMP_DEFAULTS) - OPENMP_USER_SET
+    return {**{k: v for k, v in os.environ.items() if k not in ours}, **extra}
+
+
 def ensure_bench_venv() -> Path:
     """The bench venv's python, building the venv from `uv.lock` if it is missing."""
     python = BENCH_VENV / "bin" / "python"
@@ -56,10 +66,7 @@ def run_trl(script: str, spec: dict) -> dict:
     """Run ``TRL_PRELUDE + script`` in the bench venv with ``spec`` as its argv[1] (CPU,
     offline); return the dict it printed on its last ``RESULT <json>`` line."""
     trl_python = ensure_bench_venv()
-    env = {
-        **os.environ, "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false",
-        "HF_HUB_OFFLINE": "1",
-    }  # fmt: skip
+    env = peer_env(CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     proc = subprocess.run(
         [str(trl_python), "-c", TRL_PRELUDE + script, json.dumps(spec)],
         capture_output=True, text=True, env=env, check=False,
