@@ -36,10 +36,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from tempering import OPENMP_USER_SET  # noqa: E402  (no torch yet)
+from tempering.utils.threads import GOVERNED_SPINCOUNT  # noqa: E402
+
 # The floor is plain torch as a user runs it: libgomp's own OpenMP spin (which tempering's CPU
 # policy workers run too), not the short one importing tempering gives this process. Set
 # before torch loads; a value of yours is kept.
-os.environ.setdefault("GOMP_SPINCOUNT", "300000")
+if "GOMP_SPINCOUNT" not in OPENMP_USER_SET:
+    os.environ["GOMP_SPINCOUNT"] = GOVERNED_SPINCOUNT
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
