@@ -88,8 +88,33 @@ class WorkerDiedError(WorkerError):
     """A worker process died (killed, out of memory, ``os._exit``) or failed to start."""
 
 
-def _has_text(path: Path) -> bool:
-    return path.exists() and path.stat().st_size > 0
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.exists() else 0
+
+
+def _wait_for_dumps(
+    paths: Sequence[Path], before: Sequence[int], wait_s: float, settle_s: float = 0.3
+) -> list[Path]:
+    """Wait up to ``wait_s`` for every file to grow past its size ``before`` the signal and
+    hold a whole dump; return those that grew.
+
+    faulthandler writes a dump in many small writes from a signal handler, and a worker
+    descheduled on a busy machine can pause mid-dump (a dump read too early ended inside its
+    first thread's first frame): a dump counts as whole once its file's size has stayed the
+    same for ``settle_s``."""
+    end = time.monotonic() + wait_s
+    sizes = [_size(p) for p in paths]
+    stable_since = time.monotonic()
+    while paths and time.monotonic() < end:
+        time.sleep(0.05)
+        now = [_size(p) for p in paths]
+        if now != sizes:
+            sizes, stable_since = now, time.monotonic()
+            continue
+        grown = all(s > b for s, b in zip(sizes, before, strict=True))
+        if grown and time.monotonic() - stable_since >= settle_s:
+            break
+    return [p for p, b in zip(paths, before, strict=True) if _size(p) > b]
 
 
 def _signal_on_node(node_id: str) -> Any:
@@ -564,12 +589,14 @@ class RayWorkerGroup:
         ``$TEMPERING_STACK_DUMP_DIR``, or to their stderr in Ray's logs when it is unset)."""
         folder = os.environ.get(deadlines.STACK_DUMP_DIR_ENV)
         here = ray.get_runtime_context().get_node_id()
-        expected = []
+        expected, before = [], []
         for rank in ranks:
             found = self._pid_and_node(rank, folder)
             if found is None:
                 continue
             pid, node = found
+            path = Path(folder or ".") / f"{self.name}-rank{rank}-pid{pid}.txt"
+            size = _size(path)  # a file appended to by an earlier dump is not this one's
             try:
                 if node == here:
                     os.kill(pid, deadlines.STACK_DUMP_SIGNAL)
@@ -581,11 +608,9 @@ class RayWorkerGroup:
                 )
                 continue
             if folder:
-                expected.append(Path(folder) / f"{self.name}-rank{rank}-pid{pid}.txt")
-        end = time.monotonic() + wait_s
-        while time.monotonic() < end and not all(_has_text(p) for p in expected):
-            time.sleep(0.05)
-        return [str(p) for p in expected if _has_text(p)]
+                expected.append(path)
+                before.append(size)
+        return [str(p) for p in _wait_for_dumps(expected, before, wait_s)]
 
     def _pid_and_node(self, rank: int, folder: str | None) -> tuple[int, str] | None:
         """Worker ``rank``'s pid and node: from its description, or -- still starting, so

@@ -4,6 +4,7 @@ and a hang that ends at its phase's deadline with every late worker's Python sta
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -15,6 +16,7 @@ from tempering.distributed.worker_groups import (
     RayWorkerGroup,
     WorkerDiedError,
     WorkerError,
+    _wait_for_dumps,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -153,3 +155,24 @@ def test_phases_of_worker_methods():
         "checkpoint.export_hf": "checkpoint", "prepare_for_generation": "call",
     }  # fmt: skip
     assert {m: deadlines.phase_of(m) for m in expected} == expected
+
+
+def test_a_dump_is_read_whole_after_a_pause_mid_write(tmp_path):
+    # CI once read rank 0's dump after its first line: a worker descheduled mid-dump (the
+    # handler writes in pieces). A file written in two parts 0.15 s apart is read after both.
+    old, fresh = tmp_path / "old.txt", tmp_path / "fresh.txt"
+    old.write_text("an earlier dump\n")
+
+    def write_in_parts():
+        for part in ("Thread 0x1 (most recent call first):\n", "  File x, line 3 in wait\n"):
+            with open(fresh, "a") as f:
+                f.write(part)
+            time.sleep(0.15)
+
+    writer = threading.Thread(target=write_in_parts)
+    writer.start()
+    assert _wait_for_dumps([fresh], [0], wait_s=10.0) == [fresh]
+    assert fresh.read_text().endswith("in wait\n")  # read whole, before the 10 s ran out
+    writer.join()
+    # a file that did not grow since the signal holds no dump of it
+    assert _wait_for_dumps([old, fresh], [old.stat().st_size, 0], wait_s=0.5) == [fresh]
