@@ -32,8 +32,10 @@ import logging
 import operator
 import os
 import re
+import shutil
 import sys
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -403,7 +405,14 @@ class RayWorkerGroup:
             )
         except BaseException:
             self._kill(self.workers)
+            self._remove_store()
             raise
+
+    def _remove_store(self) -> None:
+        """Delete the process group's rendezvous folder (single-node groups have one)."""
+        if self._store_dir is not None:
+            self._store_finalizer()
+            self._store_dir = None
 
     def _dist_init_env(self, master_addr: str, master_port: int) -> dict[str, str]:
         """How the workers form their process group (see the module docstring)."""
@@ -412,6 +421,10 @@ class RayWorkerGroup:
         import tempfile
 
         self._store_dir = tempfile.mkdtemp(prefix=f"tempering-{self.name}-")  # mode 0700
+        # removed at shutdown, at a failed start, or when the driver exits without either
+        self._store_finalizer = weakref.finalize(
+            self, shutil.rmtree, self._store_dir, ignore_errors=True
+        )
         return {
             DIST_INIT_ENV: f"file://{self._store_dir}/store",
             "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
@@ -659,7 +672,4 @@ class RayWorkerGroup:
             _, stuck = ray.wait(list(ends), num_returns=len(ends), timeout=graceful_timeout_s)
         self._kill(hung + [ends[ref] for ref in stuck])
         self.workers = []
-        if self._store_dir is not None:
-            import shutil
-
-            shutil.rmtree(self._store_dir, ignore_errors=True)
+        self._remove_store()

@@ -4,8 +4,10 @@ and a hang that ends at its phase's deadline with every late worker's Python sta
 
 from __future__ import annotations
 
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -54,6 +56,7 @@ def test_raising_worker_reports_rank_node_and_traceback(cluster):
 
 
 def test_worker_failing_in_init_is_named(cluster):
+    stores = set(Path(tempfile.gettempdir()).glob("tempering-bad-init-*"))
     start = time.monotonic()
     with pytest.raises(WorkerDiedError, match="failed to start") as info:
         RayWorkerGroup(
@@ -62,6 +65,8 @@ def test_worker_failing_in_init_is_named(cluster):
     assert time.monotonic() - start < 60
     assert info.value.method == "__init__"
     assert "told to fail in __init__" in str(info.value)
+    # the group's rendezvous folder goes with it (tests had left one in /tmp per failed start)
+    assert set(Path(tempfile.gettempdir()).glob("tempering-bad-init-*")) == stores
 
 
 def test_dying_worker_is_reported_within_seconds(cluster):
