@@ -608,8 +608,8 @@ class RayWorkerGroup:
             if found is None:
                 continue
             pid, node = found
-            path = Path(folder or ".") / f"{self.name}-rank{rank}-pid{pid}.txt"
-            size = _size(path)  # a file appended to by an earlier dump is not this one's
+            path = Path(folder) / f"{self.name}-rank{rank}-pid{pid}.txt" if folder else None
+            size = _size(path) if path else 0  # an earlier dump in the file is not this one
             try:
                 if node == here:
                     os.kill(pid, deadlines.STACK_DUMP_SIGNAL)
@@ -620,7 +620,7 @@ class RayWorkerGroup:
                     "could not signal %s rank %d (pid %d): %s", self.name, rank, pid, exc
                 )
                 continue
-            if folder:
+            if path is not None:
                 expected.append(path)
                 before.append(size)
         return [str(p) for p in _wait_for_dumps(expected, before, wait_s)]
