@@ -361,6 +361,40 @@ def test_cpu_inference_set_up_computes_the_same_function(tokenizer, batch):
     torch.testing.assert_close(q_fast.weight.grad, q_plain.weight.grad, atol=1e-4, rtol=1e-4)
 
 
+def test_bf16_layers_are_packed_only_where_the_cpu_computes_bf16(tokenizer, batch):
+    """A bf16 sampler's linears go through oneDNN where the CPU multiplies bf16 natively
+    (AVX512-BF16 / AMX: about 2x F.linear for SmolLM2's layers at 16 rows) and stay on F.linear
+    where oneDNN would emulate bf16. Packed or not, the model computes the same function: the
+    logits of padded prompts agree with the untouched bf16 model to bf16 rounding, also after
+    new weights arrive in place (a stale packed copy would keep the old model's logits)."""
+    import copy
+
+    from tempering.models.generation.torch_engine import (
+        PackedLinear,
+        native_bf16_cpu,
+        optimize_for_cpu_inference,
+    )
+
+    plain, other = _random_llama(tokenizer, 3).bfloat16(), _random_llama(tokenizer, 4).bfloat16()
+    fast = copy.deepcopy(plain)
+    done = optimize_for_cpu_inference(fast)
+    n_linear = sum(isinstance(m, torch.nn.Linear) for m in plain.modules())
+    packed = isinstance(fast.model.layers[0].mlp.down_proj, PackedLinear)
+    assert packed == native_bf16_cpu()
+    assert done["packed_linear_layers"] == (n_linear if packed else 0)
+    ids = batch["input_ids"]
+    mask = (ids != tokenizer.pad_token_id).long()
+
+    def logits(model):
+        with torch.inference_mode():
+            return model(ids, attention_mask=mask).logits.float() * mask[..., None]
+
+    torch.testing.assert_close(logits(fast), logits(plain), atol=0.05, rtol=0.02)
+    TorchGenerationEngine(fast, tokenizer).update_weights(other.state_dict())
+    torch.testing.assert_close(logits(fast), logits(other), atol=0.05, rtol=0.02)
+    assert (logits(fast) - logits(plain)).abs().max() > 0.5  # the refit took
+
+
 def test_rows_sharing_a_prompt_are_prefilled_once(model, tokenizer):
     """A GRPO group's rows share their prompt: the prefill runs once per distinct prompt and
     its cache is copied to each row. Greedy rows of a group equal the prompt generated alone,

@@ -564,16 +564,25 @@ def optimize_for_cpu_inference(model: torch.nn.Module) -> dict[str, int]:
     return done
 
 
+def native_bf16_cpu() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX) and oneDNN uses it.
+    Without them oneDNN emulates bf16 (slower than fp32), so bf16 layers stay on F.linear."""
+    cpu = torch.cpu
+    has = [getattr(cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return any(has) and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def pack_linear_layers(model: torch.nn.Module) -> int:
-    """Replace ``model``'s CPU fp32 `nn.Linear` layers by `PackedLinear`; returns how
-    many. Where oneDNN is missing (or the model is on a GPU) nothing changes, and a CPU model
-    left unpacked is logged."""
+    """Replace ``model``'s CPU fp32 `nn.Linear` layers (and bf16 ones on a CPU with native
+    bf16, `native_bf16_cpu`) by `PackedLinear`; returns how many. Where oneDNN is missing (or
+    the model is on a GPU) nothing changes, and a CPU model left unpacked is logged."""
+    dtypes = (torch.float32, torch.bfloat16) if native_bf16_cpu() else (torch.float32,)
     linears = [
         (name, m)
         for name, m in model.named_modules()
         if type(m) is torch.nn.Linear
         and m.weight.device.type == "cpu"
-        and m.weight.dtype == torch.float32  # bf16 needs CPU support oneDNN may emulate
+        and m.weight.dtype in dtypes
     ]
     if not linears:
         return 0
