@@ -568,7 +568,10 @@ def native_bf16_cpu() -> bool:
     """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX) and oneDNN uses it.
     Without them oneDNN emulates bf16 (slower than fp32), so bf16 layers stay on F.linear."""
     cpu = torch.cpu
-    has = [getattr(cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    has = [
+        getattr(cpu, f, lambda: False)()
+        for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    ]
     return any(has) and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
@@ -580,9 +583,7 @@ def pack_linear_layers(model: torch.nn.Module) -> int:
     linears = [
         (name, m)
         for name, m in model.named_modules()
-        if type(m) is torch.nn.Linear
-        and m.weight.device.type == "cpu"
-        and m.weight.dtype in dtypes
+        if type(m) is torch.nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype in dtypes
     ]
     if not linears:
         return 0
