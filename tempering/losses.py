@@ -74,7 +74,11 @@ class LossFunction(Protocol):
 
     ``pairwise``: the batch interleaves chosen/rejected pairs (``2i`` chosen, ``2i + 1``
     rejected) and ``global_valid_seqs`` counts PAIRS; the worker then keeps pairs together
-    in one micro-batch. The worker reads only these two attributes and calls the loss.
+    in one micro-batch. ``temperature`` (optional, 1.0 when absent): the temperature the
+    samples were drawn at; the worker divides the policy's and the reference's logits by it
+    before the loss sees them, so the trainer's log-probs are those of the distribution the
+    sampler drew from (docs/CONTRACTS.md). The worker reads only these attributes and calls
+    the loss.
     """
 
     loss_type: LossType
@@ -252,6 +256,11 @@ class ClippedPGLoss:
       the generator; needed for the mismatch metrics and for importance-sampling correction),
       ``reference_policy_logprobs`` ``[B, S]`` (needed when ``reference_policy_kl_penalty > 0``).
 
+    ``temperature``: the sampling temperature (``policy.generation.temperature``). The policy
+    worker divides the logits (the policy's and the reference's) by it before this loss runs,
+    as NeMo RL's worker does, so ``curr``, ``prev`` and ``ref`` are log-probs of the
+    distribution the generator sampled from; at 1.0 nothing changes.
+
     Per valid token, with advantage ``A`` and the PPO ratio ``ratio``:
 
       ratio = exp(curr - prev)                                   (per token; default)
@@ -311,7 +320,13 @@ class ClippedPGLoss:
         truncated_importance_sampling_type: TruncatedISType | None = None,
         truncated_importance_sampling_ratio_min: float | None = None,
         sequence_level_importance_ratios: bool = False,
+        temperature: float = 1.0,
     ) -> None:
+        if temperature <= 0:
+            raise ValueError(
+                f"temperature={temperature} must be > 0: the sampling temperature the "
+                "trainer's logits are divided by (policy.generation.temperature)"
+            )
         if ratio_clip_min < 0 or ratio_clip_max < 0:
             raise ValueError(
                 f"ratio_clip_min={ratio_clip_min} and ratio_clip_max={ratio_clip_max} must be "
@@ -346,6 +361,7 @@ class ClippedPGLoss:
         self.truncated_importance_sampling_ratio = truncated_importance_sampling_ratio
         self.truncated_importance_sampling_ratio_min = truncated_importance_sampling_ratio_min
         self.sequence_level_importance_ratios = sequence_level_importance_ratios
+        self.temperature = temperature
 
     def __call__(
         self,

@@ -269,6 +269,7 @@ def make_loss(cfg: GRPOMasterConfig) -> Any:
         truncated_importance_sampling_type=lf.truncated_importance_sampling_type,
         truncated_importance_sampling_ratio_min=lf.truncated_importance_sampling_ratio_min,
         sequence_level_importance_ratios=lf.sequence_level_importance_ratios,
+        temperature=cfg.policy.generation.temperature,  # the trainer's logits at the sampler's
     )
 
 
@@ -523,7 +524,9 @@ def behaviour_logprobs(run: GRPORun, data: Any, timer: Any) -> None:
     with timer.time("logprobs"):
         faults.maybe_fault("controller", "logprobs")
         if data.size > run.cfg.policy.train_global_batch_size:
-            data["prev_logprobs"] = run.policy.get_logprobs(data)["logprobs"]
+            data["prev_logprobs"] = run.policy.get_logprobs(
+                data, temperature=run.cfg.policy.generation.temperature
+            )["logprobs"]
 
 
 def train_policy(run: GRPORun, data: Any, loss_fn: Any, timer: Any) -> dict[str, float]:

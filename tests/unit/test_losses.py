@@ -450,6 +450,8 @@ def test_bradley_terry_loss_and_grad():
 def test_errors_name_the_problem():
     with pytest.raises(ValueError, match="ratio_clip_c=0.5"):
         ClippedPGLoss(ratio_clip_c=0.5)
+    with pytest.raises(ValueError, match="temperature=0.0 must be > 0"):
+        ClippedPGLoss(temperature=0.0)
     with pytest.raises(ValueError, match="even"):
         count_valid_pairs(torch.ones(3))
     with pytest.raises(KeyError, match="token_mask"):

@@ -1,7 +1,8 @@
 """Shared-prefix forwards (tempering/models/policy/shared_prefix.py): rows that start alike
 run their prefix once, and every row's logits, log-probs and gradients equal those of the rows
 computed whole; the cost model keeps rows apart where sharing would not pay; DPO's reference
-log-probs computed inside the train call equal the separate call's.
+log-probs computed inside the train call equal the separate call's, and GRPO's, at the
+sampling temperature, equal the separate call's at that temperature.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tempering.distributed.batched_data_dict import BatchedDataDict
-from tempering.losses import DPOLoss, NLLLoss
+from tempering.losses import ClippedPGLoss, DPOLoss, NLLLoss
 from tempering.models.policy.shared_prefix import attention_cost_ratio, plan_shared_prefix
 
 VOCAB = 100
@@ -167,3 +168,33 @@ def test_dpo_reference_inside_the_train_call_equals_the_separate_call(make_worke
     assert one_call["num_computed_tokens"] < one_call["num_tokens"]
     for key in ("loss", "reward_margin", "rewards_chosen_mean", "reference_logprob_accuracy"):
         assert one_call[key] == pytest.approx(two_calls[key], abs=1e-5), key
+
+
+def test_grpo_trains_on_the_distribution_sampled_at_its_temperature(make_worker) -> None:
+    """Samples drawn at temperature T carry log_softmax(logits / T); a `ClippedPGLoss` built
+    with T makes the worker divide the policy's and the reference's logits by T before the
+    loss. So the sampler/trainer mismatch is nil, and the KL term computed with the reference
+    inside the train call equals the one from the separate reference call at T. (Trained at
+    T = 1 instead, token_mult_prob_error would read the gap between the two distributions.)"""
+    T = 0.5
+    data = grouped_rows(seed=5)
+    worker = make_worker(init_reference_model=True, init_optimizer=True, learning_rate=0.0)
+    with torch.no_grad():  # move the policy away from its reference: the KL is not zero
+        for p in worker.state.model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    data["generation_logprobs"] = worker.get_logprobs(data, temperature=T)["logprobs"]
+    data["advantages"] = torch.linspace(-1.0, 1.0, data.size)
+    loss_fn = ClippedPGLoss(reference_policy_kl_penalty=0.5, temperature=T)
+    args = {"global_batch_size": 12, "micro_batch_size": 4, "eval_mode": True}
+    one_call = worker.train(data, loss_fn, with_reference=True, **args)
+    separate = BatchedDataDict(dict(data))
+    separate["reference_policy_logprobs"] = worker.get_reference_policy_logprobs(
+        data, temperature=T
+    )["reference_policy_logprobs"]
+    two_calls = worker.train(separate, loss_fn, **args)
+    at_one = worker.train(separate, ClippedPGLoss(reference_policy_kl_penalty=0.5), **args)
+    assert one_call["token_mult_prob_error"] == pytest.approx(1.0, abs=1e-5)
+    assert at_one["token_mult_prob_error"] > 1.01  # what training at T = 1 would see
+    assert one_call["kl_penalty"] > 1e-4
+    for key in ("loss", "kl_penalty", "entropy"):
+        assert one_call[key] == pytest.approx(two_calls[key], abs=1e-6), key

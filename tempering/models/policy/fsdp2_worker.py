@@ -333,6 +333,7 @@ class FSDP2PolicyWorker:
         """Every micro-batch's loss (and its backward when ``do_step``); ranks with fewer
         micro-batches run padding passes. Returns the loss sum and per-micro-batch metrics."""
         model, topo = self.state.model, self.state.topo
+        temperature = float(getattr(loss_fn, "temperature", 1.0))  # the LossFunction protocol
         loss_sum = 0.0
         mb_metrics: list[dict[str, float]] = []
         for i in range(topo.equalise(len(mbs))):
@@ -343,10 +344,10 @@ class FSDP2PolicyWorker:
                     with torch.no_grad(), self.state.reference() as reference:
                         ref = self.forward_pass.logits(reference, mb, layouts[i])
                         mb["reference_policy_logprobs"] = token_logprobs(
-                            ref, mb["input_ids"], mb.get("token_mask")
+                            _at(ref, temperature), mb["input_ids"], mb.get("token_mask")
                         )  # read by the loss at its token mask only
                 router: list[Any] | None = [] if self.moe is not None else None
-                logits = self.forward_pass.logits(model, mb, layouts[i], router)
+                logits = _at(self.forward_pass.logits(model, mb, layouts[i], router), temperature)
                 loss, metrics = loss_fn(logits, mb, *normalisers)
                 loss_sum += float(loss.detach())
                 if router is not None:
@@ -454,8 +455,7 @@ class FSDP2PolicyWorker:
         temperature: float,
     ) -> torch.Tensor:
         def head(logits: torch.Tensor, mb: BatchedDataDict) -> tuple[torch.Tensor]:
-            if temperature != 1.0:
-                logits = logits / temperature
+            logits = _at(logits, temperature)
             real = _valid_positions(mb["input_ids"], mb)
             return (token_logprobs(logits, mb["input_ids"], real),)  # [b, s], 0 at padding
 
@@ -528,6 +528,11 @@ class FSDP2PolicyWorker:
         """Leave the process group (for workers built directly in a test process)."""
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _at(logits: Any, temperature: float) -> Any:
+    """``logits`` at the sampling temperature (a tensor or `HiddenLogits`; 1.0: unchanged)."""
+    return logits if temperature == 1.0 else logits / temperature
 
 
 def _logprob_args(
