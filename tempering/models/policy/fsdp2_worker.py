@@ -439,7 +439,7 @@ class FSDP2PolicyWorker:
         batching = (micro_batch_size, max_tokens_per_microbatch, pack_sequences)
 
         def head(logits: torch.Tensor, mb: BatchedDataDict) -> tuple[torch.Tensor, ...]:
-            values, indices = topk_logprobs(logits / temperature, k)
+            values, indices = topk_logprobs(_at(logits, temperature), k)
             valid = _valid_positions(values, mb)[..., None]
             # token ids as int32 (any vocabulary fits; half int64's bytes on the wire)
             return values * valid, (indices * valid.long()).to(torch.int32)
