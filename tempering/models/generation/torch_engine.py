@@ -12,9 +12,10 @@ generating. Implements `GenerationInterface` with the token layout of docs/CONTR
   concatenating a fresh copy of the cache at every step;
 - `optimize_for_cpu_inference(model)`, called by the workers on the model copy they generate
   with (it changes the model's modules, so the engine does not do it to a model it is lent):
-  `nn.Linear` layers become `PackedLinear` (the same function, computed by oneDNN from a
-  weight copy reordered once into its blocked layout, and again whenever the weight changes,
-  e.g. after a refit), and grouped-query attention with a padding mask runs as one SDPA call
+  `nn.Linear` layers (fp32 ones from `PACK_MIN_WEIGHTS` weights) become `PackedLinear` (the same
+  function, computed by oneDNN from a weight copy reordered into its blocked layout once the
+  weight has served `PACK_AFTER_CALLS` forwards unchanged, so a refit followed by a short
+  generation does not pay a reorder it cannot earn back), and grouped-query attention with a padding mask runs as one SDPA call
   with ``enable_gqa`` (`CPU_SDPA`) instead of HF's copy of every key/value head per group;
 - rows that emit a stop token (eos or `stop_token_ids`) or whose generated text contains a
   stop string are finished: later columns are padding; once a quarter of the batch has
@@ -55,6 +56,18 @@ _STOP_WINDOW_SLACK = 4
 # Finished rows leave the decode batch once the live ones are at most this share of it
 # (each compaction copies the KV cache once, so not after every finished row).
 _COMPACT_BELOW = 0.75
+# oneDNN's packed linear against F.linear, measured on a 2-core Xeon with AMX (us per layer,
+# 60 distinct weights in turn): fp32 packing wins from 576 x 576 up at 16 rows (115 against
+# 142; the 49k x 576 lm_head 6.3 against 11.8 ms) and loses below (192 x 576: 48 against 40;
+# tiny-arith's 512 x 128 at 128 rows: 86 against 72); bf16 packing wins at every size (192 x
+# 576: 30 against 43; 512 x 128: 44 against 56). Reordering a weight costs ~300 us plus its
+# size (the lm_head: 48 ms fp32, 25 ms bf16). So fp32 layers under PACK_MIN_WEIGHTS stay on
+# F.linear, and a weight is packed once it has served PACK_AFTER_CALLS forwards unchanged
+# (rent before buying: the reorder pays for itself within 3-35 calls), which a refit resets.
+# The main job refits every step and runs 7 forwards a step: repacking its 15 layers each
+# step made a 21 ms generation 31 ms.
+PACK_MIN_WEIGHTS = {torch.float32: 2**17, torch.bfloat16: 0}
+PACK_AFTER_CALLS = 8
 
 
 class TorchGenerationEngine:
@@ -528,38 +541,58 @@ class PackedLinear(torch.nn.Module):
     `F.linear` calls on CPU) reached 50-110 GFLOP/s on our 2-core machine and oneDNN with the
     weight reordered once into its blocked layout 100-170 (SmolLM2's 49k x 576 lm_head at 16
     rows: 19 -> 5.8 ms). The module keeps the original ``weight``/``bias`` parameters under
-    their names (state dicts, refit and tied weights are unchanged) and re-reorders when the
-    weight is replaced or changed in place (its version counter moves), so it never computes
-    with stale weights. With autograd recording (training) it is plain `F.linear`."""
+    their names (state dicts, refit and tied weights are unchanged). The reorder is not free
+    (see `PACK_AFTER_CALLS`): the layer runs `F.linear` until the weight has served
+    ``pack_after`` forwards unchanged, then packs; a weight replaced or changed in place (its
+    version counter moves) drops the packed copy and counts again, so it never computes with
+    stale weights. With autograd recording (training) it is plain `F.linear`."""
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    def __init__(self, linear: torch.nn.Linear, pack_after: int = PACK_AFTER_CALLS) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
+        self.pack_after = pack_after
         self._packed: torch.Tensor | None = None
-        self._packed_from: tuple[int, int] | None = None  # (id, version) of the weight packed
+        self._stamp: tuple[int, int] | None = None  # (id, version) of the weight counted
+        self._calls = 0  # forwards with that weight
+
+    @property
+    def is_packed(self) -> bool:
+        """Whether the next forward computes from the packed copy (the weight unchanged)."""
+        return self._packed is not None and self._stamp == (id(self.weight), self.weight._version)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if (torch.is_grad_enabled() and w.requires_grad) or x.dtype != w.dtype:
             return torch.nn.functional.linear(x, w, self.bias)
         stamp = (id(w), w._version)
-        if self._packed is None or self._packed_from != stamp:
+        if self._stamp != stamp:  # new weights: drop the old copy, count again
+            self._packed, self._stamp, self._calls = None, stamp, 0
+        if self._packed is None:
+            self._calls += 1
+            if self._calls <= self.pack_after:
+                return torch.nn.functional.linear(x, w, self.bias)
             with torch.inference_mode(False), torch.no_grad():  # a normal tensor, reusable
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach())
-            self._packed_from = stamp
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, oneDNN after "
+            f"{self.pack_after} calls"
+        )
 
 
-def optimize_for_cpu_inference(model: torch.nn.Module) -> dict[str, int]:
+def optimize_for_cpu_inference(
+    model: torch.nn.Module, min_weights: int | None = None, pack_after: int = PACK_AFTER_CALLS
+) -> dict[str, int]:
     """Make a CPU model that only generates decode faster, computing the same function:
-    `PackedLinear` layers and `CPU_SDPA` attention (see module docstring). Returns what it
-    changed (``packed_linear_layers``, ``cpu_sdpa``), and logs it."""
-    done = {"packed_linear_layers": pack_linear_layers(model), "cpu_sdpa": int(use_cpu_sdpa(model))}
+    `PackedLinear` layers (of at least ``min_weights`` weights, None: `PACK_MIN_WEIGHTS` for
+    their dtype; packed after ``pack_after`` forwards) and `CPU_SDPA` attention (see module docstring). Returns what it changed
+    (``packed_linear_layers``, ``cpu_sdpa``), and logs it."""
+    packed = pack_linear_layers(model, min_weights, pack_after)
+    done = {"packed_linear_layers": packed, "cpu_sdpa": int(use_cpu_sdpa(model))}
     logger.info("torch engine: CPU inference set-up %s", done)
     return done
 
@@ -575,15 +608,23 @@ def native_bf16_cpu() -> bool:
     return any(has) and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def pack_linear_layers(model: torch.nn.Module) -> int:
+def pack_linear_layers(
+    model: torch.nn.Module, min_weights: int | None = None, pack_after: int = PACK_AFTER_CALLS
+) -> int:
     """Replace ``model``'s CPU fp32 `nn.Linear` layers (and bf16 ones on a CPU with native
-    bf16, `native_bf16_cpu`) by `PackedLinear`; returns how many. Where oneDNN is missing (or
-    the model is on a GPU) nothing changes, and a CPU model left unpacked is logged."""
+    bf16, `native_bf16_cpu`) of at least ``min_weights`` weights (None: `PACK_MIN_WEIGHTS`
+    for their dtype) by `PackedLinear` (packing after ``pack_after`` forwards); returns how
+    many. Where oneDNN is missing (or the model is on a GPU) nothing changes, and a CPU model
+    left unpacked for that is logged."""
     dtypes = (torch.float32, torch.bfloat16) if native_bf16_cpu() else (torch.float32,)
     linears = [
         (name, m)
         for name, m in model.named_modules()
-        if type(m) is torch.nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype in dtypes
+        if type(m) is torch.nn.Linear
+        and m.weight.device.type == "cpu"
+        and m.weight.dtype in dtypes
+        and m.weight.numel()
+        >= (PACK_MIN_WEIGHTS[m.weight.dtype] if min_weights is None else min_weights)
     ]
     if not linears:
         return 0
@@ -600,7 +641,7 @@ def pack_linear_layers(model: torch.nn.Module) -> int:
         return 0
     for name, linear in linears:
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, PackedLinear(linear))
+        setattr(model.get_submodule(parent_name), child, PackedLinear(linear, pack_after))
     return len(linears)
 
 
