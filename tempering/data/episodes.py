@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from tempering.distributed.batched_data_dict import BatchedDataDict
+from tempering.distributed.batched_data_dict import BatchedDataDict, rows_tensor
 
 __all__ = ["EpisodeRecord", "build_batch"]
 
@@ -57,9 +57,9 @@ def build_batch(episodes: Sequence[EpisodeRecord], pad_token_id: int = 0) -> Bat
             lps[start : start + len(gen)] = gen_lps
         mask_rows.append(mask)
         lp_rows.append(lps)
-    input_ids = torch.tensor(ids_rows, dtype=torch.long)
-    token_mask = torch.tensor(mask_rows, dtype=torch.float32)
-    logprobs = torch.tensor(lp_rows, dtype=torch.float32)
+    input_ids = rows_tensor(ids_rows, torch.long)
+    token_mask = rows_tensor(mask_rows, torch.float32)
+    logprobs = rows_tensor(lp_rows, torch.float32)
     batch = BatchedDataDict(
         input_ids=input_ids,
         input_lengths=torch.tensor([max(len(e.ids), 1) for e in episodes], dtype=torch.long),
@@ -85,4 +85,4 @@ def _version_rows(episodes: Sequence[EpisodeRecord], S: int) -> torch.Tensor:
         for (start, gen, _), versions in zip(ep.spans, ep.versions or [], strict=True):
             row[start : start + len(gen)] = versions
         rows.append(row)
-    return torch.tensor(rows, dtype=torch.long)
+    return rows_tensor(rows, torch.long)

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 Value = Any  # torch.Tensor (batch on dim 0) or list
@@ -123,6 +124,13 @@ def _bin(data: BatchedDataDict, members: list[int], lens: list[int], keys: list[
         max_seqlen=max(lens),
         tokens=tokens,
     )
+
+
+def rows_tensor(rows: Sequence[Sequence[Any]], dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A ``[R, C]`` tensor from ``R`` Python lists of equal length ``C``, through numpy:
+    `torch.tensor` infers the type of every element of a nested list, 4-6x slower (a GRPO
+    step's 128 x 17 token rows: 536 against 128 us)."""
+    return torch.from_numpy(np.array(rows)).to(dtype)
 
 
 def _as_array(value: Any) -> Any:

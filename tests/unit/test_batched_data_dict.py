@@ -255,3 +255,16 @@ def test_batches_through_rays_object_store_come_back_writable(ray_session):
     back = ray.get(ray.put(data))
     back["x"] += 1
     assert float(back["x"].sum()) == 256 * 1024 and float(data["x"].sum()) == 0
+
+
+def test_rows_tensor_equals_torch_tensor_of_the_rows():
+    """The numpy route builds exactly what torch.tensor builds from nested lists: same dtype,
+    shape and values (floats rounded to float32 the same way)."""
+    from tempering.distributed.batched_data_dict import rows_tensor
+
+    ints = [[1, 2, 3], [2**40, -5, 0]]
+    floats = [[0.1, -1.5, 1e-8], [3.0, 0.0, 2.0 / 3.0]]
+    for rows, dtype in ((ints, torch.long), (floats, torch.float32), (ints, torch.float32)):
+        got, want = rows_tensor(rows, dtype), torch.tensor(rows, dtype=dtype)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got, want)

@@ -45,7 +45,7 @@ from typing import Any, Literal
 
 import torch
 
-from tempering.distributed.batched_data_dict import BatchedDataDict
+from tempering.distributed.batched_data_dict import BatchedDataDict, rows_tensor
 from tempering.models.generation.chat import (
     ChatPromptBuilder,
     NonContiguousHistoryError,
@@ -414,7 +414,7 @@ class ChatCompletionService:
         first = rows[0].request
         width, pad = max(len(r.prompt_ids) for r in rows), _pad_id(self.tokenizer)
         lengths = torch.tensor([len(r.prompt_ids) for r in rows], dtype=torch.long)
-        input_ids = torch.tensor([r.prompt_ids + [pad] * (width - len(r.prompt_ids)) for r in rows])
+        input_ids = rows_tensor([r.prompt_ids + [pad] * (width - len(r.prompt_ids)) for r in rows])
         caps = torch.tensor([r.max_new_tokens for r in rows], dtype=torch.long)
         data = BatchedDataDict(input_ids=input_ids, input_lengths=lengths, max_new_tokens=caps)
         sampling = dataclasses.replace(

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from tempering.distributed.batched_data_dict import first_fit_decreasing
+from tempering.distributed.batched_data_dict import first_fit_decreasing, rows_tensor
 
 # Attention implementations that take a custom 4-D boolean mask (True = attend).
 BOOL_MASK_ATTENTION = ("sdpa", "tempering_packed_sdpa")
@@ -166,12 +166,12 @@ def _layout(
             for j in open_nodes:
                 end[r][j] = node
     pos = torch.arange(L)
-    ends = torch.tensor(end)  # [R, L]
+    ends = rows_tensor(end)  # [R, L]
     mask = (pos[None, None, :] <= pos[None, :, None]) & (pos[None, :, None] < ends[:, None, :])
     return SharedPrefixPlan(
-        input_ids=torch.tensor(ids),
-        position_ids=torch.tensor(depth),
+        input_ids=rows_tensor(ids),
+        position_ids=rows_tensor(depth),
         mask=mask[:, None],
-        gather=torch.tensor(gather),
+        gather=rows_tensor(gather),
         tokens=sum(sizes),
     )
