@@ -4,7 +4,7 @@ For each algorithm (SFT, DPO, GRPO) and scale (tiny-arith; SmolLM2-135M), in one
 
   (a) the machine's sustained fp32 matmul rate (torch.mm, the same threads as the workers);
   (b) the floor: the same step's math in this one process, plain torch -- an HF model, a
-      masked NLL / DPO / policy-gradient loss, backward, gradient clipping, AdamW (foreach),
+      masked NLL / DPO / policy-gradient loss, backward, gradient clipping, AdamW (fused),
       HF `generate` for GRPO's sampling -- no Ray, no FSDP2, no data plumbing, batches built
       beforehand;
   (c) tempering's step: the real code path (a one-worker FSDP2 policy in a Ray actor; for
@@ -125,7 +125,7 @@ def floor_model(path: str, lr: float):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return model, torch.optim.AdamW(model.parameters(), lr=lr, foreach=True)
+    return model, torch.optim.AdamW(model.parameters(), lr=lr, fused=True)  # as tempering
 
 
 # ----------------------------------------------------------------------------- SFT / DPO
