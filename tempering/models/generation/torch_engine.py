@@ -12,11 +12,12 @@ generating. Implements `GenerationInterface` with the token layout of docs/CONTR
   concatenating a fresh copy of the cache at every step;
 - `optimize_for_cpu_inference(model)`, called by the workers on the model copy they generate
   with (it changes the model's modules, so the engine does not do it to a model it is lent):
-  `nn.Linear` layers (fp32 ones from `PACK_MIN_WEIGHTS` weights) become `PackedLinear` (the same
-  function, computed by oneDNN from a weight copy reordered into its blocked layout once the
-  weight has served `PACK_AFTER_CALLS` forwards unchanged, so a refit followed by a short
-  generation does not pay a reorder it cannot earn back), and grouped-query attention with a padding mask runs as one SDPA call
-  with ``enable_gqa`` (`CPU_SDPA`) instead of HF's copy of every key/value head per group;
+  `nn.Linear` layers (fp32 ones from `PACK_MIN_WEIGHTS` weights) become `PackedLinear` (the
+  same function, computed by oneDNN from a weight copy reordered into its blocked layout once
+  the weight has served `PACK_AFTER_CALLS` forwards unchanged, so a refit followed by a short
+  generation does not pay a reorder it cannot earn back), and grouped-query attention with a
+  padding mask runs as one SDPA call with ``enable_gqa`` (`CPU_SDPA`) instead of HF's copy of
+  every key/value head per group;
 - rows that emit a stop token (eos or `stop_token_ids`) or whose generated text contains a
   stop string are finished: later columns are padding; once a quarter of the batch has
   finished, finished rows leave it (and the KV cache), and the loop ends once all are done;
@@ -589,8 +590,9 @@ def optimize_for_cpu_inference(
 ) -> dict[str, int]:
     """Make a CPU model that only generates decode faster, computing the same function:
     `PackedLinear` layers (of at least ``min_weights`` weights, None: `PACK_MIN_WEIGHTS` for
-    their dtype; packed after ``pack_after`` forwards) and `CPU_SDPA` attention (see module docstring). Returns what it changed
-    (``packed_linear_layers``, ``cpu_sdpa``), and logs it."""
+    their dtype; packed after ``pack_after`` forwards) and `CPU_SDPA` attention (see module
+    docstring). Returns what it changed (``packed_linear_layers``, ``cpu_sdpa``), and logs
+    it."""
     packed = pack_linear_layers(model, min_weights, pack_after)
     done = {"packed_linear_layers": packed, "cpu_sdpa": int(use_cpu_sdpa(model))}
     logger.info("torch engine: CPU inference set-up %s", done)
