@@ -23,7 +23,9 @@ gradient checkpointing off, reference log-probs computed every step in both (TRL
   while the worker trains, and taking the batch from it is inside the timed step);
 - TRL 1.16: run with ``venvs/bench/bin/python`` in a subprocess (TRL is not a
   dependency of tempering), ``use_cpu=True, bf16=False``; seconds per step measured by a
-  `TrainerCallback` between `on_step_begin` and `on_step_end`.
+  `TrainerCallback` from one `on_step_end` to the next (fetching and collating the batch
+  counts, as on tempering's side; until 2026-11-28 it timed `on_step_begin` to `on_step_end`,
+  which left TRL's batch out).
 
 Each side runs ``--runs`` times, interleaved (these machines are noisy); prints the median of
 the per-run medians with their spread, and the speed-up per run. A benchmark reports, it never

@@ -25,8 +25,9 @@ Each side's defaults otherwise: TRL pads each batch to its longest row (``paddin
 - tempering: the real controller path, a `Policy` over one FSDP2 worker in a Ray actor, the
   batches from SFT's own prefetching loader (taking the batch is inside the timed step);
 - TRL 1.16: ``venvs/bench/bin/python`` in a subprocess (TRL is not a dependency of
-  tempering), ``use_cpu=True, bf16=False``; seconds per step by a `TrainerCallback` between
-  `on_step_begin` and `on_step_end`.
+  tempering), ``use_cpu=True, bf16=False``; seconds per step by a `TrainerCallback` from one
+  `on_step_end` to the next (its batch's fetch and collation count, as on tempering's side;
+  until 2026-11-28 it timed `on_step_begin` to `on_step_end`, which left them out).
 
 Each side runs ``--runs`` times, interleaved (these machines are noisy); prints the median of
 the per-run medians with their spread, and the speed-up per run. A benchmark reports, it never

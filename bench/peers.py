@@ -37,7 +37,8 @@ def ensure_bench_venv() -> Path:
 
 
 # The start of every TRL trainer script: the spec (argv[1]), threads, seed, the rows (JSON
-# file), the model and tokenizer in fp32, and ``timer``, a callback timing each optimizer step.
+# file), the model and tokenizer in fp32, and ``timer``, a callback timing each optimizer step
+# end to end.
 TRL_PRELUDE = """
 import json, sys, time, torch
 from datasets import Dataset
@@ -51,12 +52,17 @@ model = AutoModelForCausalLM.from_pretrained(args["model"], dtype=torch.float32)
 tok = AutoTokenizer.from_pretrained(args["model"])
 
 class Timer(TrainerCallback):
+    # a step's wall time from the previous step's end (the first step's from its begin):
+    # fetching and collating its batch counts, as it does in tempering's timed steps
     def __init__(self):
         self.times, self.t0 = [], None
     def on_step_begin(self, a, s, c, **kw):
-        self.t0 = time.perf_counter()
+        if self.t0 is None:
+            self.t0 = time.perf_counter()
     def on_step_end(self, a, s, c, **kw):
-        self.times.append(time.perf_counter() - self.t0)
+        now = time.perf_counter()
+        self.times.append(now - self.t0)
+        self.t0 = now
 
 timer = Timer()
 """

@@ -19,10 +19,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from tempering.data.preference_datasets import PreferencePair
-from tempering.data.processing import TokenizedExample, tokenize_message_log
+from tempering.data.processing import TextMemo, TokenizedExample, tokenize_message_log
 from tempering.distributed.batched_data_dict import BatchedDataDict
 
 
@@ -32,17 +33,19 @@ def collate_sft(examples: Sequence[TokenizedExample], pad_token_id: int) -> Batc
         raise ValueError("collate_sft got an empty list of examples")
     lengths = [len(e["input_ids"]) for e in examples]
     seq_len = max(max(lengths), 1)
-    input_ids = torch.full((len(examples), seq_len), pad_token_id, dtype=torch.long)
-    token_mask = torch.zeros((len(examples), seq_len), dtype=torch.float32)
+    # numpy fills rows from lists ~10x faster than a torch.tensor per row
+    input_ids = np.full((len(examples), seq_len), pad_token_id, dtype=np.int64)
+    token_mask = np.zeros((len(examples), seq_len), dtype=np.float32)
     for b, example in enumerate(examples):
         n = lengths[b]
-        input_ids[b, :n] = torch.tensor(example["input_ids"], dtype=torch.long)
-        token_mask[b, :n] = torch.tensor(example["token_mask"], dtype=torch.float32)
+        input_ids[b, :n] = example["input_ids"]
+        token_mask[b, :n] = example["token_mask"]
+    mask = torch.from_numpy(token_mask)
     return BatchedDataDict(
-        input_ids=input_ids,
+        input_ids=torch.from_numpy(input_ids),
         input_lengths=torch.tensor(lengths, dtype=torch.long),
-        token_mask=token_mask,
-        sample_mask=(token_mask.sum(dim=1) > 0).to(torch.float32),
+        token_mask=mask,
+        sample_mask=(mask.sum(dim=1) > 0).to(torch.float32),
     )
 
 
@@ -66,12 +69,17 @@ def collate_preference(
     if not pairs:
         raise ValueError("collate_preference got an empty list of pairs")
     examples: list[TokenizedExample] = []
+    memo = TextMemo(tokenizer)  # a pair's two rows render and encode its prompt once
     for pair in pairs:
         start = len(pair.prompt)
         for response in (pair.chosen, pair.rejected):
             examples.append(
                 tokenize_message_log(
-                    pair.prompt + response, tokenizer, max_seq_len, loss_from_message=start
+                    pair.prompt + response,
+                    tokenizer,
+                    max_seq_len,
+                    loss_from_message=start,
+                    memo=memo,
                 )
             )
     batch = collate_sft(examples, pad_token_id_of(tokenizer))

@@ -31,6 +31,7 @@ from typing import Any, TypedDict
 
 from tempering.data.records import MessageLog
 from tempering.errors import UserInputError
+from tempering.models.hf import text_encoder
 
 logger = logging.getLogger(__name__)
 
@@ -45,19 +46,43 @@ class TokenizedExample(TypedDict):
     truncated: bool
 
 
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+class TextMemo:
+    """The chat-template renders and encodings of one batch, each computed once: rows of a
+    batch repeat them (a preference pair's chosen and rejected rows share their prompt, a
+    conversation's turns their history). Returned id lists are shared: do not mutate them."""
 
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._encode = text_encoder(tokenizer)
+        self._ids: dict[str, list[int]] = {}
+        self._renders: dict[tuple[str, bool], str] = {}
 
-def _render(tokenizer: Any, messages: MessageLog, add_generation_prompt: bool) -> str:
-    if not messages and not add_generation_prompt:
-        return ""
-    text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt
-    )
-    if not isinstance(text, str):
-        raise ChatTemplateError(f"apply_chat_template returned {type(text).__name__}, not str")
-    return text
+    def encode(self, text: str, keep: bool = True) -> list[int]:
+        """``keep=False``: a text no other row repeats (a whole row), not memoised."""
+        if not text:
+            return []
+        ids = self._ids.get(text)
+        if ids is None:
+            ids = self._encode(text)
+            if keep:
+                self._ids[text] = ids
+        return ids
+
+    def render(self, messages: MessageLog, add_generation_prompt: bool) -> str:
+        if not messages and not add_generation_prompt:
+            return ""
+        key = (repr(messages), add_generation_prompt)
+        text = self._renders.get(key)
+        if text is None:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+            if not isinstance(text, str):
+                raise ChatTemplateError(
+                    f"apply_chat_template returned {type(text).__name__}, not str"
+                )
+            self._renders[key] = text
+        return text
 
 
 def _strip_prefix(text: str, prefix: str, what: str) -> str:
@@ -72,17 +97,17 @@ def _strip_prefix(text: str, prefix: str, what: str) -> str:
 
 
 def _templated_pieces(
-    messages: MessageLog, tokenizer: Any, add_generation_prompt: bool
+    messages: MessageLog, memo: TextMemo, add_generation_prompt: bool
 ) -> list[tuple[str, bool, int]]:
     """``(text, is_assistant_body, message_index)`` pieces whose concatenation is the render."""
     pieces: list[tuple[str, bool, int]] = []
     rendered = ""
     for i, message in enumerate(messages):
-        full = _render(tokenizer, messages[: i + 1], False)
+        full = memo.render(messages[: i + 1], False)
         delta = _strip_prefix(full, rendered, f"message {i} ({message['role']})")
         if message["role"] == "assistant":
             header = _strip_prefix(
-                _render(tokenizer, messages[:i], True), rendered, "the generation prompt"
+                memo.render(messages[:i], True), rendered, "the generation prompt"
             )
             body = _strip_prefix(delta, header, f"assistant message {i} after its header")
             pieces += [(header, False, i), (body, True, i)]
@@ -90,22 +115,22 @@ def _templated_pieces(
             pieces.append((delta, False, i))
         rendered = full
     if add_generation_prompt:
-        tail = _strip_prefix(_render(tokenizer, messages, True), rendered, "the generation prompt")
+        tail = _strip_prefix(memo.render(messages, True), rendered, "the generation prompt")
         pieces.append((tail, False, len(messages)))
     return pieces
 
 
 def _tokenize_templated(
-    messages: MessageLog, tokenizer: Any, add_generation_prompt: bool, loss_from: int
+    messages: MessageLog, memo: TextMemo, add_generation_prompt: bool, loss_from: int
 ) -> tuple[list[int], list[int]]:
     ids: list[int] = []
     mask: list[int] = []
-    pieces = _templated_pieces(messages, tokenizer, add_generation_prompt)
+    pieces = _templated_pieces(messages, memo, add_generation_prompt)
     for text, is_body, index in pieces:
-        piece_ids = _encode(tokenizer, text)
+        piece_ids = memo.encode(text)
         ids += piece_ids
         mask += [int(is_body and index >= loss_from)] * len(piece_ids)
-    whole = _encode(tokenizer, "".join(text for text, _, _ in pieces))
+    whole = memo.encode("".join(text for text, _, _ in pieces), keep=False)
     if whole != ids:
         first = next((k for k, (a, b) in enumerate(zip(whole, ids, strict=False)) if a != b), None)
         raise ChatTemplateError(
@@ -118,13 +143,13 @@ def _tokenize_templated(
 
 
 def _tokenize_plain(
-    messages: MessageLog, tokenizer: Any, add_generation_prompt: bool, loss_from: int
+    messages: MessageLog, memo: TextMemo, add_generation_prompt: bool, loss_from: int
 ) -> tuple[list[int], list[int]]:
     ids: list[int] = []
     mask: list[int] = []
-    eos = getattr(tokenizer, "eos_token_id", None)
+    eos = getattr(memo.tokenizer, "eos_token_id", None)
     for i, message in enumerate(messages):
-        piece = _encode(tokenizer, message["content"])
+        piece = [*memo.encode(message["content"])]
         is_loss = message["role"] == "assistant" and i >= loss_from
         if message["role"] == "assistant" and eos is not None:
             piece.append(eos)
@@ -143,15 +168,18 @@ def tokenize_message_log(
     max_seq_len: int,
     add_generation_prompt: bool = False,
     loss_from_message: int = 0,
+    memo: TextMemo | None = None,
 ) -> TokenizedExample:
-    """Token ids and assistant-only loss mask of one message log (see module docstring)."""
+    """Token ids and assistant-only loss mask of one message log (see module docstring).
+    ``memo``: the batch's `TextMemo` (of the same tokenizer) where its rows share text."""
     if max_seq_len < 1:
         raise ValueError(f"max_seq_len={max_seq_len} must be >= 1")
     if has_chat_template(tokenizer):
         tokenize = _tokenize_templated
     else:
         tokenize = _tokenize_plain
-    ids, mask = tokenize(message_log, tokenizer, add_generation_prompt, loss_from_message)
+    memo = memo if memo is not None else TextMemo(tokenizer)
+    ids, mask = tokenize(message_log, memo, add_generation_prompt, loss_from_message)
     truncated = len(ids) > max_seq_len
     return {
         "input_ids": ids[:max_seq_len],

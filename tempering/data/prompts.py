@@ -10,10 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from tempering.data.collate import pad_token_id_of
 from tempering.distributed.batched_data_dict import BatchedDataDict
+from tempering.models.hf import text_encoder
 
 
 def prompt_token_ids(
@@ -26,7 +28,7 @@ def prompt_token_ids(
             tokenize=False,
             add_generation_prompt=True,
         )
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
+        return text_encoder(tokenizer)(text)
     if system:
         raise ValueError("a system prompt needs the chat template (data.use_chat_template=true)")
     return tokenizer(prompt)["input_ids"]
@@ -39,8 +41,10 @@ def encode_prompts(
     ids = [prompt_token_ids(p, tokenizer, use_chat_template) for p in prompts]
     if not ids:
         raise ValueError("encode_prompts got no prompts")
-    lengths = torch.tensor([len(x) for x in ids], dtype=torch.long)
-    out = torch.full((len(ids), int(lengths.max())), pad_token_id_of(tokenizer), dtype=torch.long)
+    lengths = [len(x) for x in ids]
+    out = np.full((len(ids), max(lengths)), pad_token_id_of(tokenizer), dtype=np.int64)
     for i, x in enumerate(ids):
-        out[i, : len(x)] = torch.tensor(x, dtype=torch.long)
-    return BatchedDataDict(input_ids=out, input_lengths=lengths)
+        out[i, : len(x)] = x
+    return BatchedDataDict(
+        input_ids=torch.from_numpy(out), input_lengths=torch.tensor(lengths, dtype=torch.long)
+    )

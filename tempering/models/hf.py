@@ -6,11 +6,14 @@ Names go through `tempering.models.registry.resolve_model_path` ("tiny-arith",
 
     tok = load_tokenizer("smollm2-135m-instruct")
     model = load_causal_lm("tiny-arith", dtype=torch.float32)
+    encode = text_encoder(tok)  # text -> ids, the Rust tokenizer's speed where exact
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
@@ -26,6 +29,24 @@ def load_tokenizer(name_or_path: str | os.PathLike[str]) -> PreTrainedTokenizerB
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def text_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
+    """``text -> ids`` without special tokens, exactly as ``tokenizer(text,
+    add_special_tokens=False)``: through the Rust tokenizer itself where transformers'
+    wrapper would only forward to it (a fast tokenizer with no truncation or padding set and
+    its special-token splitting as the wrapper sets it), which costs a third of the wrapper's
+    ~60 us a call; otherwise the wrapper."""
+    fast = getattr(tokenizer, "is_fast", False)
+    backend = getattr(tokenizer, "backend_tokenizer", None) if fast else None
+    if (
+        backend is not None
+        and backend.truncation is None
+        and backend.padding is None
+        and backend.encode_special_tokens == bool(getattr(tokenizer, "split_special_tokens", False))
+    ):
+        return lambda text: backend.encode(text, add_special_tokens=False).ids
+    return lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def load_causal_lm(

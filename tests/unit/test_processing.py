@@ -11,9 +11,11 @@ from tempering.data.collate import collate_sft
 from tempering.data.dataloader import StatefulDataLoader
 from tempering.data.processing import (
     ChatTemplateError,
+    TextMemo,
     tokenize_message_log,
     tokenize_message_logs,
 )
+from tempering.models.hf import text_encoder
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -93,6 +95,33 @@ def test_generation_prompt_is_appended_without_loss(tokenizer):
     expected = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
     assert tokenizer.decode(example["input_ids"]) == expected
     assert sum(example["token_mask"]) == 0
+
+
+TEXTS = ["", "hello world", " 68", "<|im_start|>user\nQ: 23+45=? A:<|im_end|>\n", "héllo  \t?!"]
+
+
+def test_text_encoder_equals_the_tokenizer_call_and_falls_back_where_it_must():
+    tok = make_tokenizer()
+    expected = [list(tok(t, add_special_tokens=False)["input_ids"]) for t in TEXTS]
+    direct = text_encoder(tok)  # the Rust tokenizer itself
+    assert [direct(t) for t in TEXTS] == expected
+    # a backend with truncation set: the wrapper lifts it per call, so the encoder must wrap
+    tok.backend_tokenizer.enable_truncation(max_length=2)
+    assert [text_encoder(tok)(t) for t in TEXTS] == expected
+    assert len(direct(TEXTS[3])) > 2  # the direct path would have been cut
+
+
+def test_a_batch_memo_shares_renders_and_pieces_without_changing_tokens(tokenizer):
+    prompt = CONVERSATION[:2]
+    rows = [prompt + [CONVERSATION[2]], prompt + [CONVERSATION[4]]]
+    memo = TextMemo(tokenizer)
+    shared = [tokenize_message_log(r, tokenizer, 64, loss_from_message=2, memo=memo) for r in rows]
+    alone = [tokenize_message_log(r, tokenizer, 64, loss_from_message=2) for r in rows]
+    assert shared == alone
+    assert memo.encode("hello world") is memo.encode("hello world")
+    # the prompt's renders (system; system + user; that + generation prompt) happened once,
+    # then one whole render per row: 5, against 8 apart
+    assert len(memo._renders) == 3 + 2
 
 
 def test_truncation_is_flagged_and_counted(tokenizer):

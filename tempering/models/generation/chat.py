@@ -50,6 +50,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from tempering.models.hf import text_encoder
+
 __all__ = [
     "TOOL_CALL_PARSERS",
     "ChatPromptBuilder",
@@ -281,6 +283,7 @@ class ChatPromptBuilder:
             )
         # The Rust tokenizer directly: transformers' __call__ wrapper costs ~3x the encoding.
         self._fast = getattr(tokenizer, "backend_tokenizer", None)
+        self._encode = text_encoder(tokenizer)
         self.template_renders_tools = "tools" in self.chat_template
         self.template_renders_tool_calls = "tool_calls" in self.chat_template
         self.eot_token = eot_token or self._find_eot_token()
@@ -331,9 +334,7 @@ class ChatPromptBuilder:
             raise ValueError(f"the chat template could not render these messages: {err}") from err
 
     def encode_text(self, text: str) -> list[int]:
-        if self._fast is not None:
-            return self._fast.encode(text, add_special_tokens=False).ids
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self._encode(text)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if self._fast is not None:

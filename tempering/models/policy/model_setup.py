@@ -102,12 +102,16 @@ class Topology:
 
     def all_reduce(self, values: list[float], op: dist.ReduceOp = dist.ReduceOp.SUM) -> list[float]:
         """Over the data-parallel ranks (the ranks of a TP group hold the same data)."""
+        if self.dp_size == 1:  # the values themselves, without a collective's round trip
+            return [float(v) for v in values]
         t = torch.tensor(values, dtype=torch.float64)
         dist.all_reduce(t, op=op, group=self.dp_group)  # gloo: CPU tensors in both backends
         return t.tolist()
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """``obj`` from every data-parallel rank."""
+        if self.dp_size == 1:
+            return [obj]
         gathered: list[Any] = [None] * self.dp_size
         dist.all_gather_object(gathered, obj, group=self.dp_group)
         return gathered
