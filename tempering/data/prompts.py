@@ -31,7 +31,7 @@ def prompt_token_ids(
         return text_encoder(tokenizer)(text)
     if system:
         raise ValueError("a system prompt needs the chat template (data.use_chat_template=true)")
-    return tokenizer(prompt)["input_ids"]
+    return text_encoder(tokenizer, special_tokens=True)(prompt)
 
 
 def encode_prompts(

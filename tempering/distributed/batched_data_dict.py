@@ -323,6 +323,8 @@ class BatchedDataDict(dict):
                 f"shard_by_batch_size: batch_size={batch_size} is not divisible by shards={shards} "
                 f"(e.g. policy.train_global_batch_size must be a multiple of the data-parallel size)"
             )
+        if shards == 1:  # the rows in order: views, not a gathered copy
+            return [self.slice(0, n)]
         return [self.select_indices(idx) for idx in _shard_indices(n, shards, batch_size)]
 
     @classmethod

@@ -85,7 +85,10 @@ def _with_fault_hook(cls: type) -> type:
         from tempering.utils import faults
 
         faults.maybe_fault("environment", "environment")
-        return cls.step(self, *args, **kwargs)
+        ret = cls.step(self, *args, **kwargs)
+        # numpy crosses Ray's pickling in microseconds, a torch tensor through torch.save's
+        # zip writer (~0.2 ms each way); route_step turns them back into tensors
+        return ret._replace(rewards=_wire(ret.rewards), terminateds=_wire(ret.terminateds))
 
     def resource_usage(self: Any) -> dict[str, float]:
         from tempering.utils.resources import process_usage
@@ -94,6 +97,16 @@ def _with_fault_hook(cls: type) -> type:
 
     methods = {"step": step, "resource_usage": resource_usage, "__module__": cls.__module__}
     return type(cls.__name__, (cls,), methods)
+
+
+def _wire(value: Any) -> Any:
+    """A CPU tensor's numpy array (a copy: the actor keeps nothing it sent); else ``value``."""
+    if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+        try:
+            return value.detach().numpy().copy()
+        except TypeError:  # a dtype numpy lacks (bfloat16): the tensor itself
+            return value
+    return value
 
 
 def route_step(
@@ -172,6 +185,6 @@ def route_step(
             stops[i] = ret.next_stop_strings[j]
             answers[i] = ret.answers[j]
         position = torch.tensor(idx, dtype=torch.long)
-        rewards[position] = ret.rewards.to(torch.float32)
-        terminateds[position] = ret.terminateds.to(torch.bool)
+        rewards[position] = torch.as_tensor(ret.rewards).to(torch.float32)
+        terminateds[position] = torch.as_tensor(ret.terminateds).to(torch.bool)
     return EnvironmentReturn(observations, metas_out, stops, rewards, terminateds, answers)

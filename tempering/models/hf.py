@@ -31,12 +31,12 @@ def load_tokenizer(name_or_path: str | os.PathLike[str]) -> PreTrainedTokenizerB
     return tokenizer
 
 
-def text_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
-    """``text -> ids`` without special tokens, exactly as ``tokenizer(text,
-    add_special_tokens=False)``: through the Rust tokenizer itself where transformers'
-    wrapper would only forward to it (a fast tokenizer with no truncation or padding set and
-    its special-token splitting as the wrapper sets it), which costs a third of the wrapper's
-    ~60 us a call; otherwise the wrapper."""
+def text_encoder(tokenizer: Any, special_tokens: bool = False) -> Callable[[str], list[int]]:
+    """``text -> ids``, exactly as ``tokenizer(text, add_special_tokens=special_tokens)``:
+    through the Rust tokenizer itself where transformers' wrapper would only forward to it (a
+    fast tokenizer with no truncation or padding set and its special-token splitting as the
+    wrapper sets it), which costs a third of the wrapper's ~60 us a call; otherwise the
+    wrapper."""
     fast = getattr(tokenizer, "is_fast", False)
     backend = getattr(tokenizer, "backend_tokenizer", None) if fast else None
     if (
@@ -45,8 +45,8 @@ def text_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
         and backend.padding is None
         and backend.encode_special_tokens == bool(getattr(tokenizer, "split_special_tokens", False))
     ):
-        return lambda text: backend.encode(text, add_special_tokens=False).ids
-    return lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return lambda text: backend.encode(text, add_special_tokens=special_tokens).ids
+    return lambda text: list(tokenizer(text, add_special_tokens=special_tokens)["input_ids"])
 
 
 def load_causal_lm(

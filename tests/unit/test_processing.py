@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
 from tempering.data.collate import collate_sft
@@ -109,6 +109,15 @@ def test_text_encoder_equals_the_tokenizer_call_and_falls_back_where_it_must():
     tok.backend_tokenizer.enable_truncation(max_length=2)
     assert [text_encoder(tok)(t) for t in TEXTS] == expected
     assert len(direct(TEXTS[3])) > 2  # the direct path would have been cut
+    # with special tokens: a post-processor that adds a BOS, as Llama-style tokenizers do
+    tok = make_tokenizer()
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A",
+        special_tokens=[("<|im_start|>", tok.convert_tokens_to_ids("<|im_start|>"))],
+    )
+    with_bos = [list(tok(t)["input_ids"]) for t in TEXTS]
+    assert all(ids[:1] == [tok.convert_tokens_to_ids("<|im_start|>")] for ids in with_bos)
+    assert [text_encoder(tok, special_tokens=True)(t) for t in TEXTS] == with_bos
 
 
 def test_a_batch_memo_shares_renders_and_pieces_without_changing_tokens(tokenizer):
