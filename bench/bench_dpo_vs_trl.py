@@ -77,7 +77,8 @@ TRL_SCRIPT = textwrap.dedent(
         + cap(len(r["prompt_ids"]) + len(r["rejected_ids"]))
         for r in trainer.train_dataset
     )
-    result = {"step_times": timer.times, "tokens_per_step": tokens / args["steps"]}
+    result = {"step_times": timer.times, "fetch_times": timer.fetch,
+              "tokens_per_step": tokens / args["steps"]}
     print("RESULT " + json.dumps(result))
     """
 )
@@ -137,7 +138,8 @@ def bench_tempering(model: str, pairs: list, args: argparse.Namespace) -> tuple[
     return times, tokens / args.steps
 
 
-def bench_trl(model: str, pairs: list, args: argparse.Namespace) -> tuple[list, float]:
+def bench_trl(model: str, pairs: list, args: argparse.Namespace) -> tuple[list, list, float]:
+    """TRL's step times (end to end), its batch fetches between steps, tokens per step."""
     with tempfile.TemporaryDirectory(prefix="bench_trl_") as tmp:
         data = Path(tmp) / "pairs.json"
         data.write_text(
@@ -168,7 +170,7 @@ def bench_trl(model: str, pairs: list, args: argparse.Namespace) -> tuple[list, 
             "chat": args.chat,
         }
         result = run_trl(TRL_SCRIPT, spec)
-    return result["step_times"], result["tokens_per_step"]
+    return result["step_times"], result["fetch_times"], result["tokens_per_step"]
 
 
 def main() -> None:
@@ -198,11 +200,13 @@ def main() -> None:
     for run in range(args.runs):
         times, our_tokens = bench_tempering(model, pairs, args)
         ours.append(statistics.median(times[args.warmup :]))
-        times, their_tokens = bench_trl(model, pairs, args)
+        times, fetches, their_tokens = bench_trl(model, pairs, args)
         theirs.append(statistics.median(times[args.warmup :]))
+        fetch = statistics.median(fetches[args.warmup :])
         print(
             f"run {run + 1}: tempering {ours[-1]:.4f} s/step ({our_tokens:.0f} tokens/step),"
-            f" TRL {theirs[-1]:.4f} s/step ({their_tokens:.0f} tokens/step)"
+            f" TRL {theirs[-1]:.4f} s/step (of which its batch fetch {fetch * 1e3:.1f} ms;"
+            f" {their_tokens:.0f} tokens/step)"
         )
     ratios = [t / o for o, t in zip(ours, theirs, strict=True)]
     print(

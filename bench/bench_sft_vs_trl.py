@@ -77,7 +77,7 @@ TRL_SCRIPT = textwrap.dedent(
     trainer = InOrder(model=model, args=cfg, train_dataset=Dataset.from_list(rows),
                          processing_class=tok, callbacks=[timer])
     trainer.train()
-    print("RESULT " + json.dumps({"step_times": timer.times}))
+    print("RESULT " + json.dumps({"step_times": timer.times, "fetch_times": timer.fetch}))
     """
 )
 
@@ -145,7 +145,8 @@ def _labels(row: dict) -> list[int]:
     return [t if m else -100 for t, m in zip(row["input_ids"], row["token_mask"], strict=True)]
 
 
-def bench_trl(model: str, rows: list[dict], args) -> list[float]:
+def bench_trl(model: str, rows: list[dict], args) -> dict:
+    """TRL's ``step_times`` (end to end) and ``fetch_times`` (its batch, between steps)."""
     with tempfile.TemporaryDirectory(prefix="bench_trl_") as tmp:
         data = Path(tmp) / "rows.json"
         data.write_text(
@@ -156,7 +157,7 @@ def bench_trl(model: str, rows: list[dict], args) -> list[float]:
             "steps": args.steps, "lr": args.lr, "max_len": args.max_len, "threads": args.threads,
             "padding_free": args.trl_padding_free,
         }  # fmt: skip
-        return run_trl(TRL_SCRIPT, spec)["step_times"]
+        return run_trl(TRL_SCRIPT, spec)
 
 
 def main() -> None:
@@ -188,10 +189,13 @@ def main() -> None:
     for run in range(args.runs):
         times, tokens = bench_tempering(model, rows, pad, args)
         ours.append(statistics.median(times[args.warmup :]))
-        theirs.append(statistics.median(bench_trl(model, rows, args)[args.warmup :]))
+        trl = bench_trl(model, rows, args)
+        theirs.append(statistics.median(trl["step_times"][args.warmup :]))
+        fetch = statistics.median(trl["fetch_times"][args.warmup :])
         print(
             f"run {run + 1}: tempering {ours[-1]:.4f} s/step, TRL {theirs[-1]:.4f} s/step"
-            f" ({tokens:.0f} real tokens/step)", flush=True,
+            f" (of which its batch fetch {fetch * 1e3:.1f} ms) ({tokens:.0f} real tokens/step)",
+            flush=True,
         )  # fmt: skip
     ratios = [t / o for o, t in zip(ours, theirs, strict=True)]
     print(

@@ -54,11 +54,16 @@ tok = AutoTokenizer.from_pretrained(args["model"])
 class Timer(TrainerCallback):
     # a step's wall time from the previous step's end (the first step's from its begin):
     # fetching and collating its batch counts, as it does in tempering's timed steps
+    # (``fetch``: each gap between a step's end and the next one's begin, the part that
+    # on_step_begin-to-on_step_end timing leaves out)
     def __init__(self):
-        self.times, self.t0 = [], None
+        self.times, self.fetch, self.t0 = [], [], None
     def on_step_begin(self, a, s, c, **kw):
+        now = time.perf_counter()
         if self.t0 is None:
-            self.t0 = time.perf_counter()
+            self.t0 = now
+        else:
+            self.fetch.append(now - self.t0)
     def on_step_end(self, a, s, c, **kw):
         now = time.perf_counter()
         self.times.append(now - self.t0)
