@@ -281,7 +281,8 @@ class ChatPromptBuilder:
                 f"tool_parser={tool_parser!r} is unknown; use 'auto' or one of "
                 f"{sorted(TOOL_CALL_PARSERS)}"
             )
-        # The Rust tokenizer directly: transformers' __call__ wrapper costs ~3x the encoding.
+        # The Rust tokenizer directly (decode; text_encoder where exact): transformers'
+        # wrapper costs ~3x the work it forwards.
         self._fast = getattr(tokenizer, "backend_tokenizer", None)
         self._encode = text_encoder(tokenizer)
         self.template_renders_tools = "tools" in self.chat_template
