@@ -185,6 +185,13 @@ def route_step(
             stops[i] = ret.next_stop_strings[j]
             answers[i] = ret.answers[j]
         position = torch.tensor(idx, dtype=torch.long)
-        rewards[position] = torch.as_tensor(ret.rewards).to(torch.float32)
-        terminateds[position] = torch.as_tensor(ret.terminateds).to(torch.bool)
+        rewards[position] = _values(ret.rewards, torch.float32)
+        terminateds[position] = _values(ret.terminateds, torch.bool)
     return EnvironmentReturn(observations, metas_out, stops, rewards, terminateds, answers)
+
+
+def _values(x: Any, dtype: torch.dtype) -> torch.Tensor:
+    """An environment's rewards or terminateds as a tensor: a tensor, or the numpy array an
+    actor sends (Ray hands it over read-only, which ``torch.as_tensor`` would warn about), or a
+    list."""
+    return x.to(dtype) if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=dtype)

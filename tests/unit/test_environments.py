@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -331,6 +332,22 @@ def test_route_step_preserves_order():
     assert envs["a"].batch_sizes == [2] and envs["b"].batch_sizes == [3]  # one call per task
     with pytest.raises(KeyError, match=r"\['c'\]"):
         route_step(envs, logs[:1], metas[:1], ["c"])
+
+
+def test_route_step_takes_an_actors_read_only_numpy_without_a_warning():
+    # Ray deserialises an actor's numpy rewards read-only; torch.as_tensor on them warns
+    # "The given NumPy array is not writable" into every GRPO run's log.
+    class ReadOnly(_Constant):
+        def step(self, logs, metas):
+            ret = super().step(logs, metas)
+            rewards, terminateds = ret.rewards.numpy(), ret.terminateds.numpy()
+            rewards.flags.writeable = terminateds.flags.writeable = False
+            return ret._replace(rewards=rewards, terminateds=terminateds)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ret = route_step({"a": ReadOnly(3.0, "a")}, [log("x"), log("y")], [{}, {}], ["a", "a"])
+    assert ret.rewards.tolist() == [3.0, 3.0] and ret.terminateds.tolist() == [True, True]
 
 
 def test_registry():
