@@ -309,6 +309,16 @@ def export_final_model(policy: Any, checkpointing: CheckpointingConfig, lora: bo
     return path
 
 
+def resumed_val(checkpointer: Any | None, step: int) -> dict[str, float]:
+    """The validation metrics the checkpoint of ``step`` recorded (its ``val/*``, without the
+    prefix): what a resumed run that makes no step (it had already finished) reports as its
+    last validation. Empty for step 0 or without checkpoints."""
+    if checkpointer is None or step == 0:
+        return {}
+    metrics = checkpointer.load_training_info(checkpointer.step_dir(step)).get("metrics", {})
+    return {k[len("val/") :]: v for k, v in metrics.items() if k.startswith("val/")}
+
+
 def first_logged(log_dir: str, prefix: str) -> dict[str, float]:
     """The earliest step's metrics under `prefix` (e.g. ``val/``) in ``<log_dir>/metrics.jsonl``,
     without the prefix: a resumed run's summary starts from its records, not from this

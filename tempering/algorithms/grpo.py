@@ -368,6 +368,8 @@ def _train_loop(run: GRPORun, stepper: Any) -> dict[str, Any]:
         run.policy, cfg.checkpointing, cfg.policy.dtensor_cfg.lora_cfg.enabled
     )
     first_val = first_val or common.first_logged(cfg.logger.log_dir, "val/")  # resumed: records
+    if step == run.start_step:  # nothing left to do: the checkpoint's validation is the last
+        val = val or common.resumed_val(run.checkpointer, step)
     return {
         "steps": step,
         "steps_this_run": step - run.start_step,

@@ -257,4 +257,6 @@ def train_loop(
                 )
     run.final_step = step
     first = first or common.first_logged(run.cfg.logger.log_dir, "val/")  # resumed: records
+    if step == run.start_step:  # nothing left to do: the checkpoint's validation is the last
+        val = val or common.resumed_val(run.checkpointer, step)
     return step, first, val

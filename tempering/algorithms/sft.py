@@ -212,7 +212,7 @@ def train(run: SFTRun) -> dict[str, float]:
                     run.checkpointer,
                     run.policy,
                     step,
-                    metrics=val_metrics,
+                    metrics={f"val/{k}": v for k, v in val_metrics.items()},
                     dataloader=run.dataloader,
                     config=run.resolved,
                 )
@@ -224,6 +224,8 @@ def train(run: SFTRun) -> dict[str, float]:
                     step,
                 )
                 break
+    if step == run.start_step:  # nothing left to do: the checkpoint's validation is the last
+        val_metrics = val_metrics or common.resumed_val(run.checkpointer, step)
     run.final_step = step  # type: ignore[attr-defined]
     common.export_final_model(  # <checkpoint_dir>/final_hf
         run.policy, run.cfg.checkpointing, run.cfg.policy.dtensor_cfg.lora_cfg.enabled

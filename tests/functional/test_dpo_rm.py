@@ -8,7 +8,8 @@ even number and the rejected one odd. (tiny-arith's real arithmetic pairs need t
 checkpoint and minutes; `examples/run_dpo.py` is that run.) Asserted margins:
 
 - DPO: held-out likelihood preference accuracy (policy's own log p(chosen) > log p(rejected))
-  rises by >= 0.25 and the DPO implicit-reward accuracy ends >= 0.8;
+  rises by >= 0.25 and the DPO implicit-reward accuracy ends >= 0.8; run again once finished,
+  it makes no step and reports the same start and end (from its records and checkpoint);
 - RM: held-out pair accuracy rises by >= 0.25 and ends >= 0.8;
 - GRPO: the rewards of a step equal the environment's own scores of the decoded completions
   (so they are reward-model scores, not exact-match), and two train steps run with finite loss.
@@ -94,6 +95,13 @@ def test_dpo_learns_held_out_preference(ray_session, data_files, tmp_path):
     logged = [json.loads(x) for x in lines]
     assert any("train/preference_accuracy" in m for m in logged)
     assert any(m.get("data/num_skipped") == 0 for m in logged)
+
+    run = dpo.setup(cfg, resolved)  # the same command again, the run finished: no step
+    try:
+        again = dpo.train(run)
+    finally:
+        run.close()
+    assert (again["steps"], again["start"], again["end"]) == (40, start, end)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,9 @@ whole run's story from the records (slow tier).
 The first run is killed (its whole process group, Ray included) once the step-20 checkpoint is
 complete; the rerun resumes there. Its summary must give the start accuracy of step 0 (logged
 by the killed run, not "n/a"), the total steps and how many this run did, training time that
-includes the killed run's, and the last validation as the end.
+includes the killed run's, and the last validation as the end. The same command once more,
+the run finished, makes no step and still reports both ends (the last from the step-40
+checkpoint, not "n/a").
 """
 
 from __future__ import annotations
@@ -61,3 +63,13 @@ def test_summary_after_kill_and_resume(tmp_path):
     assert float(start) == round(100 * vals[0], 1) and vals[0] > 0.3  # the killed run's step 0
     assert float(end) == round(100 * vals[40], 1)
     assert (tmp_path / "ckpt/final_hf/config.json").is_file()
+
+    third = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert third.returncode == 0, third.stderr[-3000:]
+    again = re.search(
+        r"GRPO summary: 40 steps \(0 in this run, resumed at step 40\) in \d+ s of training; "
+        r"held-out greedy accuracy ([\d.]+)% -> ([\d.]+)%",
+        third.stdout,
+    )
+    assert again, third.stdout[-2000:]
+    assert again.groups() == (start, end)

