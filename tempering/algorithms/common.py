@@ -309,6 +309,18 @@ def export_final_model(policy: Any, checkpointing: CheckpointingConfig, lora: bo
     return path
 
 
+def warn_if_finished(start_step: int, max_steps: int, section: str, checkpoint_dir: str) -> None:
+    """A resumed run whose checkpoint is already at ``<section>.max_num_steps`` has nothing to
+    train: say so, and how to get a fresh run or more steps."""
+    if start_step and start_step >= max_steps:
+        log.warning(
+            "the run in %s has already finished (step %d, %s.max_num_steps=%d): nothing to "
+            "train. For a fresh run give another checkpointing.checkpoint_dir (or remove %s); "
+            "for more steps raise %s.max_num_steps.",
+            checkpoint_dir, start_step, section, max_steps, checkpoint_dir, section,
+        )  # fmt: skip
+
+
 def resumed_val(checkpointer: Any | None, step: int) -> dict[str, float]:
     """The validation metrics the checkpoint of ``step`` recorded (its ``val/*``, without the
     prefix): what a resumed run that makes no step (it had already finished) reports as its

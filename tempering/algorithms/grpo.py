@@ -324,6 +324,9 @@ def _train_loop(run: GRPORun, stepper: Any) -> dict[str, Any]:
     val: dict[str, float] = {}
     if cfg.grpo.val_at_start and cfg.grpo.val_period and run.start_step == 0:
         first_val = val = validate(run, step=0)
+    common.warn_if_finished(
+        run.start_step, cfg.grpo.max_num_steps, "grpo", cfg.checkpointing.checkpoint_dir
+    )
     step = run.start_step
     steps = range(run.start_step, cfg.grpo.max_num_steps)
     with track(steps, total=len(steps), description="grpo") as progress:

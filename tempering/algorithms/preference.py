@@ -222,6 +222,9 @@ def train_loop(
     val: dict[str, float] = {}
     if cfg.val_at_start and cfg.val_period and run.start_step == 0:
         first = val = validate(run, 0)
+    common.warn_if_finished(
+        run.start_step, cfg.max_num_steps, run.name, run.cfg.checkpointing.checkpoint_dir
+    )
     step = run.start_step
     steps = range(run.start_step, cfg.max_num_steps)
     with track(steps, len(steps), run.name) as progress:

@@ -174,6 +174,9 @@ def train(run: SFTRun) -> dict[str, float]:
     val_metrics: dict[str, float] = {}
     if cfg.val_at_start and cfg.val_period and run.start_step == 0:
         val_metrics = validate(run, step=0)
+    common.warn_if_finished(
+        run.start_step, cfg.max_num_steps, "sft", run.cfg.checkpointing.checkpoint_dir
+    )
     step = run.start_step
     steps = range(run.start_step, cfg.max_num_steps)
     with track(steps, total=len(steps), description="sft") as progress:

@@ -18,6 +18,7 @@ checkpoint and minutes; `examples/run_dpo.py` is that run.) Asserted margins:
 from __future__ import annotations
 
 import json
+import logging
 import math
 import random
 from pathlib import Path
@@ -62,7 +63,7 @@ def overrides(tmp: Path, data_files: tuple[Path, Path]) -> list[str]:
     ]
 
 
-def test_dpo_learns_held_out_preference(ray_session, data_files, tmp_path):
+def test_dpo_learns_held_out_preference(ray_session, data_files, tmp_path, caplog):
     from tempering.algorithms import dpo
 
     cfg, resolved = load_config(
@@ -98,10 +99,12 @@ def test_dpo_learns_held_out_preference(ray_session, data_files, tmp_path):
 
     run = dpo.setup(cfg, resolved)  # the same command again, the run finished: no step
     try:
-        again = dpo.train(run)
+        with caplog.at_level(logging.WARNING, logger="tempering.algorithms.common"):
+            again = dpo.train(run)
     finally:
         run.close()
     assert (again["steps"], again["start"], again["end"]) == (40, start, end)
+    assert "has already finished (step 40, dpo.max_num_steps=40)" in caplog.text
 
 
 @pytest.fixture(scope="module")
