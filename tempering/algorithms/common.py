@@ -224,6 +224,8 @@ def maybe_resume(
     if found is None:
         return 0, {}
     step, info = found
+    diff = checkpointer.config_diff(checkpointer.step_dir(step), config)
+    _refuse_another_model(checkpointer, step, diff)
     changes = checkpointer.config_changes(checkpointer.step_dir(step), config)
     if changes:
         log.warning(
@@ -240,6 +242,47 @@ def maybe_resume(
         restore_rng_state(info["rng_state"])
     log.info("resumed from %s", checkpointer.step_dir(step))
     return step, info
+
+
+def _refuse_another_model(checkpointer: Any, step: int, diff: dict[str, tuple]) -> None:
+    """A checkpoint resumes only the model it was saved from: another ``policy.model_name``
+    (unless both name the same architecture and sizes, e.g. a moved folder) or other LoRA
+    settings change the weights' names and shapes, and loading would fail deep inside
+    torch.distributed.checkpoint. Raise `CheckpointMismatchError` naming the fix instead."""
+    from tempering.utils.checkpoint import CheckpointMismatchError
+
+    changed = [k for k in diff if k.startswith("policy.dtensor_cfg.lora_cfg.")]
+    if "policy.model_name" in diff and not _same_model(*diff["policy.model_name"]):
+        changed.insert(0, "policy.model_name")
+    if not changed:
+        return
+    folder = checkpointer.checkpoint_dir
+    said = "; ".join(f"{k}: {diff[k][0]!r} there, {diff[k][1]!r} now" for k in changed)
+    raise CheckpointMismatchError(
+        f"checkpointing.checkpoint_dir={str(folder)!r} holds step {step} of another model's "
+        f"run ({said}), and a checkpoint resumes only its own model. Fix: give this run its "
+        f"own folder, e.g. checkpointing.checkpoint_dir={str(folder)}_2 (or remove {folder} "
+        "to start it over)."
+    )
+
+
+def _same_model(saved: Any, now: Any) -> bool:
+    """Whether two ``policy.model_name`` values resolve to models of one architecture and
+    size (their config.json alike, names and versions aside)."""
+    import json
+
+    from tempering.models.registry import resolve_model_path
+
+    ignore = {"_name_or_path", "transformers_version", "dtype", "torch_dtype"}
+    configs = []
+    for name in (saved, now):
+        try:
+            path = Path(resolve_model_path(str(name))) / "config.json"
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):  # gone, or no config.json: not provably the same
+            return False
+        configs.append({k: v for k, v in config.items() if k not in ignore})
+    return configs[0] == configs[1]
 
 
 def save_checkpoint(

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 import yaml
 
+from tempering.errors import UserInputError
 from tempering.utils.atomic import TMP_MARKER, atomic_directory
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,10 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------------ manager
+class CheckpointMismatchError(ValueError, UserInputError):
+    """A checkpoint folder holds another model's run than the one resuming from it."""
+
+
 class CheckpointManager:
     """Saves, finds, prunes and resumes ``step_<N>`` checkpoints under `checkpoint_dir`.
 
@@ -187,22 +192,28 @@ class CheckpointManager:
         logger.info("resuming from %s (step %s)", latest, info["step"])
         return int(info["step"]), info
 
-    def config_changes(self, folder: str | Path, config: Mapping[str, Any]) -> list[str]:
-        """``key: saved -> now`` for each config entry (dotted) that differs between the
-        checkpoint's ``config.yaml`` and ``config`` (redacted alike): a resumed run is told
-        what it changed, e.g. a longer ``max_num_steps`` or, by mistake, another model."""
+    def config_diff(self, folder: str | Path, config: Mapping[str, Any]) -> dict[str, tuple]:
+        """``{dotted key: (saved, now)}`` for each config entry that differs between the
+        checkpoint's ``config.yaml`` and ``config`` (redacted alike; ``"(absent)"`` where a
+        side lacks the key): a resumed run is told what it changed, e.g. a longer
+        ``max_num_steps`` or, by mistake, another model."""
         from tempering.utils.logger import redact_secrets
 
         path = Path(folder) / CONFIG_FILE
         if not path.is_file():
-            return []
+            return {}
         saved = _flatten(yaml.safe_load(path.read_text()) or {})
         now = _flatten(redact_secrets(_plain(config)))
-        return [
-            f"{key}: {saved.get(key, '(absent)')!r} -> {now.get(key, '(absent)')!r}"
+        return {
+            key: (saved.get(key, "(absent)"), now.get(key, "(absent)"))
             for key in sorted(saved.keys() | now.keys())
             if saved.get(key) != now.get(key)
-        ]
+        }
+
+    def config_changes(self, folder: str | Path, config: Mapping[str, Any]) -> list[str]:
+        """`config_diff` as ``key: saved -> now`` lines."""
+        diff = self.config_diff(folder, config)
+        return [f"{key}: {saved!r} -> {now!r}" for key, (saved, now) in diff.items()]
 
     def remove_partial_checkpoints(self) -> list[Path]:
         """Delete the temporary folders of saves that never finished (``step_<N>.tmp-<pid>``

@@ -62,6 +62,47 @@ def test_a_resume_names_the_config_keys_that_changed(tmp_path) -> None:
     ]  # the key stays redacted on both sides, never printed
 
 
+class _Policy:
+    """Stand-in for a Policy: records what it was asked to load."""
+
+    def __init__(self) -> None:
+        self.loaded: list[str] = []
+
+    def load_checkpoint(self, path: str) -> None:
+        self.loaded.append(path)
+
+
+def test_a_checkpoint_of_another_model_is_refused_by_name_with_the_fix(tmp_path) -> None:
+    from tempering.algorithms.common import maybe_resume
+    from tempering.utils.checkpoint import CheckpointMismatchError
+
+    mgr = CheckpointManager(tmp_path / "results", save_period=1)
+    saved = {"policy": {"model_name": "tiny-arith", "dtensor_cfg": {"lora_cfg": {"rank": 8}}}}
+    with mgr.save(3, {}, config=saved) as d:
+        (d / "policy").mkdir()
+    policy = _Policy()
+    bigger = tmp_path / "bigger"  # a model folder of another size
+    bigger.mkdir()
+    tiny = json.loads((Path(__file__).parents[2] / "models/tiny-arith/config.json").read_text())
+    (bigger / "config.json").write_text(json.dumps({**tiny, "hidden_size": 256}))
+    lora_8 = saved["policy"]["dtensor_cfg"]
+    other = {"policy": {"model_name": str(bigger), "dtensor_cfg": lora_8}}
+    with pytest.raises(CheckpointMismatchError) as err:
+        maybe_resume(mgr, policy, None, other)
+    message = str(err.value)
+    assert f"policy.model_name: 'tiny-arith' there, '{bigger}' now" in message
+    assert f"checkpointing.checkpoint_dir={tmp_path / 'results'}_2" in message
+    lora = {"policy": {"model_name": "tiny-arith", "dtensor_cfg": {"lora_cfg": {"rank": 16}}}}
+    with pytest.raises(CheckpointMismatchError, match="lora_cfg.rank: 8 there, 16 now"):
+        maybe_resume(mgr, policy, None, lora)
+    assert policy.loaded == []  # nothing was loaded into the wrong model
+    # the same model by another name (its folder): resumed, the change only logged
+    same = {"policy": {"model_name": str(Path(__file__).parents[2] / "models/tiny-arith"),
+                       "dtensor_cfg": lora_8}}  # fmt: skip
+    assert maybe_resume(mgr, policy, None, same)[0] == 3
+    assert policy.loaded == [str(mgr.policy_dir(3))]
+
+
 def test_crash_inside_save_leaves_no_checkpoint(tmp_path) -> None:
     mgr = CheckpointManager(tmp_path, save_period=1)
     _save(mgr, 1)
