@@ -192,7 +192,10 @@ class ForwardPass:
 
         def passthrough(hidden: torch.Tensor) -> torch.Tensor:
             seen.append(head.weight)  # as the forward sees it (FSDP2: gathered whole)
-            return hidden
+            # HF hands the head a view (the rows kept); an FSDP2 module returning a view
+            # warns in every run's log that an in-place op on it would skip its hooks. A copy
+            # of the hidden states (not the logits) costs little.
+            return hidden.clone() if hidden._is_view() else hidden
 
         head.forward = passthrough
         try:
