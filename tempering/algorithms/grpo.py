@@ -689,11 +689,13 @@ def environment_metrics(run: GRPORun, rewards: torch.Tensor) -> Any:
     while the policy trains, so the step does not wait for their round trips."""
     import ray
 
+    from tempering.environments.registry import to_wire
+
     pending, ready = [], {}
     for env in {id(e): e for e in run.environments.values()}.values():
         method = env.global_post_process_and_metrics
         if hasattr(method, "remote"):
-            pending.append(method.remote({"rewards": rewards}))
+            pending.append(method.remote({"rewards": to_wire(rewards)}))
         else:
             ready.update(method({"rewards": rewards})[1])
 

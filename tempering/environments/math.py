@@ -534,7 +534,8 @@ class MathEnvironment(EnvironmentInterface):
 
 
 def make_math_environment_actor(**kwargs: Any) -> Any:
-    """Start `MathEnvironment` as a Ray actor (``num_cpus=0``); returns the actor handle."""
-    import ray
+    """Start `MathEnvironment` as a Ray actor (``num_cpus=0``), as GRPO starts it; returns the
+    actor handle."""
+    from tempering.environments.registry import create_environment_actor
 
-    return ray.remote(num_cpus=0)(MathEnvironment).remote(**kwargs)
+    return create_environment_actor("math", **kwargs)

@@ -9,6 +9,7 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -21,6 +22,7 @@ from tempering.environments.registry import (
     get_environment_class,
     register_environment,
     route_step,
+    to_wire,
 )
 from tempering.environments.reward_fn import RewardFunctionEnvironment, load_reward_fn
 
@@ -350,6 +352,25 @@ def test_route_step_takes_an_actors_read_only_numpy_without_a_warning():
     assert ret.rewards.tolist() == [3.0, 3.0] and ret.terminateds.tolist() == [True, True]
 
 
+def test_an_environment_actor_class_hands_its_metrics_tensors_sent_as_numpy():
+    from tempering.environments.registry import _with_fault_hook
+
+    class Recording(_Constant):
+        def global_post_process_and_metrics(self, batch):
+            self.seen = batch
+            return batch, {}
+
+    env = _with_fault_hook(Recording)(1.0, "a")
+    sent = to_wire(torch.tensor([1.0, 0.0]))
+    assert isinstance(sent, np.ndarray)
+    sent.flags.writeable = False  # as Ray hands it to the actor
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        env.global_post_process_and_metrics({"rewards": sent, "note": "kept"})
+    assert isinstance(env.seen["rewards"], torch.Tensor) and env.seen["rewards"].tolist() == [1, 0]
+    assert env.seen["note"] == "kept"
+
+
 def test_registry():
     assert set(ENVIRONMENT_REGISTRY) >= {"math", "arithmetic", "reward_fn"}
     assert get_environment_class("arithmetic") is ArithmeticEnvironment
@@ -401,8 +422,9 @@ def test_math_and_arithmetic_as_ray_actors(ray_running):
         ]
         ret = route_step({"math": math_actor, "arithmetic": arith_actor}, logs, metas, tasks)
         assert ret.rewards.tolist() == [1.0, 1.0, 0.0, 0.0]
-        _, metrics = ray.get(math_actor.global_post_process_and_metrics.remote({}))
-        assert metrics["env/math_samples"] == 2
+        batch = {"rewards": to_wire(torch.tensor([1.0, 0.0, 0.0, 0.0]))}  # as GRPO sends it
+        _, metrics = ray.get(math_actor.global_post_process_and_metrics.remote(batch))
+        assert metrics["env/math_samples"] == 2 and metrics["env/math_accuracy"] == 0.25
     finally:
         ray.get(math_actor.shutdown.remote())
         ray.kill(math_actor)
