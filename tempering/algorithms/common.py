@@ -224,9 +224,11 @@ def maybe_resume(
     if found is None:
         return 0, {}
     step, info = found
+    from tempering.utils.checkpoint import change_lines
+
     diff = checkpointer.config_diff(checkpointer.step_dir(step), config)
     _refuse_another_model(checkpointer, step, diff)
-    changes = checkpointer.config_changes(checkpointer.step_dir(step), config)
+    changes = change_lines(diff)
     if changes:
         log.warning(
             "resuming %s with a config that differs from the checkpoint's in %d key(s) "

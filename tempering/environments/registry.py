@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from tempering.environments.arithmetic import ArithmeticEnvironment, ArithmeticRetryEnvironment
@@ -124,8 +125,6 @@ def to_wire(value: Any) -> Any:
 
 def _from_wire(value: Any) -> Any:
     """A numpy array as a (writable) tensor; else ``value``."""
-    import numpy as np
-
     return torch.tensor(value) if isinstance(value, np.ndarray) else value
 
 

@@ -78,6 +78,11 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------------ manager
+def change_lines(diff: Mapping[str, tuple]) -> list[str]:
+    """A `CheckpointManager.config_diff` as ``key: saved -> now`` lines."""
+    return [f"{key}: {saved!r} -> {now!r}" for key, (saved, now) in diff.items()]
+
+
 class CheckpointMismatchError(ValueError, UserInputError):
     """A checkpoint folder holds another model's run than the one resuming from it."""
 
@@ -211,9 +216,8 @@ class CheckpointManager:
         }
 
     def config_changes(self, folder: str | Path, config: Mapping[str, Any]) -> list[str]:
-        """`config_diff` as ``key: saved -> now`` lines."""
-        diff = self.config_diff(folder, config)
-        return [f"{key}: {saved!r} -> {now!r}" for key, (saved, now) in diff.items()]
+        """`config_diff` as `change_lines`."""
+        return change_lines(self.config_diff(folder, config))
 
     def remove_partial_checkpoints(self) -> list[Path]:
         """Delete the temporary folders of saves that never finished (``step_<N>.tmp-<pid>``
