@@ -689,7 +689,7 @@ def environment_metrics(run: GRPORun, rewards: torch.Tensor) -> Any:
     while the policy trains, so the step does not wait for their round trips."""
     import ray
 
-    from tempering.environments.registry import to_wire
+    from tempering.environments.actors import to_wire
 
     pending, ready = [], {}
     for env in {id(e): e for e in run.environments.values()}.values():

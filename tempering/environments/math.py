@@ -536,6 +536,8 @@ class MathEnvironment(EnvironmentInterface):
 def make_math_environment_actor(**kwargs: Any) -> Any:
     """Start `MathEnvironment` as a Ray actor (``num_cpus=0``), as GRPO starts it; returns the
     actor handle."""
-    from tempering.environments.registry import create_environment_actor
+    import ray
 
-    return create_environment_actor("math", **kwargs)
+    from tempering.environments.actors import actor_class
+
+    return ray.remote(num_cpus=0)(actor_class(MathEnvironment)).remote(**kwargs)

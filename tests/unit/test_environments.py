@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from tempering.environments.actors import actor_class, to_wire
 from tempering.environments.arithmetic import ArithmeticEnvironment, first_integer
 from tempering.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 from tempering.environments.math import MathEnvironment, math_verify_score
@@ -22,7 +23,6 @@ from tempering.environments.registry import (
     get_environment_class,
     register_environment,
     route_step,
-    to_wire,
 )
 from tempering.environments.reward_fn import RewardFunctionEnvironment, load_reward_fn
 
@@ -353,14 +353,12 @@ def test_route_step_takes_an_actors_read_only_numpy_without_a_warning():
 
 
 def test_an_environment_actor_class_hands_its_metrics_tensors_sent_as_numpy():
-    from tempering.environments.registry import _with_fault_hook
-
     class Recording(_Constant):
         def global_post_process_and_metrics(self, batch):
             self.seen = batch
             return batch, {}
 
-    env = _with_fault_hook(Recording)(1.0, "a")
+    env = actor_class(Recording)(1.0, "a")
     sent = to_wire(torch.tensor([1.0, 0.0]))
     assert isinstance(sent, np.ndarray)
     sent.flags.writeable = False  # as Ray hands it to the actor
