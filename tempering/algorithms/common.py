@@ -227,7 +227,8 @@ def maybe_resume(
     from tempering.utils.checkpoint import change_lines
 
     diff = checkpointer.config_diff(checkpointer.step_dir(step), config)
-    _refuse_another_model(checkpointer, step, diff)
+    lora_cfg = config.get("policy", {}).get("dtensor_cfg", {}).get("lora_cfg", {})
+    _refuse_another_model(checkpointer, step, diff, bool(lora_cfg.get("enabled")))
     changes = change_lines(diff)
     if changes:
         log.warning(
@@ -246,25 +247,35 @@ def maybe_resume(
     return step, info
 
 
-def _refuse_another_model(checkpointer: Any, step: int, diff: dict[str, tuple]) -> None:
+# lora_cfg keys that change which weights the policy has (alpha and dropout do not)
+_LORA_SHAPE_KEYS = ("enabled", "dim", "target_modules", "exclude_modules", "match_all_linear")
+
+
+def _refuse_another_model(
+    checkpointer: Any, step: int, diff: dict[str, tuple], lora_enabled: bool
+) -> None:
     """A checkpoint resumes only the model it was saved from: another ``policy.model_name``
-    (unless both name the same architecture and sizes, e.g. a moved folder) or other LoRA
-    settings change the weights' names and shapes, and loading would fail deep inside
-    torch.distributed.checkpoint. Raise `CheckpointMismatchError` naming the fix instead."""
+    (unless both name the same architecture and sizes, e.g. a moved folder) or LoRA settings
+    that change the weights' names and shapes (LoRA on or off, or, while it is on, its rank
+    or layers) would fail deep inside torch.distributed.checkpoint. Raise
+    `CheckpointMismatchError` naming the fix instead."""
     from tempering.utils.checkpoint import CheckpointMismatchError
 
-    changed = [k for k in diff if k.startswith("policy.dtensor_cfg.lora_cfg.")]
+    lora = "policy.dtensor_cfg.lora_cfg."
+    keys = _LORA_SHAPE_KEYS if lora_enabled else ("enabled",)
+    changed = [k for k in diff if k.startswith(lora) and k[len(lora) :] in keys]
     if "policy.model_name" in diff and not _same_model(*diff["policy.model_name"]):
         changed.insert(0, "policy.model_name")
     if not changed:
         return
     folder = checkpointer.checkpoint_dir
     said = "; ".join(f"{k}: {diff[k][0]!r} there, {diff[k][1]!r} now" for k in changed)
+    same = ", ".join(f"{k}={diff[k][0]!r}" for k in changed)
     raise CheckpointMismatchError(
         f"checkpointing.checkpoint_dir={str(folder)!r} holds step {step} of another model's "
         f"run ({said}), and a checkpoint resumes only its own model. Fix: give this run its "
         f"own folder, e.g. checkpointing.checkpoint_dir={str(folder)}_2 (or remove {folder} "
-        "to start it over)."
+        f"to start it over); to resume that run, give what it had: {same}."
     )
 
 

@@ -77,7 +77,8 @@ def test_a_checkpoint_of_another_model_is_refused_by_name_with_the_fix(tmp_path)
     from tempering.utils.checkpoint import CheckpointMismatchError
 
     mgr = CheckpointManager(tmp_path / "results", save_period=1)
-    saved = {"policy": {"model_name": "tiny-arith", "dtensor_cfg": {"lora_cfg": {"rank": 8}}}}
+    lora_8 = {"lora_cfg": {"enabled": True, "dim": 8}}
+    saved = {"policy": {"model_name": "tiny-arith", "dtensor_cfg": lora_8}}
     with mgr.save(3, {}, config=saved) as d:
         (d / "policy").mkdir()
     policy = _Policy()
@@ -85,22 +86,38 @@ def test_a_checkpoint_of_another_model_is_refused_by_name_with_the_fix(tmp_path)
     bigger.mkdir()
     tiny = json.loads((Path(__file__).parents[2] / "models/tiny-arith/config.json").read_text())
     (bigger / "config.json").write_text(json.dumps({**tiny, "hidden_size": 256}))
-    lora_8 = saved["policy"]["dtensor_cfg"]
     other = {"policy": {"model_name": str(bigger), "dtensor_cfg": lora_8}}
     with pytest.raises(CheckpointMismatchError) as err:
         maybe_resume(mgr, policy, None, other)
     message = str(err.value)
     assert f"policy.model_name: 'tiny-arith' there, '{bigger}' now" in message
     assert f"checkpointing.checkpoint_dir={tmp_path / 'results'}_2" in message
-    lora = {"policy": {"model_name": "tiny-arith", "dtensor_cfg": {"lora_cfg": {"rank": 16}}}}
-    with pytest.raises(CheckpointMismatchError, match="lora_cfg.rank: 8 there, 16 now"):
+    assert "to resume that run, give what it had: policy.model_name='tiny-arith'" in message
+    lora_16 = {"lora_cfg": {"enabled": True, "dim": 16}}
+    lora = {"policy": {"model_name": "tiny-arith", "dtensor_cfg": lora_16}}
+    with pytest.raises(CheckpointMismatchError, match="lora_cfg.dim: 8 there, 16 now"):
         maybe_resume(mgr, policy, None, lora)
+    off = {"policy": {"model_name": "tiny-arith", "dtensor_cfg": {"lora_cfg": {"dim": 16}}}}
+    with pytest.raises(
+        CheckpointMismatchError, match="lora_cfg.enabled: True there, '.absent.' now"
+    ):
+        maybe_resume(mgr, policy, None, off)
     assert policy.loaded == []  # nothing was loaded into the wrong model
     # the same model by another name (its folder): resumed, the change only logged
     same = {"policy": {"model_name": str(Path(__file__).parents[2] / "models/tiny-arith"),
                        "dtensor_cfg": lora_8}}  # fmt: skip
     assert maybe_resume(mgr, policy, None, same)[0] == 3
-    assert policy.loaded == [str(mgr.policy_dir(3))]
+    # a LoRA setting that leaves the weights' shapes alone: resumed too
+    lora_8_alpha = {"lora_cfg": {"enabled": True, "dim": 8, "alpha": 64.0}}
+    alpha = {"policy": {"model_name": "tiny-arith", "dtensor_cfg": lora_8_alpha}}
+    assert maybe_resume(mgr, policy, None, alpha)[0] == 3
+    assert policy.loaded == [str(mgr.policy_dir(3))] * 2
+    # LoRA off on both sides: its rank is not read, so it may differ
+    plain = CheckpointManager(tmp_path / "plain", save_period=1)
+    off_8 = {"policy": {"model_name": "tiny-arith", "dtensor_cfg": {"lora_cfg": {"dim": 8}}}}
+    with plain.save(2, {}, config=off_8) as d:
+        (d / "policy").mkdir()
+    assert maybe_resume(plain, policy, None, off)[0] == 2
 
 
 def test_crash_inside_save_leaves_no_checkpoint(tmp_path) -> None:
