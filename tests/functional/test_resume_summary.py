@@ -47,15 +47,7 @@ def test_summary_after_kill_and_resume(tmp_path):
     killed_time = json.loads((tmp_path / "ckpt/step_20/training_info.json").read_text())[
         "wall_time_s"
     ]
-    second = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert second.returncode == 0, second.stderr[-3000:]
-    summary = re.search(
-        r"GRPO summary: (\d+) steps \((\d+) in this run, resumed at step (\d+)\) in (\d+) s of "
-        r"training; held-out greedy accuracy ([\d.]+)% -> ([\d.]+)%",
-        second.stdout,
-    )
-    assert summary, second.stdout[-2000:]
-    total, this_run, resumed, seconds, start, end = summary.groups()
+    total, this_run, resumed, seconds, start, end = _summary(cmd, env)
     assert (int(total), int(this_run), int(resumed)) == (40, 20, 20)
     assert int(seconds) >= int(killed_time)  # the killed run's training time counts
     rows = [json.loads(x) for x in (tmp_path / "logs/metrics.jsonl").read_text().splitlines()]
@@ -64,12 +56,20 @@ def test_summary_after_kill_and_resume(tmp_path):
     assert float(end) == round(100 * vals[40], 1)
     assert (tmp_path / "ckpt/final_hf/config.json").is_file()
 
-    third = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert third.returncode == 0, third.stderr[-3000:]
-    again = re.search(
-        r"GRPO summary: 40 steps \(0 in this run, resumed at step 40\) in \d+ s of training; "
-        r"held-out greedy accuracy ([\d.]+)% -> ([\d.]+)%",
-        third.stdout,
+    # the same command once more, the run finished: no step, the same two ends
+    again = _summary(cmd, env)
+    assert again[:3] == ("40", "0", "40") and again[4:] == (start, end)
+
+
+def _summary(cmd: list[str], env: dict[str, str]) -> tuple[str, ...]:
+    """Run ``cmd`` to the end; its summary's (total steps, steps this run, resumed at, training
+    seconds, start %, end %)."""
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = re.search(
+        r"GRPO summary: (\d+) steps \((\d+) in this run, resumed at step (\d+)\) in (\d+) s of "
+        r"training; held-out greedy accuracy ([\d.]+)% -> ([\d.]+)%",
+        done.stdout,
     )
-    assert again, third.stdout[-2000:]
-    assert again.groups() == (start, end)
+    assert summary, done.stdout[-2000:]
+    return summary.groups()
