@@ -215,10 +215,6 @@ class CheckpointManager:
             if saved.get(key) != now.get(key)
         }
 
-    def config_changes(self, folder: str | Path, config: Mapping[str, Any]) -> list[str]:
-        """`config_diff` as `change_lines`."""
-        return change_lines(self.config_diff(folder, config))
-
     def remove_partial_checkpoints(self) -> list[Path]:
         """Delete the temporary folders of saves that never finished (``step_<N>.tmp-<pid>``
         of a process that is gone: a crash or kill mid-save); return what was removed."""

@@ -16,7 +16,12 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from tempering.distributed.batched_data_dict import BatchedDataDict
 from tempering.losses import NLLLoss
 from tempering.models.policy.fsdp2_worker import FSDP2PolicyWorker
-from tempering.utils.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
+from tempering.utils.checkpoint import (
+    CheckpointManager,
+    capture_rng_state,
+    change_lines,
+    restore_rng_state,
+)
 
 
 def _save(mgr: CheckpointManager, step: int, metrics: dict | None = None) -> None:
@@ -52,10 +57,12 @@ def test_a_resume_names_the_config_keys_that_changed(tmp_path) -> None:
              "logger": {"wandb": {"api_key": "s3cret"}}}  # fmt: skip
     with mgr.save(1, {}, config=saved) as d:
         (d / "policy").mkdir()
-    assert mgr.config_changes(mgr.step_dir(1), saved) == []  # a plain resume: nothing to say
+    assert (
+        change_lines(mgr.config_diff(mgr.step_dir(1), saved)) == []
+    )  # a plain resume: nothing to say
     now = {"grpo": {"max_num_steps": 20, "seed": 42}, "policy": {"model_name": "smollm2"},
            "logger": {"wandb": {"api_key": "other"}}, "new": [1]}  # fmt: skip
-    assert mgr.config_changes(mgr.step_dir(1), now) == [
+    assert change_lines(mgr.config_diff(mgr.step_dir(1), now)) == [
         "grpo.max_num_steps: 10 -> 20",
         "new: '(absent)' -> [1]",
         "policy.model_name: 'tiny-arith' -> 'smollm2'",
