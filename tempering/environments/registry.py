@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from tempering.environments.actors import actor_class
+from tempering.environments.actors import actor_class, from_wire
 from tempering.environments.arithmetic import ArithmeticEnvironment, ArithmeticRetryEnvironment
 from tempering.environments.calculator import CalculatorEnvironment
 from tempering.environments.interfaces import EnvironmentInterface, EnvironmentReturn, MessageLog
@@ -154,13 +154,7 @@ def route_step(
             stops[i] = ret.next_stop_strings[j]
             answers[i] = ret.answers[j]
         position = torch.tensor(idx, dtype=torch.long)
-        rewards[position] = _values(ret.rewards, torch.float32)
-        terminateds[position] = _values(ret.terminateds, torch.bool)
+        # a tensor, a list, or the numpy an actor sends (read-only: from_wire copies it)
+        rewards[position] = torch.as_tensor(from_wire(ret.rewards), dtype=torch.float32)
+        terminateds[position] = torch.as_tensor(from_wire(ret.terminateds), dtype=torch.bool)
     return EnvironmentReturn(observations, metas_out, stops, rewards, terminateds, answers)
-
-
-def _values(x: Any, dtype: torch.dtype) -> torch.Tensor:
-    """An environment's rewards or terminateds as a tensor: a tensor, or the numpy array an
-    actor sends (Ray hands it over read-only, which ``torch.as_tensor`` would warn about), or a
-    list."""
-    return x.to(dtype) if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=dtype)
