@@ -17,9 +17,9 @@ the call (sampling included). Printed: decode ms per step against the floor's, a
 
     uv run --frozen python bench/bench_generation.py                  # 128 x 16, fp32
     uv run --frozen python bench/bench_generation.py --batch 32 --dtype bfloat16
-    uv run --frozen python bench/bench_generation.py --model ~/.cache/tempering/models/smollm2-135m-instruct \
+    uv run --frozen python bench/bench_generation.py --model smollm2-135m-instruct \
         --batch 16 --group 4 --new-tokens 128 --prompt-len 200    # the SmolLM2 GRPO step's shape
-    uv run --frozen python bench/bench_generation.py --model models/tiny-arith --batch 256 \
+    uv run --frozen python bench/bench_generation.py --model tiny-arith --batch 256 \
         --group 8 --new-tokens 16 --prompt-len 24 --engines torch  # the main job's shape, floor only
 
 A benchmark prints ratios; it never passes or fails.
@@ -236,7 +236,10 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=1, help="rows per distinct prompt (GRPO)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--model", help="HF model folder (default: a tiny random Llama)")
+    parser.add_argument(
+        "--model",
+        help="HF model folder or a registry name such as tiny-arith (default: a tiny random Llama)",
+    )
     parser.add_argument("--engines", default="torch,vllm", help="which engines to time")
     parser.add_argument("--engine", choices=["vllm", "torch"], help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -249,6 +252,10 @@ def main() -> None:
         if args.model is None:
             args.model = str(Path(tmp) / "tiny-llama")
             build_tiny_llama(Path(args.model))
+        else:  # a registry name (what `policy.model_name` takes) or a folder
+            from tempering.models.registry import resolve_model_path
+
+            args.model = str(resolve_model_path(args.model))
         common = [
             "--model", args.model, "--batch", str(args.batch), "--new-tokens",
             str(args.new_tokens), "--prompt-len", str(args.prompt_len), "--dtype", args.dtype,
