@@ -46,9 +46,14 @@ def held_out_task_accuracy(summary: dict[str, Any], cfg: DPOMasterConfig) -> str
               "max_new_tokens": cfg.policy.generation.max_new_tokens}  # fmt: skip
     after = evaluate(summary["final_model"], "arithmetic", **kwargs)
     before = evaluate(cfg.policy.model_name, "arithmetic", **kwargs)
-    return "  held-out task accuracy, before (baseline) and after (model):\n" + report(
-        after, before, None
-    )
+    note = ""
+    if cfg.data.dataset_name == "arithmetic_parity":
+        note = (
+            "\n  (arithmetic_parity pairs prefer an even number to an odd one, neither the "
+            "answer: task accuracy is expected to fall)"
+        )
+    head = "  held-out task accuracy, before (baseline) and after (model):\n"
+    return head + report(after, before, None) + note
 
 
 if __name__ == "__main__":
