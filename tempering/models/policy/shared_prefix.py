@@ -65,7 +65,10 @@ class SharedPrefixPlan:
         """The groups' ``[G, L, D]`` outputs (logits, hidden states) as the micro-batch's
         ``[B, S, D]``, each row as if computed alone."""
         flat = out.reshape(-1, out.shape[-1])
-        return flat[self.gather.to(out.device).reshape(-1)].reshape(*self.gather.shape, -1)
+        # index_select, not `flat[index]`: on CPU the backward of advanced indexing (an
+        # accumulating index_put) took 6.6 ms against 0.64 at tiny-arith's GRPO step shape
+        index = self.gather.to(out.device).reshape(-1)
+        return flat.index_select(0, index).reshape(*self.gather.shape, -1)
 
 
 def attention_cost_ratio(config: Any, num_params: int) -> float:
