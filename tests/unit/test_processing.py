@@ -247,6 +247,25 @@ def test_loader_prefetches_the_next_batch_in_the_background():
     assert [b for b, _ in calls[:4]] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [99, 10, 11]]
 
 
+def test_a_prefetching_loader_shortens_the_gil_switch_interval():
+    """The prefetch thread holds the GIL while it tokenizes; at Python's default 5 ms switch
+    interval each hand-over delayed the main thread's train call by up to 5 ms (see
+    PREFETCH_SWITCH_INTERVAL_S). A loader without prefetch leaves the interval alone."""
+    import sys
+
+    from tempering.data.dataloader import PREFETCH_SWITCH_INTERVAL_S
+
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        StatefulDataLoader(list(range(4)), 2)
+        assert sys.getswitchinterval() == 0.005
+        StatefulDataLoader(list(range(4)), 2, prefetch=True)
+        assert sys.getswitchinterval() == pytest.approx(PREFETCH_SWITCH_INTERVAL_S)
+    finally:
+        sys.setswitchinterval(before)
+
+
 def test_loader_collates_and_rejects_bad_state(tokenizer):
     examples = [tokenize_message_log(CONVERSATION[1:3], tokenizer, 64)] * 4
     loader = StatefulDataLoader(
