@@ -154,7 +154,7 @@ def test_worker_steps_equal_with_and_without_chunks(kind, lone_rank, tmp_path) -
         assert fp.chunk_rows is not None
         if not chunked:  # the same worker, logits whole everywhere
             worker.forward_pass = ForwardPass(fp.head, fp.device, fp.shared_prefix,
-                                              fp.pad_token_id)  # fmt: skip
+                                              fp.pad_token_id, over_rows=fp.over_rows)  # fmt: skip
         loss = ClippedPGLoss(reference_policy_kl_penalty=0.1)
         steps = []
         for seed in (0, 1):

@@ -1,6 +1,7 @@
 """Shared-prefix forwards (tempering/models/policy/shared_prefix.py): rows that start alike
 run their prefix once, and every row's logits, log-probs and gradients equal those of the rows
-computed whole; the cost model keeps rows apart where sharing would not pay; DPO's reference
+computed whole, under a tree mask or attending over rows; the cost model keeps rows apart where
+sharing would not pay and picks the cheaper attention; DPO's reference
 log-probs computed inside the train call equal the separate call's, and GRPO's, at the
 sampling temperature, equal the separate call's at that temperature.
 """
@@ -9,10 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from tempering.distributed.batched_data_dict import BatchedDataDict
 from tempering.losses import ClippedPGLoss, DPOLoss, NLLLoss
+from tempering.models.policy.microbatching import ForwardPass
+from tempering.models.policy.packed_attention import use_packed_sdpa
 from tempering.models.policy.shared_prefix import attention_cost_ratio, plan_shared_prefix
 
 VOCAB = 100
@@ -124,6 +127,81 @@ def test_rows_stay_apart_when_sharing_does_not_pay() -> None:
     sft_like = torch.randint(1, VOCAB, (4, 40), generator=g)
     sft_like[1, :10] = sft_like[0, :10]
     assert plan_shared_prefix(sft_like, torch.full((4,), 40), ratio=1e-4) is None
+
+
+def sft_rows(seed: int = 0, rows: int = 8) -> BatchedDataDict:
+    """SFT-like rows: a 2-token common start (a chat template's), random tails of 8-14 tokens,
+    two rows sharing 6 tokens: as one tree-masked group they would attend densely over ~90
+    positions; as rows, over their own ~14."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(10, 17, (rows,), generator=g)
+    ids = torch.zeros(rows, int(lengths.max()), dtype=torch.long)
+    for i, n in enumerate(lengths.tolist()):
+        ids[i, :n] = torch.randint(1, VOCAB, (n,), generator=g)
+    ids[:, :2] = torch.tensor([5, 6])
+    ids[1, :6] = ids[0, :6]
+    token_mask = (torch.arange(ids.shape[1])[None] < lengths[:, None]).float()
+    token_mask[:, :4] = 0
+    return BatchedDataDict(
+        input_ids=ids, input_lengths=lengths, token_mask=token_mask, sample_mask=torch.ones(rows)
+    )
+
+
+def sliding_mistral() -> MistralForCausalLM:
+    torch.manual_seed(0)
+    cfg = MistralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        sliding_window=5, attn_implementation="sdpa",
+    )  # fmt: skip
+    return MistralForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("make_model", [tiny_llama, sliding_mistral])
+def test_attention_over_rows_equals_each_row_computed_whole(make_model) -> None:
+    """A plan over rows (many short rows under a 2-token start) computes each shared token's
+    matmuls once and gives every row's logits and gradients as if computed alone -- also with
+    grouped-query heads and a sliding window (5) narrower than the rows."""
+    data = sft_rows()
+    grads, logits = [], []
+    for shared in (False, True):
+        model = make_model().train()
+        if shared:
+            assert use_packed_sdpa(model)
+            ratio = ratio_of(model)
+            plan = plan_shared_prefix(data["input_ids"], data["input_lengths"], ratio, 0, True)
+            assert plan is not None and plan.over_rows is not None and plan.mask is None
+            # rows share only their start: a tree mask would cost more than the padded rows
+            assert plan_shared_prefix(data["input_ids"], data["input_lengths"], ratio) is None
+            assert plan.tokens == int(data["input_lengths"].sum()) - 7 * 2 - 4
+            out = plan.forward(model)
+        else:
+            out = plain_logits(model, data)
+        loss, _ = NLLLoss()(out, data, data["token_mask"].sum(), torch.tensor(8.0))
+        loss.backward()
+        logits.append(out.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    valid = torch.arange(data["input_ids"].shape[1])[None] < data["input_lengths"][:, None]
+    torch.testing.assert_close(logits[1][valid], logits[0][valid], atol=1e-5, rtol=0)
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, atol=1e-6, rtol=1e-4)
+
+
+def test_the_cheaper_attention_wins_and_a_model_without_it_is_refused() -> None:
+    """GRPO-like rows (long prompts, short answers) keep the tree mask even where attending
+    over rows is possible; SFT-like rows attend over rows; a plan over rows given to a model
+    whose attention would ignore it is an error, not wrong logits."""
+    model = tiny_llama()
+    ratio = ratio_of(model)
+    grpo = grouped_rows()
+    tree = plan_shared_prefix(grpo["input_ids"], grpo["input_lengths"], ratio, 0, True)
+    assert tree is not None and tree.over_rows is None
+    sft = sft_rows()
+    over = plan_shared_prefix(sft["input_ids"], sft["input_lengths"], ratio, 0, True)
+    assert over is not None and over.over_rows is not None
+    fp = ForwardPass("causal_lm", torch.device("cpu"), ratio, 0, over_rows=True)
+    with pytest.raises(ValueError, match="attends over rows.*'sdpa'"):
+        fp.logits(model, sft, over)
 
 
 def test_worker_shared_prefix_matches_whole_rows_and_counts_tokens(make_worker) -> None:

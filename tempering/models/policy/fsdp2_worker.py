@@ -61,6 +61,7 @@ from tempering.models.policy.model_setup import (
 )
 from tempering.models.policy.moe import MoERouting
 from tempering.models.policy.optim import build_lr_scheduler, build_optimizer
+from tempering.models.policy.packed_attention import attends_over_rows
 from tempering.models.policy.training import (
     NonFiniteTrainingError,
     OptimizerStep,
@@ -166,6 +167,7 @@ class FSDP2PolicyWorker:
             padding_free=(
                 padding_free_costs(self.state.model, head, topo.device) if padding_free else None
             ),
+            over_rows=attends_over_rows(self.state.model),
         )
         self.moe = MoERouting.of(self.state.model)  # a router's load-balancing loss (moe.py)
         self.optimizer_step: OptimizerStep | None = None

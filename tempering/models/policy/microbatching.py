@@ -26,6 +26,7 @@ import torch
 
 from tempering.distributed.batched_data_dict import BatchedDataDict, PackedBin, pack_in_order
 from tempering.logits import HiddenLogits, as_logits
+from tempering.models.policy.packed_attention import attends_over_rows
 from tempering.models.policy.shared_prefix import SharedPrefixPlan, plan_shared_prefix, row_cost
 
 # How a micro-batch runs through the model: packed into one row, as shared-prefix groups, or
@@ -52,8 +53,10 @@ class PaddingFree:
         """Whether ``mb`` costs less padding-free than as ``plan`` (None: its padded rows)."""
         lengths = [int(n) for n in mb["input_lengths"].tolist()]
         free = sum(row_cost(n, self.ratio, False) + self.per_sequence for n in lengths)
-        rows, width = (plan.input_ids if plan is not None else mb["input_ids"]).shape
-        return free < rows * row_cost(width, self.ratio, dense=plan is not None)
+        if plan is not None:
+            return free < plan.cost
+        rows, width = mb["input_ids"].shape
+        return free < rows * row_cost(width, self.ratio, dense=False)
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,8 @@ class ForwardPass:
         head: "causal_lm" (``[B, S, V]`` logits) or "score" (``[B]`` scores).
         device: where micro-batches are computed.
         shared_prefix: the cost ratio of `plan_shared_prefix`; None: rows computed whole.
+        over_rows: the model attends over rows (`PACKED_SDPA`), so a shared-prefix plan may
+            run its attention in the rows' layout (`plan_shared_prefix`).
         pad_token_id: the pad id shared-prefix plans fill with (0 when None).
         chunk_rows: rows of logits a `HiddenLogits` computes at a time; None: the logits are
             always materialised whole (a reward model; a head `HiddenLogits` cannot compute).
@@ -81,6 +86,7 @@ class ForwardPass:
     chunk_rows: int | None = None
     fuse_trained_head: bool = False
     padding_free: PaddingFree | None = None
+    over_rows: bool = False
 
     def split(
         self,
@@ -115,8 +121,9 @@ class ForwardPass:
         plan = None
         if self.shared_prefix is not None:
             plan = plan_shared_prefix(
-                mb["input_ids"], mb["input_lengths"], self.shared_prefix, self.pad_token_id or 0
-            )
+                mb["input_ids"], mb["input_lengths"], self.shared_prefix,
+                self.pad_token_id or 0, self.over_rows,
+            )  # fmt: skip
         if mb.size and self.padding_free is not None and self.padding_free.cheaper(mb, plan):
             return pack_in_order(mb)
         return plan
@@ -143,6 +150,12 @@ class ForwardPass:
             return model(input_ids=ids, attention_mask=attention_mask).logits.float()[:, 0]
         moe = {"output_router_logits": True} if router is not None else {}
         if isinstance(layout, SharedPrefixPlan):
+            if layout.over_rows is not None and not attends_over_rows(model):
+                raise ValueError(
+                    f"a shared-prefix plan that attends over rows met a model on "
+                    f"{model.config._attn_implementation!r} attention, which would ignore it; "
+                    f"build the ForwardPass with over_rows=attends_over_rows(model)"
+                )
             out, weight = self._run(model, **layout.inputs(self.device))
             return self._finish(model, layout.rows(out.logits), weight)  # each row as if alone
         if isinstance(layout, PackedBin):

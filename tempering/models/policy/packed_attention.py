@@ -10,10 +10,17 @@ registered through transformers' own `AttentionInterface` (its documented extens
 given ``cu_seq_lens_q`` (the sequence boundaries, the keyword that flash-attention's varlen
 kernels take too), it runs causal SDPA on each sequence separately, ``O(sum L_i^2)``; without
 it, it is plain ``sdpa``. Models on ``flash_attention_*`` keep their own varlen kernels.
+
+It also runs a shared-prefix plan's attention in its rows' layout (`RowsAttention`): the
+matmuls of the plan's groups see each shared token once, while attention gathers every row's
+queries, keys and values back to its own padded row and runs plain causal SDPA there, instead
+of a dense tree mask over a whole group (many short rows under a short common start: 16 rows of
+~13 tokens as one 216-token group attend over 46,656 pairs, as rows over 16 x 136).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,6 +29,59 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 PACKED_SDPA = "tempering_packed_sdpa"
+ROWS_KWARG = "tempering_rows"  # the model keyword that carries a `RowsAttention`
+
+
+@dataclass(frozen=True)
+class RowsAttention:
+    """Where a shared-prefix plan's attention runs: ``gather`` ``[B * S]`` the flattened group
+    position of every (row, column) of the micro-batch (padding columns: any position, their
+    keys come after the row's tokens and their outputs are never read), ``pick`` ``[G * L]``
+    one row position holding each group position (group padding: any)."""
+
+    gather: torch.Tensor
+    pick: torch.Tensor
+    rows: int
+    width: int
+
+    def to(self, device: torch.device) -> RowsAttention:
+        return RowsAttention(self.gather.to(device), self.pick.to(device), self.rows, self.width)
+
+
+def rows_attention(
+    layout: RowsAttention,
+    query: torch.Tensor,  # [G, H, L, D]
+    key: torch.Tensor,  # [G, KVH, L, D]
+    value: torch.Tensor,
+    dropout: float,
+    scaling: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Causal SDPA over the micro-batch's rows, from and back to the groups' layout:
+    ``[G, L, H, D]``. Gradients of a shared key or value sum over the rows that read it
+    (`index_select`'s backward); a shared query's output is taken from one row."""
+    groups, _, length, dim = query.shape
+    rows, width = layout.rows, layout.width
+
+    def to_rows(x: torch.Tensor) -> torch.Tensor:  # [G, h, L, D] -> [B, h, S, D]
+        flat = x.transpose(1, 2).reshape(groups * length, -1)
+        return (
+            flat.index_select(0, layout.gather).view(rows, width, x.shape[1], dim).transpose(1, 2)
+        )
+
+    q, k, v = to_rows(query), to_rows(key), to_rows(value)
+    heads = q.shape[1] // k.shape[1]
+    k, v = repeat_kv(k, heads), repeat_kv(v, heads)
+    mask = None
+    if sliding_window is not None and sliding_window < width:
+        pos = torch.arange(width, device=q.device)
+        diff = pos[:, None] - pos[None, :]
+        mask = (diff >= 0) & (diff < sliding_window)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=mask is None
+    )  # [B, H, S, D]
+    flat = out.transpose(1, 2).reshape(rows * width, -1)
+    return flat.index_select(0, layout.pick).view(groups, length, -1, dim)
 
 
 def packed_sdpa_attention(
@@ -34,7 +94,12 @@ def packed_sdpa_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Causal SDPA per packed sequence when ``cu_seq_lens_q`` is given, else plain sdpa."""
+    """Causal SDPA over a shared-prefix plan's rows when `ROWS_KWARG` is given, per packed
+    sequence when ``cu_seq_lens_q`` is, else plain sdpa."""
+    layout = kwargs.get(ROWS_KWARG)
+    if layout is not None:
+        window = kwargs.get("sliding_window")
+        return rows_attention(layout, query, key, value, dropout, scaling, window), None
     bounds = kwargs.get("cu_seq_lens_q")
     if bounds is None or query.shape[0] != 1 or key.shape[2] != query.shape[2]:
         return sdpa_attention_forward(
@@ -66,3 +131,8 @@ def use_packed_sdpa(model: Any) -> bool:
     AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)  # unpacked calls need sdpa's mask
     model.set_attn_implementation(PACKED_SDPA)
     return True
+
+
+def attends_over_rows(model: Any) -> bool:
+    """Whether ``model``'s attention takes `ROWS_KWARG` (it runs `PACKED_SDPA`)."""
+    return getattr(model.config, "_attn_implementation", None) == PACKED_SDPA

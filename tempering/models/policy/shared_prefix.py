@@ -14,13 +14,24 @@ row computed alone (up to float rounding). `SharedPrefixPlan.forward` runs the m
 groups and gathers the logits back into the micro-batch's padded ``[B, S, V]`` layout, so every
 loss works unchanged and gradients of a shared token sum over the rows that share it.
 
-Grouping is greedy over the rows sorted by their tokens, and a row joins a group only when a
-cost model says it pays: a token costs its matmuls (2 x parameters), and a group row costs
-attention over all its positions (a dense mask cannot skip blocks the way plain causal
-attention does), so long continuations under a short common prefix (e.g. a system prompt)
-stay apart, and a plan whose packed rows (padding included) hold no fewer positions than the
-padded micro-batch is dropped. Identical rows (GRPO samples that came out the same) collapse
-into one.
+The groups' attention runs one of two ways, whichever a cost model finds cheaper (a token
+costs its matmuls, 2 x parameters; a (query, key) pair of attention `attention_cost_ratio` of
+that):
+
+- a *tree mask*: each group row attends densely under a ``[L, L]`` mask (it cannot skip blocks
+  the way causal attention does). Grouping is greedy over the rows sorted by their tokens, and
+  a row joins a group only where its shared tokens save more than the group's attention grows,
+  so long continuations under a short common prefix (a system prompt) stay apart. Pays for a
+  long prompt under short answers (GRPO samples of one prompt).
+- *over rows* (`packed_attention.RowsAttention`; needs `PACKED_SDPA`): attention gathers every
+  row back to its own padded row and runs causal there, as the padded micro-batch would; only
+  the matmuls see a shared token once. Every row that shares a token joins its group. Pays for
+  many short rows under a short common start (tiny-arith's SFT rows: a 2-token start, ~13
+  tokens each).
+
+A plan is dropped when it costs no less than the padded micro-batch (its positions, padding
+included, and their causal attention). Identical rows (GRPO samples that came out the same)
+collapse into one.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ from typing import Any
 import torch
 
 from tempering.distributed.batched_data_dict import first_fit_decreasing, rows_tensor
+from tempering.models.policy.packed_attention import ROWS_KWARG, RowsAttention
 
 # Attention implementations that take a custom 4-D boolean mask (True = attend).
 BOOL_MASK_ATTENTION = ("sdpa", "tempering_packed_sdpa")
@@ -38,15 +50,18 @@ BOOL_MASK_ATTENTION = ("sdpa", "tempering_packed_sdpa")
 
 @dataclass
 class SharedPrefixPlan:
-    """Groups of one micro-batch: ``input_ids``/``position_ids`` ``[G, L]``, ``mask``
-    ``[G, 1, L, L]`` (True = attend), and ``gather`` ``[B, S]``: for every row and column of
-    the micro-batch, its position in the flattened ``[G * L]`` groups."""
+    """Groups of one micro-batch: ``input_ids``/``position_ids`` ``[G, L]``, ``gather``
+    ``[B, S]``: for every row and column of the micro-batch, its position in the flattened
+    ``[G * L]`` groups; and how they attend: ``mask`` ``[G, 1, L, L]`` (a tree mask, True =
+    attend) or ``over_rows`` (attention in the rows' layout, `RowsAttention`)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None
+    over_rows: RowsAttention | None
     gather: torch.Tensor
     tokens: int  # real tokens in the groups (the rows had sum(input_lengths))
+    cost: float  # in tokens' worth of matmuls (module docstring)
 
     def forward(self, model: torch.nn.Module) -> torch.Tensor:
         """The micro-batch's ``[B, S, V]`` float logits, computed on the groups."""
@@ -55,11 +70,17 @@ class SharedPrefixPlan:
 
     def inputs(self, device: torch.device) -> dict[str, torch.Tensor]:
         """The model's keyword arguments that compute the groups."""
-        return {
+        inputs = {
             "input_ids": self.input_ids.to(device),
             "position_ids": self.position_ids.to(device),
-            "attention_mask": self.mask.to(device),
         }
+        if self.over_rows is None:
+            assert self.mask is not None
+            return inputs | {"attention_mask": self.mask.to(device)}
+        # an all-ones 2-D mask: transformers builds no mask (causal SDPA's own) and does not
+        # read the restarting position ids as packed sequences
+        ones = torch.ones(self.input_ids.shape, dtype=torch.long, device=device)
+        return inputs | {"attention_mask": ones, ROWS_KWARG: self.over_rows.to(device)}
 
     def rows(self, out: torch.Tensor) -> torch.Tensor:
         """The groups' ``[G, L, D]`` outputs (logits, hidden states) as the micro-batch's
@@ -92,10 +113,15 @@ def row_cost(tokens: int, ratio: float, dense: bool) -> float:
 
 
 def plan_shared_prefix(
-    input_ids: torch.Tensor, input_lengths: torch.Tensor, ratio: float, pad_token_id: int = 0
+    input_ids: torch.Tensor,
+    input_lengths: torch.Tensor,
+    ratio: float,
+    pad_token_id: int = 0,
+    over_rows: bool = False,
 ) -> SharedPrefixPlan | None:
     """Group the right-padded rows ``input_ids`` ``[B, S]`` by shared prefixes (see module
-    docstring); None when no grouping is estimated to save work.
+    docstring); None when no plan is estimated to cost less than the padded rows.
+    ``over_rows``: the model can attend over rows (`PACKED_SDPA`), so that plan competes too.
 
     A group is a token trie of its rows: sorted, each row adds the tokens past its common
     prefix with the row before it (the longest it shares with any earlier row)."""
@@ -103,29 +129,43 @@ def plan_shared_prefix(
     ids = input_ids.tolist()
     rows = [ids[i][: lengths[i]] for i in range(len(lengths))]
     order = sorted(range(len(rows)), key=lambda i: rows[i])
+    width = input_ids.shape[1]
+    best, best_cost = None, len(rows) * row_cost(width, ratio, False)  # the padded rows
+    for rows_layout in (False, True) if over_rows else (False,):
+        grouped = _groups(rows, order, ratio, rows_layout)
+        if grouped is None:
+            continue
+        plan = _layout(*grouped, rows, width, pad_token_id, ratio, rows_layout)
+        if plan.cost < best_cost:
+            best, best_cost = plan, plan.cost
+    return best
+
+
+def _groups(
+    rows: list[list[int]], order: list[int], ratio: float, over_rows: bool
+) -> tuple[list[list[int]], list[int]] | None:
+    """Greedy groups of the sorted rows and their trie sizes; None when no row joins one.
+    Under a tree mask a row joins only where its shared tokens save more than the group's
+    dense attention grows; over rows, attention costs the same either way, so wherever it
+    shares a token."""
     groups: list[list[int]] = []  # members, in sorted order
     sizes: list[int] = []  # trie nodes (tokens computed) per group
     saved = False
     for i in order:
         if groups:
             shared = _common(rows[groups[-1][-1]], rows[i])
-            grown = sizes[-1] + lengths[i] - shared
+            grown = sizes[-1] + len(rows[i]) - shared
             apart = row_cost(sizes[-1], ratio, len(groups[-1]) > 1) + row_cost(
-                lengths[i], ratio, False
+                len(rows[i]), ratio, False
             )
-            if shared and row_cost(grown, ratio, True) < apart:
+            if shared and (over_rows or row_cost(grown, ratio, True) < apart):
                 groups[-1].append(i)
                 sizes[-1] = grown
                 saved = True
                 continue
         groups.append([i])
-        sizes.append(lengths[i])
-    if not saved:
-        return None
-    plan = _layout(groups, sizes, rows, input_ids.shape[1], pad_token_id)
-    # padding is computed too: a plan whose rows hold no fewer positions than the padded
-    # micro-batch (e.g. two long rows merged over a short common start) saves nothing
-    return plan if plan.input_ids.numel() < input_ids.numel() else None
+        sizes.append(len(rows[i]))
+    return (groups, sizes) if saved else None
 
 
 def _layout(
@@ -134,6 +174,8 @@ def _layout(
     rows: list[list[int]],
     width: int,
     pad_token_id: int,
+    ratio: float,
+    over_rows: bool,
 ) -> SharedPrefixPlan:
     """Each group's trie in depth-first order (a node's ancestors come before it), groups
     packed first-fit-decreasing into rows as wide as the largest group. A node sees exactly
@@ -145,6 +187,7 @@ def _layout(
     depth = [[0] * L for _ in bins]
     end = [list(range(1, L + 1)) for _ in bins]  # padding sees itself only
     gather = [[0] * width for _ in rows]
+    pick = [[0] * L for _ in bins]  # one row position holding each group position
     for r, members_of_bin in enumerate(bins):
         node = 0  # next free position of this bin's row
         for g in members_of_bin:
@@ -157,6 +200,10 @@ def _layout(
                 path = path[:shared] + list(range(node, node + len(row) - shared))
                 ids[r][node : node + len(row) - shared] = row[shared:]
                 depth[r][node : node + len(row) - shared] = range(shared, len(row))
+                # the row that adds a node holds it (column = depth)
+                pick[r][node : node + len(row) - shared] = range(
+                    m * width + shared, m * width + len(row)
+                )
                 node += len(row) - shared
                 gather[m][: len(row)] = [r * L + j for j in path]
                 previous = row
@@ -168,13 +215,19 @@ def _layout(
                 open_nodes.append(j)
             for j in open_nodes:
                 end[r][j] = node
+    positions = len(bins) * L  # padding included: the matmuls compute it too
+    gathered = rows_tensor(gather)
+    if over_rows:
+        over = RowsAttention(gathered.reshape(-1), rows_tensor(pick).reshape(-1), *gathered.shape)
+        attention = len(rows) * row_cost(width, ratio, False) - len(rows) * width
+        return SharedPrefixPlan(
+            rows_tensor(ids), rows_tensor(depth), None, over, gathered, sum(sizes),
+            cost=positions + attention,
+        )  # fmt: skip
     pos = torch.arange(L)
     ends = rows_tensor(end)  # [R, L]
     mask = (pos[None, None, :] <= pos[None, :, None]) & (pos[None, :, None] < ends[:, None, :])
     return SharedPrefixPlan(
-        input_ids=rows_tensor(ids),
-        position_ids=rows_tensor(depth),
-        mask=mask[:, None],
-        gather=rows_tensor(gather),
-        tokens=sum(sizes),
-    )
+        rows_tensor(ids), rows_tensor(depth), mask[:, None], None, gathered, sum(sizes),
+        cost=len(bins) * row_cost(L, ratio, True),
+    )  # fmt: skip
