@@ -5,6 +5,8 @@ costs nothing (and where asked) with the same training step as whole logits."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import test_lora
 import torch
@@ -143,8 +145,6 @@ def test_worker_steps_equal_with_and_without_chunks(kind, lone_rank, tmp_path) -
     only the logits it reads (LoRA's frozen head and logprob_chunk_size=4: chunk by chunk;
     full fine-tuning by default: the masked rows under autograd) equal a worker's that
     materialises every position's logits, in losses, metrics and the weights it ends with."""
-    from tempering.models.policy.microbatching import ForwardPass
-
     path = _tiny_model(tmp_path)
     extra = WORKERS[kind]
     results = []
@@ -153,8 +153,8 @@ def test_worker_steps_equal_with_and_without_chunks(kind, lone_rank, tmp_path) -
         fp = worker.forward_pass
         assert fp.chunk_rows is not None
         if not chunked:  # the same worker, logits whole everywhere
-            worker.forward_pass = ForwardPass(fp.head, fp.device, fp.shared_prefix,
-                                              fp.pad_token_id, over_rows=fp.over_rows)  # fmt: skip
+            # (the same layouts: shared prefixes, padding-free, attention over rows)
+            worker.forward_pass = dataclasses.replace(fp, chunk_rows=None, fuse_trained_head=False)
         loss = ClippedPGLoss(reference_policy_kl_penalty=0.1)
         steps = []
         for seed in (0, 1):
@@ -168,8 +168,11 @@ def test_worker_steps_equal_with_and_without_chunks(kind, lone_rank, tmp_path) -
     for a, b in zip(chunked_steps, whole_steps, strict=True):
         for key in ("loss", "entropy", "kl_penalty", "grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    # AdamW at lr 2e-2 moves a weight up to ~4e-2 in two steps, and turns a near-zero
+    # gradient's float rounding into a sizeable step (m / sqrt(v)): 5e-5 is 800x tighter than
+    # what a wrong chunk would show
     for name, tensor in whole_w.items():
-        torch.testing.assert_close(chunked_w[name], tensor, atol=1e-5, rtol=0)
+        torch.testing.assert_close(chunked_w[name], tensor, atol=5e-5, rtol=0)
     initial = torch.load(f"{path}/initial.pt")
     moved = sum(int((whole_w[n] - t).abs().max() > 1e-4) for n, t in initial.items())
     assert moved > 0  # the steps changed the weights

@@ -157,11 +157,13 @@ def sliding_mistral() -> MistralForCausalLM:
     return MistralForCausalLM(cfg).eval()
 
 
+@pytest.mark.parametrize("per_sequence", [None, 0.0], ids=["padded-rows", "row-by-row"])
 @pytest.mark.parametrize("make_model", [tiny_llama, sliding_mistral])
-def test_attention_over_rows_equals_each_row_computed_whole(make_model) -> None:
+def test_attention_over_rows_equals_each_row_computed_whole(make_model, per_sequence) -> None:
     """A plan over rows (many short rows under a 2-token start) computes each shared token's
     matmuls once and gives every row's logits and gradients as if computed alone -- also with
-    grouped-query heads and a sliding window (5) narrower than the rows."""
+    grouped-query heads and a sliding window (5) narrower than the rows; its rows attend
+    padded in one call, or (an attention call costing nothing more) one call each."""
     data = sft_rows()
     grads, logits = [], []
     for shared in (False, True):
@@ -169,8 +171,11 @@ def test_attention_over_rows_equals_each_row_computed_whole(make_model) -> None:
         if shared:
             assert use_packed_sdpa(model)
             ratio = ratio_of(model)
-            plan = plan_shared_prefix(data["input_ids"], data["input_lengths"], ratio, 0, True)
+            plan = plan_shared_prefix(
+                data["input_ids"], data["input_lengths"], ratio, 0, True, per_sequence
+            )
             assert plan is not None and plan.over_rows is not None and plan.mask is None
+            assert (plan.over_rows.bounds is None) == (per_sequence is None)
             # rows share only their start: a tree mask would cost more than the padded rows
             assert plan_shared_prefix(data["input_ids"], data["input_lengths"], ratio) is None
             assert plan.tokens == int(data["input_lengths"].sum()) - 7 * 2 - 4

@@ -123,6 +123,7 @@ class ForwardPass:
             plan = plan_shared_prefix(
                 mb["input_ids"], mb["input_lengths"], self.shared_prefix,
                 self.pad_token_id or 0, self.over_rows,
+                self.padding_free.per_sequence if self.padding_free is not None else None,
             )  # fmt: skip
         if mb.size and self.padding_free is not None and self.padding_free.cheaper(mb, plan):
             return pack_in_order(mb)

@@ -34,18 +34,47 @@ ROWS_KWARG = "tempering_rows"  # the model keyword that carries a `RowsAttention
 
 @dataclass(frozen=True)
 class RowsAttention:
-    """Where a shared-prefix plan's attention runs: ``gather`` ``[B * S]`` the flattened group
-    position of every (row, column) of the micro-batch (padding columns: any position, their
-    keys come after the row's tokens and their outputs are never read), ``pick`` ``[G * L]``
-    one row position holding each group position (group padding: any)."""
+    """Where a shared-prefix plan's attention runs: its rows, gathered from the groups.
+
+    ``bounds`` None: the rows padded to ``width``, one batched causal call; ``gather``
+    ``[rows * width]`` holds the flattened group position of every (row, column) (padding
+    columns: any position -- their keys come after the row's tokens, their outputs are never
+    read). ``bounds`` (the rows' cumulative lengths): the rows packed side by side, one call
+    each; ``gather`` ``[bounds[-1]]``. ``pick`` ``[G * L]``: for each group position, one
+    gathered position holding it (group padding: any)."""
 
     gather: torch.Tensor
     pick: torch.Tensor
     rows: int
     width: int
+    bounds: tuple[int, ...] | None = None
 
     def to(self, device: torch.device) -> RowsAttention:
-        return RowsAttention(self.gather.to(device), self.pick.to(device), self.rows, self.width)
+        return RowsAttention(
+            self.gather.to(device), self.pick.to(device), self.rows, self.width, self.bounds
+        )
+
+
+def causal_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout: float,
+    scaling: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Causal SDPA over ``[B, H, S, D]`` rows, within ``sliding_window`` where it is narrower
+    than the rows (a key at most ``sliding_window - 1`` positions back, as transformers')."""
+    width = query.shape[2]
+    mask = None
+    if sliding_window is not None and sliding_window < width:
+        pos = torch.arange(width, device=query.device)
+        back = pos[:, None] - pos[None, :]
+        mask = (back >= 0) & (back < sliding_window)
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
+        is_causal=mask is None,
+    )  # fmt: skip
 
 
 def rows_attention(
@@ -61,26 +90,29 @@ def rows_attention(
     ``[G, L, H, D]``. Gradients of a shared key or value sum over the rows that read it
     (`index_select`'s backward); a shared query's output is taken from one row."""
     groups, _, length, dim = query.shape
-    rows, width = layout.rows, layout.width
+    shape = (layout.rows, layout.width) if layout.bounds is None else (1, layout.bounds[-1])
 
-    def to_rows(x: torch.Tensor) -> torch.Tensor:  # [G, h, L, D] -> [B, h, S, D]
+    def to_rows(x: torch.Tensor) -> torch.Tensor:  # [G, h, L, D] -> [B, h, S, D] / [1, h, T, D]
         flat = x.transpose(1, 2).reshape(groups * length, -1)
-        return (
-            flat.index_select(0, layout.gather).view(rows, width, x.shape[1], dim).transpose(1, 2)
-        )
+        return flat.index_select(0, layout.gather).view(*shape, x.shape[1], dim).transpose(1, 2)
 
     q, k, v = to_rows(query), to_rows(key), to_rows(value)
     heads = q.shape[1] // k.shape[1]
     k, v = repeat_kv(k, heads), repeat_kv(v, heads)
-    mask = None
-    if sliding_window is not None and sliding_window < width:
-        pos = torch.arange(width, device=q.device)
-        diff = pos[:, None] - pos[None, :]
-        mask = (diff >= 0) & (diff < sliding_window)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=mask is None
-    )  # [B, H, S, D]
-    flat = out.transpose(1, 2).reshape(rows * width, -1)
+    if layout.bounds is None:
+        out = causal_sdpa(q, k, v, dropout, scaling, sliding_window)
+    else:
+        edges = zip(layout.bounds[:-1], layout.bounds[1:], strict=True)
+        out = torch.cat(
+            [
+                causal_sdpa(
+                    q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], dropout, scaling, sliding_window
+                )
+                for a, b in edges
+            ],
+            dim=2,
+        )
+    flat = out.transpose(1, 2).reshape(shape[0] * shape[1], -1)
     return flat.index_select(0, layout.pick).view(groups, length, -1, dim)
 
 
@@ -108,15 +140,16 @@ def packed_sdpa_attention(
     groups = query.shape[1] // key.shape[1]
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     edges = bounds.tolist()
+    window = kwargs.get("sliding_window")
     pieces = [
-        torch.nn.functional.scaled_dot_product_attention(
+        causal_sdpa(
             query[:, :, start:end],
             key[:, :, start:end],
             value[:, :, start:end],
-            dropout_p=dropout,
-            scale=scaling,
-            is_causal=True,
-        )
+            dropout,
+            scaling,
+            window,
+        )  # fmt: skip
         for start, end in zip(edges[:-1], edges[1:], strict=True)
     ]
     return torch.cat(pieces, dim=2).transpose(1, 2).contiguous(), None  # [1, T, H, D]

@@ -25,9 +25,10 @@ that):
   long prompt under short answers (GRPO samples of one prompt).
 - *over rows* (`packed_attention.RowsAttention`; needs `PACKED_SDPA`): attention gathers every
   row back to its own padded row and runs causal there, as the padded micro-batch would; only
-  the matmuls see a shared token once. Every row that shares a token joins its group. Pays for
-  many short rows under a short common start (tiny-arith's SFT rows: a 2-token start, ~13
-  tokens each).
+  the matmuls see a shared token once, and no padding. Every row that shares a token joins its
+  group; rows that share none still pack side by side (a padding-free micro-batch whose
+  attention is one batched call, not one per sequence). Pays for many short rows under a short
+  common start (tiny-arith's SFT rows: a 2-token start, ~13 tokens each).
 
 A plan is dropped when it costs no less than the padded micro-batch (its positions, padding
 included, and their causal attention). Identical rows (GRPO samples that came out the same)
@@ -118,10 +119,13 @@ def plan_shared_prefix(
     ratio: float,
     pad_token_id: int = 0,
     over_rows: bool = False,
+    per_sequence: float | None = None,
 ) -> SharedPrefixPlan | None:
     """Group the right-padded rows ``input_ids`` ``[B, S]`` by shared prefixes (see module
     docstring); None when no plan is estimated to cost less than the padded rows.
-    ``over_rows``: the model can attend over rows (`PACKED_SDPA`), so that plan competes too.
+    ``over_rows``: the model can attend over rows (`PACKED_SDPA`), so that plan competes too;
+    ``per_sequence``: one attention call's fixed cost, in tokens (`PaddingFree`), when its rows
+    may also attend one call each (None: padded to the longest, one call).
 
     A group is a token trie of its rows: sorted, each row adds the tokens past its common
     prefix with the row before it (the longest it shares with any earlier row)."""
@@ -135,7 +139,7 @@ def plan_shared_prefix(
         grouped = _groups(rows, order, ratio, rows_layout)
         if grouped is None:
             continue
-        plan = _layout(*grouped, rows, width, pad_token_id, ratio, rows_layout)
+        plan = _layout(*grouped, rows, width, pad_token_id, ratio, rows_layout, per_sequence)
         if plan.cost < best_cost:
             best, best_cost = plan, plan.cost
     return best
@@ -144,10 +148,11 @@ def plan_shared_prefix(
 def _groups(
     rows: list[list[int]], order: list[int], ratio: float, over_rows: bool
 ) -> tuple[list[list[int]], list[int]] | None:
-    """Greedy groups of the sorted rows and their trie sizes; None when no row joins one.
-    Under a tree mask a row joins only where its shared tokens save more than the group's
-    dense attention grows; over rows, attention costs the same either way, so wherever it
-    shares a token."""
+    """Greedy groups of the sorted rows and their trie sizes. Under a tree mask a row joins
+    only where its shared tokens save more than the group's dense attention grows (None when
+    no row joins one); over rows, attention costs the same either way, so wherever it shares
+    a token -- and a plan in which no row shares one still drops the micro-batch's padding
+    (its rows packed side by side), so it is returned too."""
     groups: list[list[int]] = []  # members, in sorted order
     sizes: list[int] = []  # trie nodes (tokens computed) per group
     saved = False
@@ -165,7 +170,7 @@ def _groups(
                 continue
         groups.append([i])
         sizes.append(len(rows[i]))
-    return (groups, sizes) if saved else None
+    return (groups, sizes) if saved or over_rows else None
 
 
 def _layout(
@@ -176,6 +181,7 @@ def _layout(
     pad_token_id: int,
     ratio: float,
     over_rows: bool,
+    per_sequence: float | None,
 ) -> SharedPrefixPlan:
     """Each group's trie in depth-first order (a node's ancestors come before it), groups
     packed first-fit-decreasing into rows as wide as the largest group. A node sees exactly
@@ -218,8 +224,7 @@ def _layout(
     positions = len(bins) * L  # padding included: the matmuls compute it too
     gathered = rows_tensor(gather)
     if over_rows:
-        over = RowsAttention(gathered.reshape(-1), rows_tensor(pick).reshape(-1), *gathered.shape)
-        attention = len(rows) * row_cost(width, ratio, False) - len(rows) * width
+        over, attention = _over_rows(rows, gathered, rows_tensor(pick), ratio, per_sequence)
         return SharedPrefixPlan(
             rows_tensor(ids), rows_tensor(depth), None, over, gathered, sum(sizes),
             cost=positions + attention,
@@ -231,3 +236,31 @@ def _layout(
         rows_tensor(ids), rows_tensor(depth), mask[:, None], None, gathered, sum(sizes),
         cost=len(bins) * row_cost(L, ratio, True),
     )  # fmt: skip
+
+
+def _over_rows(
+    rows: list[list[int]],
+    gather: torch.Tensor,
+    pick: torch.Tensor,
+    ratio: float,
+    per_sequence: float | None,
+) -> tuple[RowsAttention, float]:
+    """Attention over the rows, and its cost: padded to the longest row in one call, or
+    (``per_sequence``, a call's fixed cost, not None) each row alone where that costs less --
+    rows of very different lengths (SmolLM2's SFT rows: 129-512 tokens)."""
+    count, width = gather.shape
+    padded = count * (row_cost(width, ratio, False) - width)
+    lengths = [len(r) for r in rows]
+    alone = float("inf")
+    if per_sequence is not None:
+        alone = sum(row_cost(n, ratio, False) - n + per_sequence for n in lengths)
+    if padded <= alone:
+        return RowsAttention(gather.reshape(-1), pick.reshape(-1), count, width), padded
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    real = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+    starts = torch.tensor(bounds[:-1])
+    # pick held (row, column) as row * width + column; packed, the row starts at bounds[row]
+    packed_pick = starts[pick // width] + pick % width
+    return RowsAttention(gather[real], packed_pick.reshape(-1), count, width, tuple(bounds)), alone
