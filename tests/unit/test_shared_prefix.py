@@ -192,6 +192,23 @@ def test_attention_over_rows_equals_each_row_computed_whole(make_model, per_sequ
         torch.testing.assert_close(grads[1][name], g, atol=1e-6, rtol=1e-4)
 
 
+def test_padding_free_rows_keep_a_sliding_window() -> None:
+    """A padding-free micro-batch (its rows packed into one, one attention call each) of a
+    model with a sliding window (5) narrower than its rows gives every row's logits as if
+    computed alone (until 2026-11-28 the window was dropped there)."""
+    from tempering.distributed.batched_data_dict import pack_in_order
+
+    model = sliding_mistral()
+    data = sft_rows()
+    with torch.no_grad():
+        want = plain_logits(model, data)
+        assert use_packed_sdpa(model)
+        fp = ForwardPass("causal_lm", torch.device("cpu"), None, 0)
+        got = fp.logits(model, data, pack_in_order(data))
+    valid = torch.arange(want.shape[1])[None] < data["input_lengths"][:, None]
+    torch.testing.assert_close(got[valid], want[valid], atol=1e-5, rtol=0)
+
+
 def test_the_cheaper_attention_wins_and_a_model_without_it_is_refused() -> None:
     """GRPO-like rows (long prompts, short answers) keep the tree mask even where attending
     over rows is possible; SFT-like rows attend over rows; a plan over rows given to a model
