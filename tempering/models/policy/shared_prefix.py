@@ -135,14 +135,26 @@ def plan_shared_prefix(
     order = sorted(range(len(rows)), key=lambda i: rows[i])
     width = input_ids.shape[1]
     best, best_cost = None, len(rows) * row_cost(width, ratio, False)  # the padded rows
+    # each candidate costed from its groups; only the cheapest is laid out (a tree mask is
+    # [R, L, L]: building the loser's took ~2 ms of a tiny-arith GRPO step)
     for rows_layout in (False, True) if over_rows else (False,):
         grouped = _groups(rows, order, ratio, rows_layout)
         if grouped is None:
             continue
-        plan = _layout(*grouped, rows, width, pad_token_id, ratio, rows_layout, per_sequence)
-        if plan.cost < best_cost:
-            best, best_cost = plan, plan.cost
-    return best
+        groups, sizes = grouped
+        bins = first_fit_decreasing(sizes, max(sizes))
+        alone = False
+        if rows_layout:  # padding included: the matmuls compute it too
+            attention, alone = _rows_attention_cost(lengths, width, ratio, per_sequence)
+            cost = len(bins) * max(sizes) + attention
+        else:
+            cost = len(bins) * row_cost(max(sizes), ratio, True)
+        if cost < best_cost:
+            best, best_cost = (groups, sizes, bins, rows_layout, alone), cost
+    if best is None:
+        return None
+    groups, sizes, bins, rows_layout, alone = best
+    return _layout(groups, sizes, bins, rows, width, pad_token_id, rows_layout, alone, best_cost)
 
 
 def _groups(
@@ -176,19 +188,20 @@ def _groups(
 def _layout(
     groups: list[list[int]],
     sizes: list[int],
+    bins: list[list[int]],
     rows: list[list[int]],
     width: int,
     pad_token_id: int,
-    ratio: float,
     over_rows: bool,
-    per_sequence: float | None,
+    alone: bool,
+    cost: float,
 ) -> SharedPrefixPlan:
-    """Each group's trie in depth-first order (a node's ancestors come before it), groups
-    packed first-fit-decreasing into rows as wide as the largest group. A node sees exactly
-    its ancestors and itself: in depth-first order, node j's subtree is j..end[j]-1, so
-    position i may attend to j iff j <= i < end[j]."""
+    """Each group's trie in depth-first order (a node's ancestors come before it), in the
+    rows of ``bins`` (groups packed first-fit-decreasing, as wide as the largest group). Under
+    a tree mask a node sees exactly its ancestors and itself: in depth-first order, node j's
+    subtree is j..end[j]-1, so position i may attend to j iff j <= i < end[j]. Over rows
+    (``alone``: one attention call per row), see `RowsAttention`."""
     L = max(sizes)
-    bins = first_fit_decreasing(sizes, L)
     ids = [[pad_token_id] * L for _ in bins]
     depth = [[0] * L for _ in bins]
     end = [list(range(1, L + 1)) for _ in bins]  # padding sees itself only
@@ -213,6 +226,8 @@ def _layout(
                 node += len(row) - shared
                 gather[m][: len(row)] = [r * L + j for j in path]
                 previous = row
+            if over_rows:
+                continue
             # subtree ends: the next node at the same depth or shallower (monotonic stack)
             open_nodes: list[int] = []
             for j in range(first, node):
@@ -221,46 +236,46 @@ def _layout(
                 open_nodes.append(j)
             for j in open_nodes:
                 end[r][j] = node
-    positions = len(bins) * L  # padding included: the matmuls compute it too
     gathered = rows_tensor(gather)
     if over_rows:
-        over, attention = _over_rows(rows, gathered, rows_tensor(pick), ratio, per_sequence)
+        over = _over_rows([len(row) for row in rows], gathered, rows_tensor(pick), alone)
         return SharedPrefixPlan(
-            rows_tensor(ids), rows_tensor(depth), None, over, gathered, sum(sizes),
-            cost=positions + attention,
-        )  # fmt: skip
+            rows_tensor(ids), rows_tensor(depth), None, over, gathered, sum(sizes), cost
+        )
     pos = torch.arange(L)
     ends = rows_tensor(end)  # [R, L]
     mask = (pos[None, None, :] <= pos[None, :, None]) & (pos[None, :, None] < ends[:, None, :])
     return SharedPrefixPlan(
-        rows_tensor(ids), rows_tensor(depth), mask[:, None], None, gathered, sum(sizes),
-        cost=len(bins) * row_cost(L, ratio, True),
-    )  # fmt: skip
+        rows_tensor(ids), rows_tensor(depth), mask[:, None], None, gathered, sum(sizes), cost
+    )
+
+
+def _rows_attention_cost(
+    lengths: list[int], width: int, ratio: float, per_sequence: float | None
+) -> tuple[float, bool]:
+    """Attention over rows: its cost, and whether each row attends alone (one call each,
+    ``per_sequence`` a call's fixed cost; None: never) rather than all padded to the longest
+    in one call -- alone pays for rows of very different lengths (SmolLM2's SFT rows:
+    129-512 tokens)."""
+    padded = len(lengths) * (row_cost(width, ratio, False) - width)
+    if per_sequence is None:
+        return padded, False
+    alone = sum(row_cost(n, ratio, False) - n + per_sequence for n in lengths)
+    return (alone, True) if alone < padded else (padded, False)
 
 
 def _over_rows(
-    rows: list[list[int]],
-    gather: torch.Tensor,
-    pick: torch.Tensor,
-    ratio: float,
-    per_sequence: float | None,
-) -> tuple[RowsAttention, float]:
-    """Attention over the rows, and its cost: padded to the longest row in one call, or
-    (``per_sequence``, a call's fixed cost, not None) each row alone where that costs less --
-    rows of very different lengths (SmolLM2's SFT rows: 129-512 tokens)."""
+    lengths: list[int], gather: torch.Tensor, pick: torch.Tensor, alone: bool
+) -> RowsAttention:
+    """`RowsAttention` from the ``[B, S]`` gather and ``[R, L]`` pick (row * S + column):
+    the rows padded to ``S`` in one call, or (``alone``) packed side by side, a call each."""
     count, width = gather.shape
-    padded = count * (row_cost(width, ratio, False) - width)
-    lengths = [len(r) for r in rows]
-    alone = float("inf")
-    if per_sequence is not None:
-        alone = sum(row_cost(n, ratio, False) - n + per_sequence for n in lengths)
-    if padded <= alone:
-        return RowsAttention(gather.reshape(-1), pick.reshape(-1), count, width), padded
+    if not alone:
+        return RowsAttention(gather.reshape(-1), pick.reshape(-1), count, width)
     bounds = [0]
     for n in lengths:
         bounds.append(bounds[-1] + n)
     real = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
     starts = torch.tensor(bounds[:-1])
-    # pick held (row, column) as row * width + column; packed, the row starts at bounds[row]
-    packed_pick = starts[pick // width] + pick % width
-    return RowsAttention(gather[real], packed_pick.reshape(-1), count, width, tuple(bounds)), alone
+    packed_pick = starts[pick // width] + pick % width  # the row starts at bounds[row]
+    return RowsAttention(gather[real], packed_pick.reshape(-1), count, width, tuple(bounds))
