@@ -77,6 +77,25 @@ def causal_sdpa(
     )  # fmt: skip
 
 
+def sequences_sdpa(
+    query: torch.Tensor,  # [1, H, T, D]
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bounds: list[int] | tuple[int, ...],
+    dropout: float,
+    scaling: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """`causal_sdpa` on each packed sequence ``bounds[i]:bounds[i + 1]`` alone: ``[1, H, T, D]``."""
+    pieces = [
+        causal_sdpa(
+            query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout, scaling, sliding_window
+        )
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+    ]
+    return torch.cat(pieces, dim=2)
+
+
 def rows_attention(
     layout: RowsAttention,
     query: torch.Tensor,  # [G, H, L, D]
@@ -102,16 +121,7 @@ def rows_attention(
     if layout.bounds is None:
         out = causal_sdpa(q, k, v, dropout, scaling, sliding_window)
     else:
-        edges = zip(layout.bounds[:-1], layout.bounds[1:], strict=True)
-        out = torch.cat(
-            [
-                causal_sdpa(
-                    q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], dropout, scaling, sliding_window
-                )
-                for a, b in edges
-            ],
-            dim=2,
-        )
+        out = sequences_sdpa(q, k, v, layout.bounds, dropout, scaling, sliding_window)
     flat = out.transpose(1, 2).reshape(shape[0] * shape[1], -1)
     return flat.index_select(0, layout.pick).view(groups, length, -1, dim)
 
@@ -128,9 +138,8 @@ def packed_sdpa_attention(
 ) -> tuple[torch.Tensor, None]:
     """Causal SDPA over a shared-prefix plan's rows when `ROWS_KWARG` is given, per packed
     sequence when ``cu_seq_lens_q`` is, else plain sdpa."""
-    layout = kwargs.get(ROWS_KWARG)
+    layout, window = kwargs.get(ROWS_KWARG), kwargs.get("sliding_window")
     if layout is not None:
-        window = kwargs.get("sliding_window")
         return rows_attention(layout, query, key, value, dropout, scaling, window), None
     bounds = kwargs.get("cu_seq_lens_q")
     if bounds is None or query.shape[0] != 1 or key.shape[2] != query.shape[2]:
@@ -139,20 +148,8 @@ def packed_sdpa_attention(
         )
     groups = query.shape[1] // key.shape[1]
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    edges = bounds.tolist()
-    window = kwargs.get("sliding_window")
-    pieces = [
-        causal_sdpa(
-            query[:, :, start:end],
-            key[:, :, start:end],
-            value[:, :, start:end],
-            dropout,
-            scaling,
-            window,
-        )  # fmt: skip
-        for start, end in zip(edges[:-1], edges[1:], strict=True)
-    ]
-    return torch.cat(pieces, dim=2).transpose(1, 2).contiguous(), None  # [1, T, H, D]
+    out = sequences_sdpa(query, key, value, bounds.tolist(), dropout, scaling, window)
+    return out.transpose(1, 2).contiguous(), None  # [1, T, H, D]
 
 
 def use_packed_sdpa(model: Any) -> bool:
