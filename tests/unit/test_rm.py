@@ -122,7 +122,7 @@ def trained_export(tiny_arith_dir, tokenizer, pairs, tmp_path_factory):
         batch = preference_batch(pairs, tokenizer, 32)
         first = worker.train(batch, BT, global_batch_size=32, micro_batch_size=16, eval_mode=True)
         history = [
-            worker.train(batch, BT, global_batch_size=32, micro_batch_size=16) for _ in range(25)
+            worker.train(batch, BT, global_batch_size=32, micro_batch_size=16) for _ in range(40)
         ]
         last = worker.train(batch, BT, global_batch_size=32, micro_batch_size=16, eval_mode=True)
         path = tmp_path_factory.mktemp("rm_export") / "final_hf"
