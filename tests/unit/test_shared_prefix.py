@@ -14,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 
 from tempering.distributed.batched_data_dict import BatchedDataDict
 from tempering.losses import ClippedPGLoss, DPOLoss, NLLLoss
+from tempering.models.policy import packed_attention
 from tempering.models.policy.microbatching import ForwardPass
 from tempering.models.policy.packed_attention import use_packed_sdpa
 from tempering.models.policy.shared_prefix import attention_cost_ratio, plan_shared_prefix
@@ -157,13 +158,18 @@ def sliding_mistral() -> MistralForCausalLM:
     return MistralForCausalLM(cfg).eval()
 
 
+@pytest.mark.parametrize("short_rows", [64, 0], ids=["matmul-attention", "sdpa-kernel"])
 @pytest.mark.parametrize("per_sequence", [None, 0.0], ids=["padded-rows", "row-by-row"])
 @pytest.mark.parametrize("make_model", [tiny_llama, sliding_mistral])
-def test_attention_over_rows_equals_each_row_computed_whole(make_model, per_sequence) -> None:
+def test_attention_over_rows_equals_each_row_computed_whole(
+    make_model, per_sequence, short_rows, monkeypatch
+) -> None:
     """A plan over rows (many short rows under a 2-token start) computes each shared token's
     matmuls once and gives every row's logits and gradients as if computed alone -- also with
     grouped-query heads and a sliding window (5) narrower than the rows; its rows attend
-    padded in one call, or (an attention call costing nothing more) one call each."""
+    padded in one call, or (an attention call costing nothing more) one call each; short rows
+    by two matmuls, longer ones by torch's SDPA kernel (`packed_attention.SHORT_ROWS`)."""
+    monkeypatch.setattr(packed_attention, "SHORT_ROWS", short_rows)
     data = sft_rows()
     grads, logits = [], []
     for shared in (False, True):
@@ -192,11 +198,14 @@ def test_attention_over_rows_equals_each_row_computed_whole(make_model, per_sequ
         torch.testing.assert_close(grads[1][name], g, atol=1e-6, rtol=1e-4)
 
 
-def test_padding_free_rows_keep_a_sliding_window() -> None:
+@pytest.mark.parametrize("short_rows", [64, 0], ids=["matmul-attention", "sdpa-kernel"])
+def test_padding_free_rows_keep_a_sliding_window(short_rows, monkeypatch) -> None:
     """A padding-free micro-batch (its rows packed into one, one attention call each) of a
     model with a sliding window (5) narrower than its rows gives every row's logits as if
     computed alone (until 2026-11-28 the window was dropped there)."""
     from tempering.distributed.batched_data_dict import pack_in_order
+
+    monkeypatch.setattr(packed_attention, "SHORT_ROWS", short_rows)
 
     model = sliding_mistral()
     data = sft_rows()
