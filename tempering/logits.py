@@ -101,7 +101,9 @@ class HiddenLogits:
     policy fuses it); False: through the needed rows' materialised logits (a trained
     projection: the model's own path). ``entropy`` is filled by a training pass of
     `next_token_logprobs` (``[B, S]``, not differentiated) at ``entropy_rows`` (None: every
-    row), so a loss's entropy metric costs no second pass.
+    row), so a loss's entropy metric costs no second pass. ``computed_rows`` (``[B, S]``
+    bool; None: every row): the only rows whose hidden states are the model's (the policy ran
+    its last MLP at the rows its loss reads, `read_rows.py`); a read at any other raises.
     """
 
     hidden: Tensor
@@ -111,6 +113,7 @@ class HiddenLogits:
     fused: bool = True
     entropy: Tensor | None = field(default=None, repr=False)
     entropy_rows: Tensor | None = field(default=None, repr=False)
+    computed_rows: Tensor | None = field(default=None, repr=False)
 
     @property
     def shape(self) -> torch.Size:
@@ -126,10 +129,25 @@ class HiddenLogits:
             self.chunk_rows,
             self.temperature * float(temperature),
             self.fused,
+            computed_rows=self.computed_rows,
+        )
+
+    def require(self, rows: Tensor | None) -> None:
+        """Raise unless every row in ``rows`` (``[B, S]`` bool; None: all) was computed."""
+        done = self.computed_rows
+        if done is None or (rows is not None and not bool((rows & ~done).any())):
+            return
+        asked = "every row" if rows is None else f"{int((rows & ~done).sum())} rows outside them"
+        raise ValueError(
+            f"these logits were computed only at the {int(done.sum())} rows the loss reads "
+            f"(its token mask; the last layer's MLP ran there alone, read_rows.py), and a read "
+            f"asked for {asked}. A loss that reads other rows must not set "
+            f"reads_token_mask_only = True"
         )
 
     def materialize(self) -> Tensor:
         """The whole ``[B, S, V]`` float logits (for a loss that needs every vocabulary entry)."""
+        self.require(None)
         return _logits(self.hidden, self.weight, self.temperature)
 
 
@@ -223,6 +241,7 @@ def next_token_logprobs(
     """``[B, S]``: ``log_softmax(logits[b, t])[targets[b, t]]`` in fp32 at the ``rows``
     (``[B, S]`` bool, `needed_rows`; None: all) and 0 elsewhere: only those rows are projected.
     A training pass also fills ``logits.entropy`` at the same rows."""
+    logits.require(rows)
     hidden, weight = logits.hidden, logits.weight
     shape = hidden.shape[:2]
     flat, index = _flat_rows(hidden, rows)
@@ -284,6 +303,7 @@ def next_token_entropy(logits: HiddenLogits, rows: Tensor | None = None) -> Tens
         done is None or (rows is not None and not bool((rows & ~done).any()))
     ):
         return logits.entropy
+    logits.require(rows)
     flat, index = _flat_rows(logits.hidden, rows)
     out = flat.new_empty(flat.shape[0], dtype=torch.float32)
     for c in _chunks(flat.shape[0], logits.chunk_rows):
@@ -294,6 +314,7 @@ def next_token_entropy(logits: HiddenLogits, rows: Tensor | None = None) -> Tens
 @torch.no_grad()
 def topk_next_token(logits: HiddenLogits, k: int) -> tuple[Tensor, Tensor]:
     """``[B, S, k]`` top-k log-probs and their token ids of every row, chunk by chunk."""
+    logits.require(None)
     rows = logits.hidden.shape[:2]
     values = logits.hidden.new_empty(rows.numel(), k, dtype=torch.float32)
     indices = torch.empty(rows.numel(), k, dtype=torch.long, device=logits.hidden.device)

@@ -74,7 +74,10 @@ class LossFunction(Protocol):
 
     ``pairwise``: the batch interleaves chosen/rejected pairs (``2i`` chosen, ``2i + 1``
     rejected) and ``global_valid_seqs`` counts PAIRS; the worker then keeps pairs together
-    in one micro-batch. ``temperature`` (optional, 1.0 when absent): the temperature the
+    in one micro-batch. ``reads_token_mask_only`` (optional, False when absent): the loss
+    reads the logits only at the rows ``token_mask`` needs (row ``t`` where token ``t + 1``
+    counts, `tempering.logits.needed_rows`), so the worker may compute the last layer's MLP
+    there alone (`read_rows.py`; a read elsewhere raises). ``temperature`` (optional, 1.0 when absent): the temperature the
     samples were drawn at; the worker divides the policy's and the reference's logits by it
     before the loss sees them, so the trainer's log-probs are those of the distribution the
     sampler drew from (docs/CONTRACTS.md). The worker reads only these attributes and calls
@@ -225,6 +228,7 @@ class NLLLoss:
 
     loss_type: LossType = "token"
     pairwise: bool = False
+    reads_token_mask_only: bool = True  # (the LossFunction protocol)
 
     def __call__(
         self,
@@ -306,6 +310,7 @@ class ClippedPGLoss:
     """
 
     pairwise: bool = False
+    reads_token_mask_only: bool = True  # (the LossFunction protocol)
 
     def __init__(
         self,
@@ -486,6 +491,7 @@ class DPOLoss:
 
     loss_type: LossType = "sequence"
     pairwise: bool = True
+    reads_token_mask_only: bool = True  # (the LossFunction protocol)
 
     def __init__(
         self,

@@ -216,6 +216,8 @@ class _PoisonedNLL(NLLLoss):
     """NLL made non-finite on purpose: ``"loss"`` turns the loss into NaN, ``"grad"`` keeps
     the loss finite but makes the gradient infinite (d sqrt(u)/du at u = 0)."""
 
+    reads_token_mask_only = False  # "grad" reads every row of the logits
+
     def __init__(self, where: str | None) -> None:
         self.where = where
 

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from tempering.distributed.batched_data_dict import BatchedDataDict
+from tempering.logits import needed_rows
 from tempering.losses import LossFunction, count_valid_pairs, token_logprobs, topk_logprobs
 from tempering.models.policy.checkpoint_io import CheckpointIO
 from tempering.models.policy.colocated_generation import ColocatedGenerationView
@@ -168,6 +169,8 @@ class FSDP2PolicyWorker:
                 padding_free_costs(self.state.model, head, topo.device) if padding_free else None
             ),
             over_rows=attends_over_rows(self.state.model),
+            # a recomputed layer would run its whole MLP; TP splits it (read_rows.py)
+            read_rows=not activation_checkpointing and tensor_parallel_size == 1,
         )
         self.moe = MoERouting.of(self.state.model)  # a router's load-balancing loss (moe.py)
         self.optimizer_step: OptimizerStep | None = None
@@ -336,20 +339,25 @@ class FSDP2PolicyWorker:
         micro-batches run padding passes. Returns the loss sum and per-micro-batch metrics."""
         model, topo = self.state.model, self.state.topo
         temperature = float(getattr(loss_fn, "temperature", 1.0))  # the LossFunction protocol
+        reads_mask_only = bool(getattr(loss_fn, "reads_token_mask_only", False))
         loss_sum = 0.0
         mb_metrics: list[dict[str, float]] = []
         for i in range(topo.equalise(len(mbs))):
             threads.tick()  # torch threads follow the free cores (utils/threads.py)
             if i < len(mbs):
                 mb = mbs[i].to(topo.device)
+                reads = needed_rows(mb["token_mask"])  # the rows a token-mask read needs
                 if with_reference:
                     with torch.no_grad(), self.state.reference() as reference:
-                        ref = self.forward_pass.logits(reference, mb, layouts[i])
+                        ref = self.forward_pass.logits(reference, mb, layouts[i], reads=reads)
                         mb["reference_policy_logprobs"] = token_logprobs(
                             _at(ref, temperature), mb["input_ids"], mb.get("token_mask")
                         )  # read by the loss at its token mask only
                 router: list[Any] | None = [] if self.moe is not None else None
-                logits = _at(self.forward_pass.logits(model, mb, layouts[i], router), temperature)
+                logits = self.forward_pass.logits(
+                    model, mb, layouts[i], router, reads if reads_mask_only else None
+                )
+                logits = _at(logits, temperature)
                 loss, metrics = loss_fn(logits, mb, *normalisers)
                 loss_sum += float(loss.detach())
                 if router is not None:

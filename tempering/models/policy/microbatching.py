@@ -27,6 +27,7 @@ import torch
 from tempering.distributed.batched_data_dict import BatchedDataDict, PackedBin, pack_in_order
 from tempering.logits import HiddenLogits, as_logits
 from tempering.models.policy.packed_attention import attends_over_rows
+from tempering.models.policy.read_rows import LastMLP, model_rows
 from tempering.models.policy.shared_prefix import SharedPrefixPlan, plan_shared_prefix, row_cost
 
 # How a micro-batch runs through the model: packed into one row, as shared-prefix groups, or
@@ -77,6 +78,9 @@ class ForwardPass:
         fuse_trained_head: chunk a trained output projection's logits too (`chunked`).
         padding_free: the cost model that lets a micro-batch run without its padding; None:
             never (a reward model; an attention without varlen support).
+        read_rows: a pass told which rows its caller reads runs the last decoder layer's MLP
+            at those rows alone (`read_rows.py`; where the model's last MLP is a dense gated
+            one and the logits stay hidden, `chunk_rows`).
     """
 
     head: str
@@ -87,6 +91,7 @@ class ForwardPass:
     fuse_trained_head: bool = False
     padding_free: PaddingFree | None = None
     over_rows: bool = False
+    read_rows: bool = False
 
     def split(
         self,
@@ -135,13 +140,15 @@ class ForwardPass:
         mb: BatchedDataDict,
         layout: Layout = None,
         router: list[Any] | None = None,
+        reads: torch.Tensor | None = None,
     ) -> torch.Tensor | HiddenLogits:
         """``[B, S, V]`` float logits of micro-batch ``mb``, computed in its ``layout`` (see
         `split`; None: the padded rows) -- as `HiddenLogits` (the last hidden states and the
         output projection, reduced chunk by chunk by the loss) where `chunked` says so;
         ``[B]`` scores for ``head="score"``. ``router`` (a mixture-of-experts model in
         training, `moe.py`): the padded and packed layouts append ``(aux_loss,
-        router_logits, token mask or None)`` to it."""
+        router_logits, token mask or None)`` to it. ``reads`` (``[B, S]`` bool): the only rows
+        of the logits the caller reads (`read_rows`); None: any."""
         if self.head == "score":
             if layout is not None:
                 raise ValueError("a reward model (head='score') takes its rows whole")
@@ -150,6 +157,22 @@ class ForwardPass:
             attention_mask = (seq[None, :] < mb["input_lengths"][:, None]).long()
             return model(input_ids=ids, attention_mask=attention_mask).logits.float()[:, 0]
         moe = {"output_router_logits": True} if router is not None else {}
+        last = LastMLP.of(model) if self.read_rows and self.chunk_rows is not None else None
+        if reads is None or last is None:
+            return self._computed(model, mb, layout, router, moe, None)
+        with last.at(model_rows(reads, layout)):
+            return self._computed(model, mb, layout, router, moe, reads)
+
+    def _computed(
+        self,
+        model: torch.nn.Module,
+        mb: BatchedDataDict,
+        layout: Layout,
+        router: list[Any] | None,
+        moe: dict[str, Any],
+        reads: torch.Tensor | None,
+    ) -> torch.Tensor | HiddenLogits:
+        """`logits` of a causal LM, computed at the rows ``reads`` (None: every row)."""
         if isinstance(layout, SharedPrefixPlan):
             if layout.over_rows is not None and not attends_over_rows(model):
                 raise ValueError(
@@ -158,7 +181,9 @@ class ForwardPass:
                     f"build the ForwardPass with over_rows=attends_over_rows(model)"
                 )
             out, weight = self._run(model, **layout.inputs(self.device))
-            return self._finish(model, layout.rows(out.logits), weight)  # each row as if alone
+            return self._finish(
+                model, layout.rows(out.logits), weight, reads
+            )  # each row as if alone
         if isinstance(layout, PackedBin):
             # One row holding every sequence; transformers builds a block-diagonal causal mask
             # from position_ids that restart at 0 when attention_mask is None.
@@ -176,14 +201,16 @@ class ForwardPass:
             )
             if router is not None:
                 router.append((out.aux_loss, out.router_logits, None))
-            return self._finish(model, layout.unpack(out.logits[0]), weight)  # == mb's layout
+            return self._finish(
+                model, layout.unpack(out.logits[0]), weight, reads
+            )  # == mb's layout
         input_ids = mb["input_ids"]
         seq = torch.arange(input_ids.shape[1], device=input_ids.device)
         attention_mask = (seq[None, :] < mb["input_lengths"][:, None]).long()  # [B, S]
         out, weight = self._run(model, input_ids=input_ids, attention_mask=attention_mask, **moe)
         if router is not None:
             router.append((out.aux_loss, out.router_logits, attention_mask))
-        return self._finish(model, out.logits, weight)  # [B, S, V]
+        return self._finish(model, out.logits, weight, reads)  # [B, S, V]
 
     def chunked(self, model: torch.nn.Module) -> bool:
         """Whether `model`'s logits are differentiated chunk by chunk now: `chunk_rows` is set
@@ -219,12 +246,18 @@ class ForwardPass:
         return out, seen[0]
 
     def _finish(
-        self, model: torch.nn.Module, out: torch.Tensor, weight: torch.Tensor | None
+        self,
+        model: torch.nn.Module,
+        out: torch.Tensor,
+        weight: torch.Tensor | None,
+        reads: torch.Tensor | None,
     ) -> torch.Tensor | HiddenLogits:
         if weight is None:
             return out.float()
         assert self.chunk_rows is not None
-        return HiddenLogits(out, weight, self.chunk_rows, fused=self.chunked(model))
+        return HiddenLogits(
+            out, weight, self.chunk_rows, fused=self.chunked(model), computed_rows=reads
+        )
 
     def padding(self, model: torch.nn.Module) -> torch.Tensor:
         """A one-token pass whose result is dropped: a rank with fewer micro-batches runs it so
