@@ -16,7 +16,7 @@ from tempering.losses import DistillationLoss, NLLLoss, token_logprobs, topk_log
 from tempering.models.policy.gated_mlp import use_lean_gated_mlp
 from tempering.models.policy.microbatching import ForwardPass
 from tempering.models.policy.packed_attention import use_packed_sdpa
-from tempering.models.policy.read_rows import LastMLP, model_rows
+from tempering.models.policy.read_rows import LastLayer, model_rows
 from tempering.models.policy.shared_prefix import attention_cost_ratio, plan_shared_prefix
 
 VOCAB = 100
@@ -77,18 +77,20 @@ def layout_of(kind: str, model: torch.nn.Module, data: BatchedDataDict):
 def test_loss_and_gradients_equal_the_whole_pass(make_model, kind) -> None:
     """In every layout the rows a loss reads get the same log-probs and every weight the same
     gradient as when the last MLP runs at every row, while that MLP sees only the rows read
-    (at most 60% of the model's tokens here)."""
+    (at most 60% of the model's tokens here), and so do its query and output projections."""
     data = rows(shared_prompts=kind == "tree")
     reads = needed_rows(data["token_mask"])
     results, seen = [], []
     for read_rows in (False, True):
         model = make_model().train()
         assert use_packed_sdpa(model) and use_lean_gated_mlp(model)
-        last = LastMLP.of(model)
+        last = LastLayer.of(model)
         assert last is not None
-        last.module.down_proj.register_forward_hook(
-            lambda _m, args, _out: seen.append(args[0].shape[:-1].numel())
-        )
+        assert len(last.modules) == (3 if make_model is llama else 2)  # Phi-3: qkv fused
+        for module in last.modules:  # the MLP, (the query projection,) the output projection
+            module.register_forward_hook(  # the rows it computed: the others are zeros
+                lambda _m, _args, out: seen.append(int(out.flatten(0, -2).any(-1).sum()))
+            )
         fp = ForwardPass(
             "causal_lm", torch.device("cpu"), 0.1, 0, chunk_rows=16,
             over_rows=kind == "over-rows", read_rows=read_rows,
@@ -103,9 +105,11 @@ def test_loss_and_gradients_equal_the_whole_pass(make_model, kind) -> None:
     torch.testing.assert_close(lp_read, lp_whole, atol=1e-6, rtol=0)
     for name, grad in g_whole.items():
         torch.testing.assert_close(g_read[name], grad, atol=1e-6, rtol=1e-5)
-    whole, read = seen
-    assert read == len(model_rows(reads, layout_of(kind, llama(), data)))
-    assert read <= 0.6 * whole
+    parts = len(seen) // 2
+    whole, read = set(seen[:parts]), set(seen[parts:])  # rows each part saw
+    assert len(whole) == len(read) == 1
+    assert read == {len(model_rows(reads, layout_of(kind, llama(), data)))}
+    assert read.pop() <= 0.6 * whole.pop()
 
 
 def test_a_read_outside_the_computed_rows_is_refused() -> None:
@@ -135,8 +139,8 @@ def test_worker_trains_alike_and_reads_only_for_losses_that_say_so(make_worker) 
         worker = make_worker(optimizer="sgd", learning_rate=1.0)
         assert worker.forward_pass.read_rows  # the worker's default
         worker.forward_pass = dataclasses.replace(worker.forward_pass, read_rows=read_rows)
-        last = LastMLP.of(worker.state.model)
-        last.module.down_proj.register_forward_hook(
+        last = LastLayer.of(worker.state.model)
+        last.modules[0].down_proj.register_forward_hook(
             lambda _m, args, _out: seen.append(args[0].shape[:-1].numel())
         )
         metrics = worker.train(data, NLLLoss(), global_batch_size=8, micro_batch_size=8)

@@ -27,7 +27,7 @@ import torch
 from tempering.distributed.batched_data_dict import BatchedDataDict, PackedBin, pack_in_order
 from tempering.logits import HiddenLogits, as_logits
 from tempering.models.policy.packed_attention import attends_over_rows
-from tempering.models.policy.read_rows import LastMLP, model_rows
+from tempering.models.policy.read_rows import LastLayer, model_rows
 from tempering.models.policy.shared_prefix import SharedPrefixPlan, plan_shared_prefix, row_cost
 
 # How a micro-batch runs through the model: packed into one row, as shared-prefix groups, or
@@ -157,7 +157,7 @@ class ForwardPass:
             attention_mask = (seq[None, :] < mb["input_lengths"][:, None]).long()
             return model(input_ids=ids, attention_mask=attention_mask).logits.float()[:, 0]
         moe = {"output_router_logits": True} if router is not None else {}
-        last = LastMLP.of(model) if self.read_rows and self.chunk_rows is not None else None
+        last = LastLayer.of(model) if self.read_rows and self.chunk_rows is not None else None
         if reads is None or last is None:
             return self._computed(model, mb, layout, router, moe, None)
         with last.at(model_rows(reads, layout)):

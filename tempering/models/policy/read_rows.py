@@ -21,7 +21,7 @@ tensor-parallel rank (the MLP's column split is not exercised on a subset of row
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -31,58 +31,67 @@ from tempering.distributed.batched_data_dict import PackedBin
 from tempering.models.policy.gated_mlp import FUSED_GATE_UP, LLAMA_STYLE
 from tempering.models.policy.shared_prefix import SharedPrefixPlan
 
+# The attention projections of a decoder layer that work for their own rows only: a query
+# (its keys and values serve every later row) and the output (transformers' names).
+ROW_PROJECTIONS = ("q_proj", "o_proj")
+
 
 @dataclass(frozen=True)
-class LastMLP:
-    """The last decoder layer's dense gated MLP of a model."""
+class LastLayer:
+    """The parts of a model's last decoder layer that work only for their own rows: its
+    dense gated MLP, and its attention's separate query and output projections (a fused
+    ``qkv_proj`` stays whole: its keys and values serve every row)."""
 
-    module: torch.nn.Module
+    modules: tuple[torch.nn.Module, ...]
 
     @staticmethod
-    def of(model: torch.nn.Module) -> LastMLP | None:
-        """The MLP of ``model``'s last decoder layer (``_no_split_modules``), if it is one of
-        the dense gated MLPs; None otherwise. Found once per model."""
+    def of(model: torch.nn.Module) -> LastLayer | None:
+        """``model``'s last decoder layer (``_no_split_modules``) if its MLP is one of the
+        dense gated MLPs; None otherwise. Found once per model."""
         if model not in _FOUND:
-            _FOUND[model] = LastMLP._find(model)
+            _FOUND[model] = LastLayer._find(model)
         return _FOUND[model]
 
     @staticmethod
-    def _find(model: torch.nn.Module) -> LastMLP | None:
+    def _find(model: torch.nn.Module) -> LastLayer | None:
         names = set(getattr(model, "_no_split_modules", None) or [])
         layers = [m for m in model.modules() if type(m).__name__ in names]
         mlp = getattr(layers[-1], "mlp", None) if layers else None
         if mlp is None or type(mlp).__name__ not in LLAMA_STYLE | FUSED_GATE_UP:
             return None
-        return LastMLP(mlp)
+        attention = getattr(layers[-1], "self_attn", None)
+        projections = [getattr(attention, name, None) for name in ROW_PROJECTIONS]
+        return LastLayer((mlp, *(p for p in projections if isinstance(p, torch.nn.Module))))
 
     @contextmanager
     def at(self, index: torch.Tensor) -> Iterator[None]:
-        """While inside, the MLP computes only the flat rows ``index`` of its input
-        ``[..., H]`` (the model's tokens in its layout) and returns zeros at the others."""
-        module = self.module
-        own = module.__dict__.get("forward")  # an instance's rebound forward (gated_mlp)
-        full = module.forward
-
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            flat = x.reshape(-1, x.shape[-1])
-            picked = full(flat.index_select(0, index))
-            return (
-                picked.new_zeros(flat.shape[0], picked.shape[-1])
-                .index_copy(0, index, picked)
-                .view(*x.shape[:-1], picked.shape[-1])
-            )
-
-        module.forward = forward
+        """While inside, each part computes only the flat rows ``index`` of its input
+        ``[..., D]`` (the model's tokens in its layout) and gives zeros at the others (a zero
+        query attends evenly: its output, zero elsewhere too, is never read)."""
+        owned = [(m, m.__dict__.get("forward")) for m in self.modules]  # gated_mlp's rebinding
+        for module, _ in owned:
+            module.forward = _rows_only(module.forward, index)
         try:
             yield
         finally:
-            if own is not None:
-                module.forward = own
-            else:
-                del module.forward
+            for module, own in owned:
+                if own is not None:
+                    module.forward = own
+                else:
+                    del module.forward
 
 
-_FOUND: weakref.WeakKeyDictionary[torch.nn.Module, LastMLP | None] = weakref.WeakKeyDictionary()
+def _rows_only(full: Callable[[torch.Tensor], torch.Tensor], index: torch.Tensor) -> Callable:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        picked = full(flat.index_select(0, index))
+        out = picked.new_zeros(flat.shape[0], picked.shape[-1]).index_copy(0, index, picked)
+        return out.view(*x.shape[:-1], picked.shape[-1])
+
+    return forward
+
+
+_FOUND: weakref.WeakKeyDictionary[torch.nn.Module, LastLayer | None] = weakref.WeakKeyDictionary()
 
 
 def model_rows(reads: torch.Tensor, layout: PackedBin | SharedPrefixPlan | None) -> torch.Tensor:
