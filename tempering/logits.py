@@ -103,7 +103,8 @@ class HiddenLogits:
     `next_token_logprobs` (``[B, S]``, not differentiated) at ``entropy_rows`` (None: every
     row), so a loss's entropy metric costs no second pass. ``computed_rows`` (``[B, S]``
     bool; None: every row): the only rows whose hidden states are the model's (the policy ran
-    its last MLP at the rows its loss reads, `read_rows.py`); a read at any other raises.
+    its last layer's MLP, query and output at the rows its loss reads, `read_rows.py`); a
+    read at any other raises.
     """
 
     hidden: Tensor
@@ -140,7 +141,7 @@ class HiddenLogits:
         asked = "every row" if rows is None else f"{int((rows & ~done).sum())} rows outside them"
         raise ValueError(
             f"these logits were computed only at the {int(done.sum())} rows the loss reads "
-            f"(its token mask; the last layer's MLP ran there alone, read_rows.py), and a read "
+            f"(its token mask; the last layer ran there alone, read_rows.py), and a read "
             f"asked for {asked}. A loss that reads other rows must not set "
             f"reads_token_mask_only = True"
         )

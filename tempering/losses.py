@@ -76,12 +76,12 @@ class LossFunction(Protocol):
     rejected) and ``global_valid_seqs`` counts PAIRS; the worker then keeps pairs together
     in one micro-batch. ``reads_token_mask_only`` (optional, False when absent): the loss
     reads the logits only at the rows ``token_mask`` needs (row ``t`` where token ``t + 1``
-    counts, `tempering.logits.needed_rows`), so the worker may compute the last layer's MLP
-    there alone (`read_rows.py`; a read elsewhere raises). ``temperature`` (optional, 1.0 when absent): the temperature the
-    samples were drawn at; the worker divides the policy's and the reference's logits by it
-    before the loss sees them, so the trainer's log-probs are those of the distribution the
-    sampler drew from (docs/CONTRACTS.md). The worker reads only these attributes and calls
-    the loss.
+    counts, `tempering.logits.needed_rows`), so the worker may compute the last layer there
+    alone (`read_rows.py`; a read elsewhere raises). ``temperature`` (optional, 1.0 when
+    absent): the temperature the samples were drawn at; the worker divides the policy's and
+    the reference's logits by it before the loss sees them, so the trainer's log-probs are
+    those of the distribution the sampler drew from (docs/CONTRACTS.md). The worker reads
+    only these attributes and calls the loss.
     """
 
     loss_type: LossType

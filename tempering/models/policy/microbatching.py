@@ -78,9 +78,9 @@ class ForwardPass:
         fuse_trained_head: chunk a trained output projection's logits too (`chunked`).
         padding_free: the cost model that lets a micro-batch run without its padding; None:
             never (a reward model; an attention without varlen support).
-        read_rows: a pass told which rows its caller reads runs the last decoder layer's MLP
-            at those rows alone (`read_rows.py`; where the model's last MLP is a dense gated
-            one and the logits stay hidden, `chunk_rows`).
+        read_rows: a pass told which rows its caller reads runs the last decoder layer's MLP,
+            query and output at those rows alone (`read_rows.py`; where the model's last MLP
+            is a dense gated one and the logits stay hidden, `chunk_rows`).
     """
 
     head: str
@@ -181,9 +181,8 @@ class ForwardPass:
                     f"build the ForwardPass with over_rows=attends_over_rows(model)"
                 )
             out, weight = self._run(model, **layout.inputs(self.device))
-            return self._finish(
-                model, layout.rows(out.logits), weight, reads
-            )  # each row as if alone
+            rows = layout.rows(out.logits)  # each row as if computed alone
+            return self._finish(model, rows, weight, reads)
         if isinstance(layout, PackedBin):
             # One row holding every sequence; transformers builds a block-diagonal causal mask
             # from position_ids that restart at 0 when attention_mask is None.
@@ -201,9 +200,8 @@ class ForwardPass:
             )
             if router is not None:
                 router.append((out.aux_loss, out.router_logits, None))
-            return self._finish(
-                model, layout.unpack(out.logits[0]), weight, reads
-            )  # == mb's layout
+            rows = layout.unpack(out.logits[0])  # == mb's layout
+            return self._finish(model, rows, weight, reads)
         input_ids = mb["input_ids"]
         seq = torch.arange(input_ids.shape[1], device=input_ids.device)
         attention_mask = (seq[None, :] < mb["input_lengths"][:, None]).long()  # [B, S]

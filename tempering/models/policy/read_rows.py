@@ -1,21 +1,22 @@
-"""The last decoder layer's MLP at the rows a loss reads, and nowhere else.
+"""The last decoder layer at the rows a loss reads, and nowhere else.
 
 A causal LM's last hidden state at position ``t`` feeds only the logits at ``t``, and a loss
 reads logits only where its token mask asks (an SFT row's answer, a GRPO sample's tokens, a
 DPO answer): the positions before are needed for their keys and values in every layer's
-attention -- but not the last layer's MLP, which works for nobody there. tiny-arith's SFT rows
-read 4.6 of their 15.6 tokens; its two layers' MLPs are 3/4 of its products.
+attention -- but not the last layer's MLP, nor its attention's query and output projections,
+which work for nobody there. tiny-arith's SFT rows read 4.6 of their 15.6 tokens; its two
+layers' MLPs are 3/4 of its products.
 
-`LastMLP.at` runs the last layer's MLP on the read rows only (in the layout the model runs:
-padded rows, a packed bin or a shared-prefix plan's groups, `model_rows`) and gives zeros
-elsewhere, so the model's last hidden states there are not its own: the pass hands its logits
-on as `HiddenLogits` with ``computed_rows``, and a read anywhere else raises
-(`tempering.logits`) instead of returning wrong numbers.
+`LastLayer.at` runs those parts on the read rows only (in the layout the model runs: padded
+rows, a packed bin or a shared-prefix plan's groups, `model_rows`) and gives zeros elsewhere,
+so the model's last hidden states there are not its own: the pass hands its logits on as
+`HiddenLogits` with ``computed_rows``, and a read anywhere else raises (`tempering.logits`)
+instead of returning wrong numbers.
 
 Only where it is exact: a dense gated MLP (`gated_mlp`'s classes; a mixture of experts routes
 every token and its load-balancing loss counts them), no activation checkpointing (a
-recomputed layer would run its whole MLP, so its saved tensors would not match) and one
-tensor-parallel rank (the MLP's column split is not exercised on a subset of rows).
+recomputed layer would run its parts whole, so its saved tensors would not match) and one
+tensor-parallel rank (the column split is not exercised on a subset of rows).
 """
 
 from __future__ import annotations
