@@ -16,7 +16,9 @@ instead of returning wrong numbers.
 Only where it is exact: a dense gated MLP (`gated_mlp`'s classes; a mixture of experts routes
 every token and its load-balancing loss counts them), no activation checkpointing (a
 recomputed layer would run its parts whole, so its saved tensors would not match) and one
-tensor-parallel rank (the column split is not exercised on a subset of rows).
+tensor-parallel rank (the column split is not exercised on a subset of rows). Not yet on
+FSDP2-wrapped models (bf16, several ranks): `fully_shard` renames the layer classes
+(``FSDPLlamaDecoderLayer``), so `LastLayer.of` finds no last layer there and the pass runs whole.
 """
 
 from __future__ import annotations
