@@ -200,14 +200,12 @@ def run_engine(args: argparse.Namespace) -> dict[str, float]:
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from tempering.models.generation.torch_engine import (
-            TorchGenerationEngine,
-            optimize_for_cpu_inference,
-        )
+        from tempering.models.generation.cpu_inference import optimize_for_cpu_inference
+        from tempering.models.generation.torch_engine import TorchGenerationEngine
 
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
-        optimize_for_cpu_inference(model.eval())  # as the generation workers do
+        set_up = optimize_for_cpu_inference(model.eval())  # as the generation workers do
         engine = TorchGenerationEngine(model, tokenizer, **sampling)
         vocab = len(tokenizer)
         meter = DecodeMeter(engine)
@@ -217,6 +215,7 @@ def run_engine(args: argparse.Namespace) -> dict[str, float]:
     result["startup_s"] = startup_s
     if args.engine == "torch":
         result.update(meter.summary(read_bandwidth()))
+        result["set_up"] = set_up
     if args.engine == "vllm":
         engine.shutdown()
     return result
@@ -293,6 +292,7 @@ def main() -> None:
                 f"floor's {r['floor_ms_per_step']:.2f} ({r['weight_mb']:.1f} MB of weights + KV "
                 f"at {r['bandwidth_gb_s']:.1f} GB/s read): {r['floor_ratio']:.2f}x the floor"
             )
+            print(f"         CPU inference set-up: {r['set_up']}")
     if {"vllm", "torch"} <= results.keys():
         ratio = results["vllm"]["tokens_per_s"] / results["torch"]["tokens_per_s"]
         print(f"  ratio vllm/torch: {ratio:.2f}x")

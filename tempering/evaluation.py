@@ -131,10 +131,8 @@ def resolve_model(model: str, scratch: Path) -> tuple[str, dict[str, Any] | None
 
 def _backend(model_path: str, backend: str, sampling: Any) -> tuple[Any, Any]:
     """(generation backend, a close function) on the torch engine here or a vLLM worker."""
-    from tempering.models.generation.torch_engine import (
-        TorchGenerationEngine,
-        optimize_for_cpu_inference,
-    )
+    from tempering.models.generation.cpu_inference import optimize_for_cpu_inference
+    from tempering.models.generation.torch_engine import TorchGenerationEngine
     from tempering.models.hf import load_causal_lm, load_tokenizer
 
     if backend == "torch":

@@ -322,7 +322,7 @@ def test_cpu_inference_set_up_computes_the_same_function(tokenizer, batch):
     forward with autograd still trains through plain F.linear."""
     import copy
 
-    from tempering.models.generation.torch_engine import (
+    from tempering.models.generation.cpu_inference import (
         CPU_SDPA,
         PackedLinear,
         optimize_for_cpu_inference,
@@ -332,7 +332,11 @@ def test_cpu_inference_set_up_computes_the_same_function(tokenizer, batch):
     fast = copy.deepcopy(plain)
     done = optimize_for_cpu_inference(fast, min_weights=0, pack_after=0)  # packed at once
     n_linear = sum(isinstance(m, torch.nn.Linear) for m in plain.modules())
-    assert done == {"packed_linear_layers": n_linear, "cpu_sdpa": 1}
+    assert done == {
+        "packed_linear_layers": n_linear,
+        "cpu_sdpa": 1,
+        "decode_attention_by_matmul": 0,
+    }
     assert isinstance(fast.model.layers[0].self_attn.q_proj, PackedLinear)
     assert fast.config._attn_implementation == CPU_SDPA
     assert plain.config.num_key_value_heads < plain.config.num_attention_heads  # grouped
@@ -361,6 +365,86 @@ def test_cpu_inference_set_up_computes_the_same_function(tokenizer, batch):
     torch.testing.assert_close(q_fast.weight.grad, q_plain.weight.grad, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mask_kind", ["bool", "additive", "none"])
+def test_decode_attention_by_matmul_is_grouped_sdpa(dtype, mask_kind):
+    """One query token a row by two matmuls: SDPA's result (with enable_gqa, so query head h
+    reads key/value head h // group) in fp32 to 1e-5 and in bf16 to bf16 rounding, with a
+    boolean or additive padding mask or none, and a masked position changes the answer (the
+    mask is applied, not dropped)."""
+    import torch.nn.functional as F
+
+    from tempering.models.generation.cpu_inference import decode_attention_by_matmul
+
+    gen = torch.Generator().manual_seed(0)
+    rows, heads, kv_heads, positions, dim = 5, 6, 2, 37, 16
+    query = torch.randn(rows, heads, 1, dim, generator=gen).to(dtype)
+    key, value = (
+        torch.randn(rows, kv_heads, positions, dim, generator=gen).to(dtype) for _ in "kv"
+    )
+    keep = torch.ones(rows, 1, 1, positions, dtype=torch.bool)
+    keep[1, ..., :9] = keep[3, ..., :20] = False
+    mask = {
+        "bool": keep,
+        "additive": torch.zeros(keep.shape).masked_fill(~keep, float("-inf")),
+        "none": None,
+    }[mask_kind]
+    scale = 0.3
+    want = F.scaled_dot_product_attention(
+        *(t.float() for t in (query, key, value)),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+    )
+    got = decode_attention_by_matmul(query, key, value, mask, scale)
+    assert got.dtype == dtype and got.shape == query.shape
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=0)
+    if mask is not None:
+        unmasked = decode_attention_by_matmul(query, key, value, None, scale)
+        assert (unmasked.float() - want)[[1, 3]].abs().max() > 10 * tol
+
+
+def test_engine_decodes_the_same_by_matmuls(tokenizer, batch, monkeypatch):
+    """A model switched to CPU_SDPA_DECODE_MATMUL generates what the untouched one does on
+    padded prompts (greedy tokens equal, log-probs within 1e-5 in fp32), its decode steps going
+    through the matmuls (counted) and its prefill through SDPA; fp32 is never switched by the
+    timing (`decode_matmul_wins`), and a bf16 model's set-up reports the timing's choice."""
+    import copy
+
+    from tempering.models.generation import cpu_inference
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return decode_attention_by_matmul(*args, **kwargs)
+
+    decode_attention_by_matmul = cpu_inference.decode_attention_by_matmul
+    monkeypatch.setattr(cpu_inference, "decode_attention_by_matmul", counted)
+    plain = _random_llama(tokenizer, 3)
+    fast = copy.deepcopy(plain)
+    assert cpu_inference.use_cpu_sdpa(fast, decode_by_matmul=True) == (
+        cpu_inference.CPU_SDPA_DECODE_MATMUL
+    )
+    args = {"max_new_tokens": 6}
+    a = TorchGenerationEngine(fast, tokenizer, **args).generate(batch, greedy=True)
+    b = TorchGenerationEngine(plain, tokenizer, **args).generate(batch, greedy=True)
+    assert torch.equal(a["output_ids"], b["output_ids"])
+    torch.testing.assert_close(a["logprobs"], b["logprobs"], atol=1e-5, rtol=0)
+    assert calls and all(shape[2] == 1 for shape in calls)  # decode steps only
+    layers = plain.config.num_hidden_layers
+    assert len(calls) >= layers * (args["max_new_tokens"] - 1) // 2
+
+    config = plain.config
+    shape = (config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+    assert not cpu_inference.decode_matmul_wins(torch.float32, *shape)
+    bf16 = copy.deepcopy(plain).bfloat16()
+    done = cpu_inference.optimize_for_cpu_inference(bf16)
+    wins = cpu_inference.decode_matmul_wins(torch.bfloat16, *shape)
+    assert done["decode_attention_by_matmul"] == int(wins)
+
+
 def test_bf16_layers_are_packed_only_where_the_cpu_computes_bf16(tokenizer, batch):
     """A bf16 sampler's linears go through oneDNN where the CPU multiplies bf16 natively
     (AVX512-BF16 / AMX: about 2x F.linear for SmolLM2's layers at 16 rows) and stay on F.linear
@@ -369,7 +453,7 @@ def test_bf16_layers_are_packed_only_where_the_cpu_computes_bf16(tokenizer, batc
     new weights arrive in place (a stale packed copy would keep the old model's logits)."""
     import copy
 
-    from tempering.models.generation.torch_engine import (
+    from tempering.models.generation.cpu_inference import (
         PackedLinear,
         native_bf16_cpu,
         optimize_for_cpu_inference,
@@ -404,7 +488,7 @@ def test_linear_layers_pack_only_where_and_when_the_reorder_pays(tokenizer, batc
     layer's function of its current weight throughout."""
     import copy
 
-    from tempering.models.generation.torch_engine import (
+    from tempering.models.generation.cpu_inference import (
         PACK_MIN_WEIGHTS,
         PackedLinear,
         optimize_for_cpu_inference,

@@ -10,14 +10,8 @@ generating. Implements `GenerationInterface` with the token layout of docs/CONTR
   `DynamicCache` (the loop runs over time steps, never over sequences), whose full-attention
   layers write into buffers sized once for the call (`_PreallocatedLayer`) instead of
   concatenating a fresh copy of the cache at every step;
-- `optimize_for_cpu_inference(model)`, called by the workers on the model copy they generate
-  with (it changes the model's modules, so the engine does not do it to a model it is lent):
-  `nn.Linear` layers (fp32 ones from `PACK_MIN_WEIGHTS` weights) become `PackedLinear` (the
-  same function, computed by oneDNN from a weight copy reordered into its blocked layout once
-  the weight has served `PACK_AFTER_CALLS` forwards unchanged, so a refit followed by a short
-  generation does not pay a reorder it cannot earn back), and grouped-query attention with a
-  padding mask runs as one SDPA call with ``enable_gqa`` (`CPU_SDPA`) instead of HF's copy of
-  every key/value head per group;
+- the workers make the model copy they generate with faster on CPU first
+  (`cpu_inference.optimize_for_cpu_inference`: packed linears, grouped attention);
 - rows that emit a stop token (eos or `stop_token_ids`) or whose generated text contains a
   stop string are finished: later columns are padding; once a quarter of the batch has
   finished, finished rows leave it (and the KV cache), and the loop ends once all are done;
@@ -31,7 +25,6 @@ generating. Implements `GenerationInterface` with the token layout of docs/CONTR
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -48,8 +41,6 @@ from tempering.models.generation.interfaces import (
 )
 from tempering.utils import threads
 
-logger = logging.getLogger(__name__)
-
 # A byte-level token carries at least one byte and a character at most 4, so a stop string of
 # n characters lies within the last 4n tokens (plus slack for tokens that decode to nothing).
 _BYTES_PER_CHAR = 4
@@ -57,18 +48,6 @@ _STOP_WINDOW_SLACK = 4
 # Finished rows leave the decode batch once the live ones are at most this share of it
 # (each compaction copies the KV cache once, so not after every finished row).
 _COMPACT_BELOW = 0.75
-# oneDNN's packed linear against F.linear, measured on a 2-core Xeon with AMX (us per layer,
-# 60 distinct weights in turn): fp32 packing wins from 576 x 576 up at 16 rows (115 against
-# 142; the 49k x 576 lm_head 6.3 against 11.8 ms) and loses below (192 x 576: 48 against 40;
-# tiny-arith's 512 x 128 at 128 rows: 86 against 72); bf16 packing wins at every size (192 x
-# 576: 30 against 43; 512 x 128: 44 against 56). Reordering a weight costs ~300 us plus its
-# size (the lm_head: 48 ms fp32, 25 ms bf16). So fp32 layers under PACK_MIN_WEIGHTS stay on
-# F.linear, and a weight is packed once it has served PACK_AFTER_CALLS forwards unchanged
-# (rent before buying: the reorder pays for itself within 3-35 calls), which a refit resets.
-# The main job refits every step and runs 7 forwards a step: repacking its 15 layers each
-# step made a 21 ms generation 31 ms.
-PACK_MIN_WEIGHTS = {torch.float32: 2**17, torch.bfloat16: 0}
-PACK_AFTER_CALLS = 8
 
 
 class TorchGenerationEngine:
@@ -535,164 +514,3 @@ def _preallocated_cache(config: Any, capacity: int) -> DynamicCache:
         for layer in cache.layers
     ]
     return cache
-
-
-class PackedLinear(torch.nn.Module):
-    """`nn.Linear` for CPU inference through oneDNN with a pre-reordered weight.
-
-    A decode step multiplies a few rows by every weight matrix, where MKL's sgemm (what
-    `F.linear` calls on CPU) reached 50-110 GFLOP/s on our 2-core machine and oneDNN with the
-    weight reordered once into its blocked layout 100-170 (SmolLM2's 49k x 576 lm_head at 16
-    rows: 19 -> 5.8 ms). The module keeps the original ``weight``/``bias`` parameters under
-    their names (state dicts, refit and tied weights are unchanged). The reorder is not free
-    (see `PACK_AFTER_CALLS`): the layer runs `F.linear` until the weight has served
-    ``pack_after`` forwards unchanged, then packs; a weight replaced or changed in place (its
-    version counter moves) drops the packed copy and counts again, so it never computes with
-    stale weights. With autograd recording (training) it is plain `F.linear`."""
-
-    def __init__(self, linear: torch.nn.Linear, pack_after: int = PACK_AFTER_CALLS) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight
-        self.bias = linear.bias
-        self.pack_after = pack_after
-        self._packed: torch.Tensor | None = None
-        self._stamp: tuple[int, int] | None = None  # (id, version) of the weight counted
-        self._calls = 0  # forwards with that weight
-
-    @property
-    def is_packed(self) -> bool:
-        """Whether the next forward computes from the packed copy (the weight unchanged)."""
-        return self._packed is not None and self._stamp == (id(self.weight), self.weight._version)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if (torch.is_grad_enabled() and w.requires_grad) or x.dtype != w.dtype:
-            return torch.nn.functional.linear(x, w, self.bias)
-        stamp = (id(w), w._version)
-        if self._stamp != stamp:  # new weights: drop the old copy, count again
-            self._packed, self._stamp, self._calls = None, stamp, 0
-        if self._packed is None:
-            self._calls += 1
-            if self._calls <= self.pack_after:
-                return torch.nn.functional.linear(x, w, self.bias)
-            with torch.inference_mode(False), torch.no_grad():  # a normal tensor, reusable
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach())
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
-
-    def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, oneDNN after "
-            f"{self.pack_after} calls"
-        )
-
-
-def optimize_for_cpu_inference(
-    model: torch.nn.Module, min_weights: int | None = None, pack_after: int = PACK_AFTER_CALLS
-) -> dict[str, int]:
-    """Make a CPU model that only generates decode faster, computing the same function:
-    `PackedLinear` layers (of at least ``min_weights`` weights, None: `PACK_MIN_WEIGHTS` for
-    their dtype; packed after ``pack_after`` forwards) and `CPU_SDPA` attention (see module
-    docstring). Returns what it changed (``packed_linear_layers``, ``cpu_sdpa``), and logs
-    it."""
-    packed = pack_linear_layers(model, min_weights, pack_after)
-    done = {"packed_linear_layers": packed, "cpu_sdpa": int(use_cpu_sdpa(model))}
-    logger.info("torch engine: CPU inference set-up %s", done)
-    return done
-
-
-def native_bf16_cpu() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX) and oneDNN uses it.
-    Without them oneDNN emulates bf16 (slower than fp32), so bf16 layers stay on F.linear."""
-    cpu = torch.cpu
-    has = [
-        getattr(cpu, f, lambda: False)()
-        for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    ]
-    return any(has) and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-def pack_linear_layers(
-    model: torch.nn.Module, min_weights: int | None = None, pack_after: int = PACK_AFTER_CALLS
-) -> int:
-    """Replace ``model``'s CPU fp32 `nn.Linear` layers (and bf16 ones on a CPU with native
-    bf16, `native_bf16_cpu`) of at least ``min_weights`` weights (None: `PACK_MIN_WEIGHTS`
-    for their dtype) by `PackedLinear` (packing after ``pack_after`` forwards); returns how
-    many. Where oneDNN is missing (or the model is on a GPU) nothing changes, and a CPU model
-    left unpacked for that is logged."""
-    dtypes = (torch.float32, torch.bfloat16) if native_bf16_cpu() else (torch.float32,)
-    linears = [
-        (name, m)
-        for name, m in model.named_modules()
-        if type(m) is torch.nn.Linear
-        and m.weight.device.type == "cpu"
-        and m.weight.dtype in dtypes
-        and m.weight.numel()
-        >= (PACK_MIN_WEIGHTS[m.weight.dtype] if min_weights is None else min_weights)
-    ]
-    if not linears:
-        return 0
-    ops = ("_reorder_linear_weight", "_linear_pointwise")  # what torch's inductor uses on CPU
-    if not torch.backends.mkldnn.is_available() or not all(
-        hasattr(torch.ops.mkldnn, op) for op in ops
-    ):
-        logger.warning(
-            "torch engine: this torch build lacks oneDNN's %s; %d linear layers stay on "
-            "F.linear (slower decoding on CPU)",
-            " / ".join(ops),
-            len(linears),
-        )
-        return 0
-    for name, linear in linears:
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, PackedLinear(linear, pack_after))
-    return len(linears)
-
-
-CPU_SDPA = "tempering_cpu_sdpa"
-
-
-def _cpu_sdpa_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    *args: Any,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """HF's SDPA attention, except that grouped-query attention with a mask stays grouped on
-    CPU. HF repeats every key/value head for each query head it serves whenever a mask is
-    given (CUDA's fused kernels need that); torch's CPU kernels take ``enable_gqa`` with a
-    mask. With padded prompts that copy was a fifth of a SmolLM2 decode step."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    groups = getattr(module, "num_key_value_groups", 1)
-    special = kwargs.get("position_bias") is not None or kwargs.get("cache") is not None
-    special = special or bool(kwargs.get("dropout")) or bool(kwargs.get("output_attentions"))
-    if query.device.type != "cpu" or groups == 1 or attention_mask is None or args or special:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, scale=kwargs.get("scaling"), enable_gqa=True
-    )
-    return out.transpose(1, 2).contiguous(), None  # [B, H, q, D] -> [B, q, H, D]
-
-
-def use_cpu_sdpa(model: Any) -> bool:
-    """Switch an SDPA model on CPU to `CPU_SDPA` (same masks, same results); True if it did."""
-    config = getattr(model, "config", None)
-    if getattr(config, "_attn_implementation", None) != "sdpa":
-        return False
-    if next(model.parameters()).device.type != "cpu":
-        return False
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
-    AttentionInterface.register(CPU_SDPA, _cpu_sdpa_attention)
-    AttentionMaskInterface.register(CPU_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    try:
-        model.set_attn_implementation(CPU_SDPA)
-    except (ValueError, NotImplementedError) as exc:  # a model that fixes its attention
-        logger.warning("torch engine: %s keeps HF's sdpa attention (%s)", type(model).__name__, exc)
-        return False
-    return getattr(model.config, "_attn_implementation", None) == CPU_SDPA

@@ -17,11 +17,9 @@ from typing import Any
 
 import torch
 
+from tempering.models.generation.cpu_inference import optimize_for_cpu_inference
 from tempering.models.generation.interfaces import SamplingConfig
-from tempering.models.generation.torch_engine import (
-    TorchGenerationEngine,
-    optimize_for_cpu_inference,
-)
+from tempering.models.generation.torch_engine import TorchGenerationEngine
 from tempering.utils import faults
 
 

@@ -31,11 +31,9 @@ class ColocatedGenerationView:
     def init(self, sampling: dict[str, Any], dtype: str = "float32") -> None:
         """Build a torch generation engine on an unsharded copy of this policy's weights, held
         and computed in ``dtype`` (refits cast the trained weights into it)."""
+        from tempering.models.generation.cpu_inference import optimize_for_cpu_inference
         from tempering.models.generation.interfaces import SamplingConfig
-        from tempering.models.generation.torch_engine import (
-            TorchGenerationEngine,
-            optimize_for_cpu_inference,
-        )
+        from tempering.models.generation.torch_engine import TorchGenerationEngine
         from tempering.models.hf import load_causal_lm, load_tokenizer
 
         source, topo = self.state.source, self.state.topo

@@ -1,0 +1,329 @@
+"""CPU inference set-up for a model that only generates: oneDNN-packed linear layers and
+grouped attention without copies (see docs/generation.md).
+
+`optimize_for_cpu_inference(model)`, called by the generation workers (and `tempering eval`)
+on the model copy they generate with -- it changes the model's modules, so the torch engine
+never does it to a model it is lent:
+
+- `nn.Linear` layers (fp32 ones from `PACK_MIN_WEIGHTS` weights) become `PackedLinear` (the
+  same function, computed by oneDNN from a weight copy reordered into its blocked layout once
+  the weight has served `PACK_AFTER_CALLS` forwards unchanged, so a refit followed by a short
+  generation does not pay a reorder it cannot earn back);
+- attention runs as `CPU_SDPA`: grouped-query attention with a padding mask is one SDPA call
+  with ``enable_gqa`` instead of HF's copy of every key/value head per group, and a
+  reduced-precision model whose CPU runs SDPA's kernel slowly in that dtype decodes (one query
+  token a row) by two matmuls with fp32 scores instead (`CPU_SDPA_DECODE_MATMUL`, chosen by
+  timing both once per shape and dtype, `decode_matmul_wins`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import statistics
+import time
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# oneDNN's packed linear against F.linear, measured on a 2-core Xeon with AMX (us per layer,
+# 60 distinct weights in turn): fp32 packing wins from 576 x 576 up at 16 rows (115 against
+# 142; the 49k x 576 lm_head 6.3 against 11.8 ms) and loses below (192 x 576: 48 against 40;
+# tiny-arith's 512 x 128 at 128 rows: 86 against 72); bf16 packing wins at every size (192 x
+# 576: 30 against 43; 512 x 128: 44 against 56). Reordering a weight costs ~300 us plus its
+# size (the lm_head: 48 ms fp32, 25 ms bf16). So fp32 layers under PACK_MIN_WEIGHTS stay on
+# F.linear, and a weight is packed once it has served PACK_AFTER_CALLS forwards unchanged
+# (rent before buying: the reorder pays for itself within 3-35 calls), which a refit resets.
+# The main job refits every step and runs 7 forwards a step: repacking its 15 layers each
+# step made a 21 ms generation 31 ms.
+PACK_MIN_WEIGHTS = {torch.float32: 2**17, torch.bfloat16: 0}
+PACK_AFTER_CALLS = 8
+
+
+class PackedLinear(torch.nn.Module):
+    """`nn.Linear` for CPU inference through oneDNN with a pre-reordered weight.
+
+    A decode step multiplies a few rows by every weight matrix, where MKL's sgemm (what
+    `F.linear` calls on CPU) reached 50-110 GFLOP/s on our 2-core machine and oneDNN with the
+    weight reordered once into its blocked layout 100-170 (SmolLM2's 49k x 576 lm_head at 16
+    rows: 19 -> 5.8 ms). The module keeps the original ``weight``/``bias`` parameters under
+    their names (state dicts, refit and tied weights are unchanged). The reorder is not free
+    (see `PACK_AFTER_CALLS`): the layer runs `F.linear` until the weight has served
+    ``pack_after`` forwards unchanged, then packs; a weight replaced or changed in place (its
+    version counter moves) drops the packed copy and counts again, so it never computes with
+    stale weights. With autograd recording (training) it is plain `F.linear`."""
+
+    def __init__(self, linear: torch.nn.Linear, pack_after: int = PACK_AFTER_CALLS) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.pack_after = pack_after
+        self._packed: torch.Tensor | None = None
+        self._stamp: tuple[int, int] | None = None  # (id, version) of the weight counted
+        self._calls = 0  # forwards with that weight
+
+    @property
+    def is_packed(self) -> bool:
+        """Whether the next forward computes from the packed copy (the weight unchanged)."""
+        return self._packed is not None and self._stamp == (id(self.weight), self.weight._version)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if (torch.is_grad_enabled() and w.requires_grad) or x.dtype != w.dtype:
+            return torch.nn.functional.linear(x, w, self.bias)
+        stamp = (id(w), w._version)
+        if self._stamp != stamp:  # new weights: drop the old copy, count again
+            self._packed, self._stamp, self._calls = None, stamp, 0
+        if self._packed is None:
+            self._calls += 1
+            if self._calls <= self.pack_after:
+                return torch.nn.functional.linear(x, w, self.bias)
+            with torch.inference_mode(False), torch.no_grad():  # a normal tensor, reusable
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach())
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, oneDNN after "
+            f"{self.pack_after} calls"
+        )
+
+
+def optimize_for_cpu_inference(
+    model: torch.nn.Module, min_weights: int | None = None, pack_after: int = PACK_AFTER_CALLS
+) -> dict[str, int]:
+    """Make a CPU model that only generates decode faster, computing the same function:
+    `PackedLinear` layers (of at least ``min_weights`` weights, None: `PACK_MIN_WEIGHTS` for
+    their dtype; packed after ``pack_after`` forwards) and `CPU_SDPA` attention, decoding by
+    matmuls where they win (see module docstring). Returns what it changed
+    (``packed_linear_layers``, ``cpu_sdpa``, ``decode_attention_by_matmul``), and logs it."""
+    packed = pack_linear_layers(model, min_weights, pack_after)
+    attention = use_cpu_sdpa(model)
+    done = {
+        "packed_linear_layers": packed,
+        "cpu_sdpa": int(attention is not None),
+        "decode_attention_by_matmul": int(attention == CPU_SDPA_DECODE_MATMUL),
+    }
+    logger.info("torch engine: CPU inference set-up %s", done)
+    return done
+
+
+def native_bf16_cpu() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX) and oneDNN uses it.
+    Without them oneDNN emulates bf16 (slower than fp32), so bf16 layers stay on F.linear."""
+    cpu = torch.cpu
+    has = [
+        getattr(cpu, f, lambda: False)()
+        for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    ]
+    return any(has) and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def pack_linear_layers(
+    model: torch.nn.Module, min_weights: int | None = None, pack_after: int = PACK_AFTER_CALLS
+) -> int:
+    """Replace ``model``'s CPU fp32 `nn.Linear` layers (and bf16 ones on a CPU with native
+    bf16, `native_bf16_cpu`) of at least ``min_weights`` weights (None: `PACK_MIN_WEIGHTS`
+    for their dtype) by `PackedLinear` (packing after ``pack_after`` forwards); returns how
+    many. Where oneDNN is missing (or the model is on a GPU) nothing changes, and a CPU model
+    left unpacked for that is logged."""
+    dtypes = (torch.float32, torch.bfloat16) if native_bf16_cpu() else (torch.float32,)
+    linears = [
+        (name, m)
+        for name, m in model.named_modules()
+        if type(m) is torch.nn.Linear
+        and m.weight.device.type == "cpu"
+        and m.weight.dtype in dtypes
+        and m.weight.numel()
+        >= (PACK_MIN_WEIGHTS[m.weight.dtype] if min_weights is None else min_weights)
+    ]
+    if not linears:
+        return 0
+    ops = ("_reorder_linear_weight", "_linear_pointwise")  # what torch's inductor uses on CPU
+    if not torch.backends.mkldnn.is_available() or not all(
+        hasattr(torch.ops.mkldnn, op) for op in ops
+    ):
+        logger.warning(
+            "torch engine: this torch build lacks oneDNN's %s; %d linear layers stay on "
+            "F.linear (slower decoding on CPU)",
+            " / ".join(ops),
+            len(linears),
+        )
+        return 0
+    for name, linear in linears:
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, PackedLinear(linear, pack_after))
+    return len(linears)
+
+
+CPU_SDPA = "tempering_cpu_sdpa"
+CPU_SDPA_DECODE_MATMUL = "tempering_cpu_sdpa_decode_matmul"
+# decode_matmul_wins: the shape timed (a GRPO decode batch over a few hundred positions), and
+# how much faster the matmuls must be to replace SDPA (so a close call does not flip between
+# runs and change a seed's samples).
+_TIMED_ROWS, _TIMED_POSITIONS, _MATMUL_MARGIN = 16, 256, 1.25
+
+
+def _cpu_sdpa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *args: Any,
+    decode_by_matmul: bool = False,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """HF's SDPA attention, except on CPU: grouped-query attention with a mask stays grouped
+    (HF repeats every key/value head for each query head it serves whenever a mask is given,
+    which CUDA's fused kernels need; torch's CPU kernels take ``enable_gqa`` with a mask: with
+    padded prompts that copy was a fifth of a SmolLM2 decode step), and with
+    ``decode_by_matmul`` one query token a row runs as `decode_attention_by_matmul`."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    special = kwargs.get("position_bias") is not None or kwargs.get("cache") is not None
+    special = special or bool(kwargs.get("dropout")) or bool(kwargs.get("output_attentions"))
+    if query.device.type != "cpu" or args or special:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+    if decode_by_matmul and query.shape[2] == 1:
+        out = decode_attention_by_matmul(query, key, value, attention_mask, kwargs.get("scaling"))
+    elif groups == 1 or attention_mask is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            attn_mask=attention_mask,
+            scale=kwargs.get("scaling"),
+            enable_gqa=True,
+        )
+    return out.transpose(1, 2).contiguous(), None  # [B, H, q, D] -> [B, q, H, D]
+
+
+def decode_attention_by_matmul(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """SDPA's result for one query token a row ([B, H, 1, D] against [B, KV, L, D] keys and
+    values, H a multiple of KV, grouped as ``enable_gqa``; ``mask`` boolean or additive,
+    broadcast to [B, 1, 1, L]) by two batched matmuls: the scores in fp32 (query and keys
+    upcast, as flash kernels accumulate), the probabilities cast to the values' dtype for the
+    second. Each key/value head serves its group of query heads without a copy. For bf16 on a
+    CPU whose SDPA kernel is slow in bf16 (2026-11-28, a Zen 4 EPYC with AVX512-BF16 and no
+    AMX: 2.2 ms a layer at 16 rows x 250 positions against 0.35 ms this way)."""
+    rows, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    grouped = query.reshape(rows, kv_heads, heads // kv_heads, dim).float()
+    scores = torch.matmul(grouped, key.float().transpose(-1, -2))  # [B, KV, group, L]
+    scores.mul_(dim**-0.5 if scale is None else scale)
+    if mask is not None:
+        mask = mask.reshape(rows if mask.shape[0] > 1 else 1, 1, 1, mask.shape[-1])
+        if mask.dtype == torch.bool:
+            scores.masked_fill_(~mask, float("-inf"))
+        else:
+            scores.add_(mask)
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    return torch.matmul(probs, value).reshape(rows, heads, 1, dim)
+
+
+@functools.cache
+def decode_matmul_wins(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether `decode_attention_by_matmul` beats grouped SDPA by `_MATMUL_MARGIN` on this CPU
+    for a decode step of this shape and dtype (timed once a process: interleaved rounds, the
+    median). fp32 is never switched: the two were within 10% on both CPUs we measured, and
+    fp32 sampling stays SDPA's, as the trainer's log-prob parity checks it."""
+    if dtype == torch.float32:
+        return False
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn(_TIMED_ROWS, heads, 1, head_dim, generator=gen).to(dtype)
+    key, value = (
+        torch.randn(_TIMED_ROWS, kv_heads, _TIMED_POSITIONS, head_dim, generator=gen).to(dtype)
+        for _ in range(2)
+    )
+    mask = torch.ones(_TIMED_ROWS, 1, 1, _TIMED_POSITIONS, dtype=torch.bool)
+    mask[: _TIMED_ROWS // 4, ..., : _TIMED_POSITIONS // 8] = False  # left padding
+
+    def sdpa() -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, enable_gqa=True
+        )
+
+    def matmul() -> torch.Tensor:
+        return decode_attention_by_matmul(query, key, value, mask)
+
+    seconds: dict[Any, list[float]] = {sdpa: [], matmul: []}
+    with torch.inference_mode():
+        for _ in range(5):
+            for way, times in seconds.items():
+                way()  # warm, then time one
+                start = time.perf_counter()
+                way()
+                times.append(time.perf_counter() - start)
+    sdpa_s, matmul_s = (statistics.median(t) for t in seconds.values())
+    wins = matmul_s * _MATMUL_MARGIN < sdpa_s
+    logger.info(
+        "decode attention (%s, %d heads over %d, dim %d): SDPA %.0f us, two matmuls %.0f us: %s",
+        dtype,
+        heads,
+        kv_heads,
+        head_dim,
+        sdpa_s * 1e6,
+        matmul_s * 1e6,
+        "matmuls" if wins else "SDPA",
+    )
+    return wins
+
+
+def _attention_shape(config: Any) -> tuple[int, int, int] | None:
+    """(heads, key/value heads, head dim) from an HF config; None where it does not say."""
+    heads = getattr(config, "num_attention_heads", None)
+    if not heads:
+        return None
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return heads, kv_heads, head_dim
+
+
+def use_cpu_sdpa(model: Any, decode_by_matmul: bool | None = None) -> str | None:
+    """Switch an SDPA model on CPU to `CPU_SDPA` (same masks, same results), or to
+    `CPU_SDPA_DECODE_MATMUL` where ``decode_by_matmul`` (None: where `decode_matmul_wins` for
+    the model's dtype and attention shape); returns the implementation set, None if neither."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) not in (
+        "sdpa",
+        CPU_SDPA,
+        CPU_SDPA_DECODE_MATMUL,
+    ):
+        return None
+    weight = next(model.parameters())
+    if weight.device.type != "cpu":
+        return None
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    if decode_by_matmul is None:
+        shape = _attention_shape(getattr(config, "text_config", config))
+        decode_by_matmul = shape is not None and decode_matmul_wins(weight.dtype, *shape)
+    name = CPU_SDPA_DECODE_MATMUL if decode_by_matmul else CPU_SDPA
+    for registered in (CPU_SDPA, CPU_SDPA_DECODE_MATMUL):
+        AttentionInterface.register(
+            registered,
+            functools.partial(
+                _cpu_sdpa_attention, decode_by_matmul=registered == CPU_SDPA_DECODE_MATMUL
+            ),
+        )
+        AttentionMaskInterface.register(registered, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    try:
+        model.set_attn_implementation(name)
+    except (ValueError, NotImplementedError) as exc:  # a model that fixes its attention
+        logger.warning("torch engine: %s keeps HF's sdpa attention (%s)", type(model).__name__, exc)
+        return None
+    return name if getattr(model.config, "_attn_implementation", None) == name else None
