@@ -76,3 +76,11 @@ def load_sequence_classifier(
     return AutoModelForSequenceClassification.from_pretrained(
         path, config=config, dtype=dtype, local_files_only=hub_offline()
     )
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """``model``'s decoder layers in order: the modules whose class, or a class it derives
+    from, is named in ``model._no_split_modules`` (FSDP2's ``fully_shard`` turns a
+    ``LlamaDecoderLayer`` into an ``FSDPLlamaDecoderLayer`` subclass); [] if none."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    return [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]

@@ -34,6 +34,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from tempering.models.families import tp_plan_for
+from tempering.models.hf import decoder_layers
 from tempering.models.policy.gated_mlp import use_lean_gated_mlp
 from tempering.models.policy.lora import LoraAdapters, LoraSpec
 from tempering.models.policy.microbatching import PaddingFree
@@ -349,12 +350,12 @@ def load_sharded(
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    layer_names = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in layer_names]
+    layers = decoder_layers(model)
     if not layers:
+        names = sorted(getattr(model, "_no_split_modules", None) or [])
         raise ValueError(
             f"FSDP2PolicyWorker: found no decoder layers in {type(model).__name__} "
-            f"(_no_split_modules={sorted(layer_names)}); this model class is not supported"
+            f"(_no_split_modules={names}); this model class is not supported"
         )
     return layers
 

@@ -16,9 +16,9 @@ instead of returning wrong numbers.
 Only where it is exact: a dense gated MLP (`gated_mlp`'s classes; a mixture of experts routes
 every token and its load-balancing loss counts them), no activation checkpointing (a
 recomputed layer would run its parts whole, so its saved tensors would not match) and one
-tensor-parallel rank (the column split is not exercised on a subset of rows). Not yet on
-FSDP2-wrapped models (bf16, several ranks): `fully_shard` renames the layer classes
-(``FSDPLlamaDecoderLayer``), so `LastLayer.of` finds no last layer there and the pass runs whole.
+tensor-parallel rank (the column split is not exercised on a subset of rows). FSDP2-wrapped
+models (bf16, several ranks) too: the parts are inside the layer that ``fully_shard`` gathers,
+and their layers are found through the class ``fully_shard`` derives (`hf.decoder_layers`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from tempering.distributed.batched_data_dict import PackedBin
+from tempering.models.hf import decoder_layers
 from tempering.models.policy.gated_mlp import FUSED_GATE_UP, LLAMA_STYLE
 from tempering.models.policy.shared_prefix import SharedPrefixPlan
 
@@ -57,8 +58,7 @@ class LastLayer:
 
     @staticmethod
     def _find(model: torch.nn.Module) -> LastLayer | None:
-        names = set(getattr(model, "_no_split_modules", None) or [])
-        layers = [m for m in model.modules() if type(m).__name__ in names]
+        layers = decoder_layers(model)
         mlp = getattr(layers[-1], "mlp", None) if layers else None
         if mlp is None or type(mlp).__name__ not in LLAMA_STYLE | FUSED_GATE_UP:
             return None
