@@ -164,6 +164,7 @@ class DecodeMeter:
         cached = int(kwargs["attention_mask"].sum())  # live rows' real tokens, the new one too
         call["steps"] += 1
         call["bytes"] += self.weight_bytes + cached * self.kv_bytes_per_token
+        call["kv_bytes"] = call.get("kv_bytes", 0.0) + cached * self.kv_bytes_per_token
 
     def summary(self, bandwidth: float) -> dict[str, float]:
         """Decode s/step (median over calls), the floor's s/step, and their ratio."""
@@ -176,6 +177,7 @@ class DecodeMeter:
             "floor_ratio": per_step / floor,
             "bandwidth_gb_s": bandwidth / 1e9,
             "weight_mb": self.weight_bytes / 1e6,
+            "kv_mb": statistics.median(c["kv_bytes"] / c["steps"] for c in timed) / 1e6,
         }
 
 
@@ -289,8 +291,8 @@ def main() -> None:
         if "floor_ratio" in r:
             print(
                 f"         decode {r['decode_ms_per_step']:.2f} ms/step against the bandwidth "
-                f"floor's {r['floor_ms_per_step']:.2f} ({r['weight_mb']:.1f} MB of weights + KV "
-                f"at {r['bandwidth_gb_s']:.1f} GB/s read): {r['floor_ratio']:.2f}x the floor"
+                f"floor's {r['floor_ms_per_step']:.2f} ({r['weight_mb']:.1f} MB of weights + "
+                f"{r['kv_mb']:.1f} MB of KV at {r['bandwidth_gb_s']:.1f} GB/s read): {r['floor_ratio']:.2f}x the floor"
             )
             print(f"         CPU inference set-up: {r['set_up']}")
     if {"vllm", "torch"} <= results.keys():

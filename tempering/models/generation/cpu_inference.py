@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from tempering.models.policy.packed_attention import matmul_attention
+
 logger = logging.getLogger(__name__)
 
 # oneDNN's packed linear against F.linear, measured on a 2-core Xeon with AMX (us per layer,
@@ -189,7 +191,8 @@ def _cpu_sdpa_attention(
     special = special or bool(kwargs.get("dropout")) or bool(kwargs.get("output_attentions"))
     if query.device.type != "cpu" or args or special:
         return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
-    if decode_by_matmul and query.shape[2] == 1:
+    boolean = attention_mask is None or attention_mask.dtype == torch.bool
+    if decode_by_matmul and query.shape[2] == 1 and boolean:
         out = decode_attention_by_matmul(query, key, value, attention_mask, kwargs.get("scaling"))
     elif groups == 1 or attention_mask is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
@@ -209,29 +212,26 @@ def decode_attention_by_matmul(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    mask: torch.Tensor | None,
+    keep: torch.Tensor | None,
     scale: float | None = None,
 ) -> torch.Tensor:
     """SDPA's result for one query token a row ([B, H, 1, D] against [B, KV, L, D] keys and
-    values, H a multiple of KV, grouped as ``enable_gqa``; ``mask`` boolean or additive,
-    broadcast to [B, 1, 1, L]) by two batched matmuls: the scores in fp32 (query and keys
-    upcast, as flash kernels accumulate), the probabilities cast to the values' dtype for the
-    second. Each key/value head serves its group of query heads without a copy. For bf16 on a
-    CPU whose SDPA kernel is slow in bf16 (2026-11-28, a Zen 4 EPYC with AVX512-BF16 and no
-    AMX: 2.2 ms a layer at 16 rows x 250 positions against 0.35 ms this way)."""
+    values, H a multiple of KV, grouped as ``enable_gqa``; ``keep`` a boolean mask broadcast to
+    [B, 1, 1, L], None: every key) by `matmul_attention`'s two matmuls, each key/value head
+    serving its group of query heads without a copy: the scores in fp32 (query and keys upcast,
+    as flash kernels accumulate; bf16 scores erred 4x more), the probabilities in the values'
+    dtype. For bf16 on a CPU whose SDPA kernel is slow in bf16 (2026-11-28, a Zen 4 EPYC with
+    AVX512-BF16 and no AMX: 2.2 ms a layer at 16 rows x 250 positions against 0.35 ms this
+    way)."""
     rows, heads, _, dim = query.shape
-    kv_heads = key.shape[1]
+    kv_heads, positions = key.shape[1], key.shape[2]
     grouped = query.reshape(rows, kv_heads, heads // kv_heads, dim).float()
-    scores = torch.matmul(grouped, key.float().transpose(-1, -2))  # [B, KV, group, L]
-    scores.mul_(dim**-0.5 if scale is None else scale)
-    if mask is not None:
-        mask = mask.reshape(rows if mask.shape[0] > 1 else 1, 1, 1, mask.shape[-1])
-        if mask.dtype == torch.bool:
-            scores.masked_fill_(~mask, float("-inf"))
-        else:
-            scores.add_(mask)
-    probs = torch.softmax(scores, dim=-1).to(value.dtype)
-    return torch.matmul(probs, value).reshape(rows, heads, 1, dim)
+    if keep is None:
+        keep = torch.ones(1, 1, 1, positions, dtype=torch.bool, device=query.device)
+    keep = keep.reshape(keep.shape[0], 1, 1, positions)
+    scale = dim**-0.5 if scale is None else scale
+    out = matmul_attention(grouped, key.float(), value, keep, scale)
+    return out.reshape(rows, heads, 1, dim)
 
 
 @functools.cache
