@@ -432,11 +432,20 @@ def test_engine_decodes_the_same_by_matmuls(tokenizer, batch, monkeypatch):
     layers = plain.config.num_hidden_layers
     assert len(calls) >= layers * (args["max_new_tokens"] - 1) // 2
 
+    # bf16: the cache holds fp32 keys and values for the matmuls (prefill casts them back for
+    # SDPA); the same tokens as SDPA decoding, log-probs to bf16 rounding
+    bf16_plain, bf16_fast = plain.bfloat16(), fast.bfloat16()
+    a = TorchGenerationEngine(bf16_fast, tokenizer, **args).generate(batch, greedy=True)
+    b = TorchGenerationEngine(bf16_plain, tokenizer, **args).generate(batch, greedy=True)
+    assert torch.equal(a["output_ids"], b["output_ids"])
+    torch.testing.assert_close(a["logprobs"], b["logprobs"], atol=2e-2, rtol=2e-2)
+    assert cpu_inference.cache_dtype(bf16_fast) == torch.float32
+    assert cpu_inference.cache_dtype(bf16_plain) is None
+
     config = plain.config
     shape = (config.num_attention_heads, config.num_key_value_heads, config.head_dim)
     assert not cpu_inference.decode_matmul_wins(torch.float32, *shape)
-    bf16 = copy.deepcopy(plain).bfloat16()
-    done = cpu_inference.optimize_for_cpu_inference(bf16)
+    done = cpu_inference.optimize_for_cpu_inference(copy.deepcopy(plain))
     wins = cpu_inference.decode_matmul_wins(torch.bfloat16, *shape)
     assert done["decode_attention_by_matmul"] == int(wins)
 

@@ -183,18 +183,21 @@ def _cpu_sdpa_attention(
     (HF repeats every key/value head for each query head it serves whenever a mask is given,
     which CUDA's fused kernels need; torch's CPU kernels take ``enable_gqa`` with a mask: with
     padded prompts that copy was a fifth of a SmolLM2 decode step), and with
-    ``decode_by_matmul`` one query token a row runs as `decode_attention_by_matmul`."""
+    ``decode_by_matmul`` one query token a row runs as `decode_attention_by_matmul` (whose
+    cache the torch engine keeps in fp32, `cache_dtype`: other paths cast it back)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = getattr(module, "num_key_value_groups", 1)
     special = kwargs.get("position_bias") is not None or kwargs.get("cache") is not None
     special = special or bool(kwargs.get("dropout")) or bool(kwargs.get("output_attentions"))
+    boolean = attention_mask is None or attention_mask.dtype == torch.bool
+    if decode_by_matmul and query.shape[2] == 1 and boolean and not args and not special:
+        out = decode_attention_by_matmul(query, key, value, attention_mask, kwargs.get("scaling"))
+        return out.transpose(1, 2).contiguous(), None
+    key, value = key.to(query.dtype), value.to(query.dtype)
     if query.device.type != "cpu" or args or special:
         return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
-    boolean = attention_mask is None or attention_mask.dtype == torch.bool
-    if decode_by_matmul and query.shape[2] == 1 and boolean:
-        out = decode_attention_by_matmul(query, key, value, attention_mask, kwargs.get("scaling"))
-    elif groups == 1 or attention_mask is None:
+    if groups == 1 or attention_mask is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
     else:
         out = torch.nn.functional.scaled_dot_product_attention(
@@ -220,7 +223,8 @@ def decode_attention_by_matmul(
     [B, 1, 1, L], None: every key) by `matmul_attention`'s two matmuls, each key/value head
     serving its group of query heads without a copy: the scores in fp32 (query and keys upcast,
     as flash kernels accumulate; bf16 scores erred 4x more), the probabilities in the values'
-    dtype. For bf16 on a CPU whose SDPA kernel is slow in bf16 (2026-11-28, a Zen 4 EPYC with
+    dtype (fp32 where the cache holds them so, `cache_dtype`: a bf16 matmul copies a strided
+    view whole, an fp32 one reads it in place). For bf16 on a CPU whose SDPA kernel is slow in bf16 (2026-11-28, a Zen 4 EPYC with
     AVX512-BF16 and no AMX: 2.2 ms a layer at 16 rows x 250 positions against 0.35 ms this
     way)."""
     rows, heads, _, dim = query.shape
@@ -231,7 +235,7 @@ def decode_attention_by_matmul(
     keep = keep.reshape(keep.shape[0], 1, 1, positions)
     scale = dim**-0.5 if scale is None else scale
     out = matmul_attention(grouped, key.float(), value, keep, scale)
-    return out.reshape(rows, heads, 1, dim)
+    return out.reshape(rows, heads, 1, dim).to(query.dtype)
 
 
 @functools.cache
@@ -327,3 +331,13 @@ def use_cpu_sdpa(model: Any, decode_by_matmul: bool | None = None) -> str | None
         logger.warning("torch engine: %s keeps HF's sdpa attention (%s)", type(model).__name__, exc)
         return None
     return name if getattr(model.config, "_attn_implementation", None) == name else None
+
+
+def cache_dtype(model: Any) -> torch.dtype | None:
+    """The dtype a generation KV cache should hold for ``model``: fp32 where it decodes by
+    matmuls (`CPU_SDPA_DECODE_MATMUL`: the scores are fp32 anyway, and the strided views of a
+    preallocated bf16 cache were copied whole by the keys' upcast and by bf16 ``bmm``, 19 ms of a
+    64 ms SmolLM2 step), None (the model's dtype) otherwise."""
+    config = getattr(model, "config", None)
+    decodes_by_matmul = getattr(config, "_attn_implementation", None) == CPU_SDPA_DECODE_MATMUL
+    return torch.float32 if decodes_by_matmul else None

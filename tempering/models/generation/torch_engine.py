@@ -34,6 +34,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from tempering.distributed.batched_data_dict import BatchedDataDict
+from tempering.models.generation.cpu_inference import cache_dtype
 from tempering.models.generation.interfaces import (
     SamplingConfig,
     check_input_lengths,
@@ -302,7 +303,8 @@ class _Decode:
         """Decode right-padded prompts [B, S] of `lengths` [B], at most `row_caps` [B] new
         tokens per row; the result's T <= max(row_caps)."""
         max_new = int(row_caps.max())
-        cache = _preallocated_cache(self.model.config, capacity=input_ids.shape[1] + max_new)
+        capacity = input_ids.shape[1] + max_new
+        cache = _preallocated_cache(self.model.config, capacity, cache_dtype(self.model))
         self.versions = torch.full((max_new,), -1, dtype=torch.long)
         self.versions[0] = self.engine._between_steps()  # the first token: the prefill's
         logits, attention_mask = self._prefill(input_ids, lengths, cache)
@@ -455,15 +457,19 @@ class _PreallocatedLayer(DynamicLayer):
     ``torch.cat``. ``keys``/``values`` are views of the filled part, so every other method of
     the parent (lengths, masks, crop) keeps working."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.capacity = capacity
+        self.buffer_dtype = dtype  # None: the model's
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
+        self.dtype, self.device = self.buffer_dtype or key_states.dtype, key_states.device
         B, H, _, D = key_states.shape
-        self._key_buffer = key_states.new_empty((B, H, self.capacity, D))
-        self._value_buffer = value_states.new_empty((B, H, self.capacity, value_states.shape[-1]))
+        shape = (B, H, self.capacity, D)
+        self._key_buffer = key_states.new_empty(shape, dtype=self.dtype)
+        self._value_buffer = value_states.new_empty(
+            shape[:-1] + value_states.shape[-1:], dtype=self.dtype
+        )
         self.keys = self._key_buffer[:, :, :0]
         self.values = self._value_buffer[:, :, :0]
         self.is_initialized = True
@@ -505,12 +511,15 @@ class _PreallocatedLayer(DynamicLayer):
         raise NotImplementedError("the torch engine's KV cache does no beam search")
 
 
-def _preallocated_cache(config: Any, capacity: int) -> DynamicCache:
+def _preallocated_cache(
+    config: Any, capacity: int, dtype: torch.dtype | None = None
+) -> DynamicCache:
     """HF's `DynamicCache` for ``config`` with each full-attention layer preallocated for
-    ``capacity`` positions (sliding-window and other special layers keep HF's own)."""
+    ``capacity`` positions in ``dtype`` (None: the model's; sliding-window and other special
+    layers keep HF's own)."""
     cache = DynamicCache(config=config)
     cache.layers = [
-        _PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer
+        _PreallocatedLayer(capacity, dtype) if type(layer) is DynamicLayer else layer
         for layer in cache.layers
     ]
     return cache
