@@ -191,11 +191,12 @@ def _cpu_sdpa_attention(
     special = kwargs.get("position_bias") is not None or kwargs.get("cache") is not None
     special = special or bool(kwargs.get("dropout")) or bool(kwargs.get("output_attentions"))
     boolean = attention_mask is None or attention_mask.dtype == torch.bool
-    if decode_by_matmul and query.shape[2] == 1 and boolean and not args and not special:
+    on_cpu = query.device.type == "cpu"
+    if decode_by_matmul and on_cpu and query.shape[2] == 1 and boolean and not args and not special:
         out = decode_attention_by_matmul(query, key, value, attention_mask, kwargs.get("scaling"))
         return out.transpose(1, 2).contiguous(), None
     key, value = key.to(query.dtype), value.to(query.dtype)
-    if query.device.type != "cpu" or args or special:
+    if not on_cpu or args or special:
         return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
     if groups == 1 or attention_mask is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
@@ -260,8 +261,10 @@ def decode_matmul_wins(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: 
             query, key, value, attn_mask=mask, enable_gqa=True
         )
 
+    cached = key.float(), value.float()  # the engine's cache holds them so (`cache_dtype`)
+
     def matmul() -> torch.Tensor:
-        return decode_attention_by_matmul(query, key, value, mask)
+        return decode_attention_by_matmul(query, *cached, mask)
 
     seconds: dict[Any, list[float]] = {sdpa: [], matmul: []}
     with torch.inference_mode():
