@@ -196,19 +196,11 @@ def _cpu_sdpa_attention(
         out = decode_attention_by_matmul(query, key, value, attention_mask, kwargs.get("scaling"))
         return out.transpose(1, 2).contiguous(), None
     key, value = key.to(query.dtype), value.to(query.dtype)
-    if not on_cpu or args or special:
+    if not on_cpu or args or special or groups == 1 or attention_mask is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
-    if groups == 1 or attention_mask is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
-    else:
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query,
-            key,
-            value,
-            attn_mask=attention_mask,
-            scale=kwargs.get("scaling"),
-            enable_gqa=True,
-        )
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, scale=kwargs.get("scaling"), enable_gqa=True
+    )
     return out.transpose(1, 2).contiguous(), None  # [B, H, q, D] -> [B, q, H, D]
 
 
@@ -225,9 +217,9 @@ def decode_attention_by_matmul(
     serving its group of query heads without a copy: the scores in fp32 (query and keys upcast,
     as flash kernels accumulate; bf16 scores erred 4x more), the probabilities in the values'
     dtype (fp32 where the cache holds them so, `cache_dtype`: a bf16 matmul copies a strided
-    view whole, an fp32 one reads it in place). For bf16 on a CPU whose SDPA kernel is slow in bf16 (2026-11-28, a Zen 4 EPYC with
-    AVX512-BF16 and no AMX: 2.2 ms a layer at 16 rows x 250 positions against 0.35 ms this
-    way)."""
+    view whole, an fp32 one reads it in place). For bf16 on a CPU whose SDPA kernel is slow in
+    bf16 (2026-11-28, a Zen 4 EPYC with AVX512-BF16 and no AMX: 2.2 ms a layer at 16 rows x 250
+    positions against 0.35 ms this way)."""
     rows, heads, _, dim = query.shape
     kv_heads, positions = key.shape[1], key.shape[2]
     grouped = query.reshape(rows, kv_heads, heads // kv_heads, dim).float()
