@@ -15,6 +15,11 @@ buffer, the engine's thread count). Hooks on the model count each decode forward
 and cache length; the decode phase is timed from the end of the prefill forward to the end of
 the call (sampling included). Printed: decode ms per step against the floor's, and the ratio.
 
+What bounds a step is measured in the same process too: the model's linear layers alone (every
+one back to back, as the engine runs them -- packed for oneDNN where it packs them -- on the
+decode steps' mean live rows), their FLOPs against this machine's matmul peak in the sampling
+dtype (a 1024^3 matmul), and what is left of a step for attention, small ops and sampling.
+
     uv run --frozen python bench/bench_generation.py                  # 128 x 16, fp32
     uv run --frozen python bench/bench_generation.py --batch 32 --dtype bfloat16
     uv run --frozen python bench/bench_generation.py --model smollm2-135m-instruct \
@@ -112,6 +117,41 @@ def time_engine(engine, data, repeats: int) -> dict[str, float]:
     return {"tokens_per_s": statistics.median(rates), "generated_tokens": statistics.median(tokens)}
 
 
+def matmul_peak(dtype: torch.dtype, n: int = 1024, repeats: int = 7) -> float:
+    """This machine's matmul rate in FLOP/s at torch's current thread count: the median of
+    ``repeats`` n x n x n products in ``dtype`` (the compute roof a decode step's linears sit
+    under)."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - start)
+    return 2 * n**3 / statistics.median(times)
+
+
+def time_linears(model: torch.nn.Module, rows: int, repeats: int = 5) -> dict[str, float]:
+    """The model's linear layers alone at a decode step's shape: every `nn.Linear` and
+    `PackedLinear` in module order, each on ``rows`` rows, back to back (so their weights
+    stream from memory as in a step); the median seconds of ``repeats`` passes, and the
+    FLOPs of one pass."""
+    from tempering.models.generation.cpu_inference import PackedLinear
+
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear | PackedLinear)]
+    dtype = linears[0].weight.dtype
+    inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype) for m in linears}
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):  # the first pass is a warm-up
+            start = time.perf_counter()
+            for m in linears:
+                m(inputs[m.in_features])
+            times.append(time.perf_counter() - start)
+    flops = sum(2 * rows * m.in_features * m.out_features for m in linears)
+    return {"seconds": statistics.median(times[1:]), "flops": flops, "layers": len(linears)}
+
+
 def read_bandwidth(mib: int = 1024, repeats: int = 7) -> float:
     """Streaming read bandwidth of this machine in bytes/s: the median of ``repeats`` sums over
     a buffer far larger than the caches, on torch's current thread count."""
@@ -149,7 +189,7 @@ class DecodeMeter:
         generate = engine.generate
 
         def timed_generate(*args, **kwargs):
-            self.calls.append({"steps": 0, "bytes": 0.0, "prefill_end": None})
+            self.calls.append({"steps": 0, "rows": 0, "bytes": 0.0, "prefill_end": None})
             out = generate(*args, **kwargs)
             self.calls[-1]["end"] = time.perf_counter()
             return out
@@ -163,6 +203,7 @@ class DecodeMeter:
             return
         cached = int(kwargs["attention_mask"].sum())  # live rows' real tokens, the new one too
         call["steps"] += 1
+        call["rows"] += kwargs["attention_mask"].shape[0]
         call["bytes"] += self.weight_bytes + cached * self.kv_bytes_per_token
         call["kv_bytes"] = call.get("kv_bytes", 0.0) + cached * self.kv_bytes_per_token
 
@@ -178,7 +219,27 @@ class DecodeMeter:
             "bandwidth_gb_s": bandwidth / 1e9,
             "weight_mb": self.weight_bytes / 1e6,
             "kv_mb": statistics.median(c["kv_bytes"] / c["steps"] for c in timed) / 1e6,
+            "mean_rows": sum(c["rows"] for c in timed) / sum(c["steps"] for c in timed),
         }
+
+
+def bounds(model: torch.nn.Module, decode: dict[str, float]) -> dict[str, float]:
+    """What bounds a decode step (see the module docstring), from ``decode`` (a
+    `DecodeMeter.summary`): the linears alone at the steps' mean live rows and the matmul peak
+    in the model's dtype, measured now."""
+    rows = max(1, round(decode["mean_rows"]))
+    linears = time_linears(model, rows)
+    peak = matmul_peak(next(model.parameters()).dtype)
+    return {
+        "linear_rows": rows,
+        "linear_layers": linears["layers"],
+        "linears_ms": 1e3 * linears["seconds"],
+        "linears_floor_ratio": 1e3 * linears["seconds"] / decode["floor_ms_per_step"],
+        "linear_gflop_s": linears["flops"] / linears["seconds"] / 1e9,
+        "peak_gflop_s": peak / 1e9,
+        "compute_floor_ms": 1e3 * linears["flops"] / peak,
+        "rest_ms": decode["decode_ms_per_step"] - 1e3 * linears["seconds"],
+    }
 
 
 def run_engine(args: argparse.Namespace) -> dict[str, float]:
@@ -217,6 +278,7 @@ def run_engine(args: argparse.Namespace) -> dict[str, float]:
     result["startup_s"] = startup_s
     if args.engine == "torch":
         result.update(meter.summary(read_bandwidth()))
+        result.update(bounds(engine.model, result))
         result["set_up"] = set_up
     if args.engine == "vllm":
         engine.shutdown()
@@ -293,6 +355,14 @@ def main() -> None:
                 f"         decode {r['decode_ms_per_step']:.2f} ms/step against the bandwidth "
                 f"floor's {r['floor_ms_per_step']:.2f} ({r['weight_mb']:.1f} MB of weights + "
                 f"{r['kv_mb']:.1f} MB of KV at {r['bandwidth_gb_s']:.1f} GB/s read): {r['floor_ratio']:.2f}x the floor"
+            )
+            print(
+                f"         of which the {r['linear_layers']} linear layers alone (back to back at "
+                f"{r['linear_rows']} rows, as the engine runs them): {r['linears_ms']:.2f} ms = "
+                f"{r['linears_floor_ratio']:.2f}x the floor, at {r['linear_gflop_s']:.0f} GFLOP/s "
+                f"of this machine's {r['peak_gflop_s']:.0f} ({args.dtype} matmul peak; their "
+                f"FLOPs at that peak: {r['compute_floor_ms']:.2f} ms); the rest (attention, "
+                f"small ops, sampling): {r['rest_ms']:.2f} ms"
             )
             print(f"         CPU inference set-up: {r['set_up']}")
     if {"vllm", "torch"} <= results.keys():
