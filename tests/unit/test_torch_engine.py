@@ -334,10 +334,15 @@ def test_cpu_inference_set_up_computes_the_same_function(tokenizer, batch):
     n_linear = sum(isinstance(m, torch.nn.Linear) for m in plain.modules())
     assert done == {
         "packed_linear_layers": n_linear,
+        "fused_projections": 2 * plain.config.num_hidden_layers,  # q/k/v and gate/up
         "cpu_sdpa": 1,
         "decode_attention_by_matmul": 0,
     }
     assert isinstance(fast.model.layers[0].self_attn.q_proj, PackedLinear)
+    fusions = [
+        fast.model.layers[0].self_attn.q_proj.fusion,
+        fast.model.layers[0].mlp.up_proj.fusion,
+    ]
     assert fast.config._attn_implementation == CPU_SDPA
     assert plain.config.num_key_value_heads < plain.config.num_attention_heads  # grouped
 
@@ -350,9 +355,12 @@ def test_cpu_inference_set_up_computes_the_same_function(tokenizer, batch):
         return a
 
     before = both(fast, plain)
+    shared = [f.shared for f in fusions]
+    assert all(n > 0 for n in shared)  # members were served from their lead's product
     TorchGenerationEngine(fast, tokenizer).update_weights(other.state_dict())
     after = both(fast, other)
     assert not torch.equal(before["output_ids"], after["output_ids"])  # the refit took
+    assert all(f.shared > n for f, n in zip(fusions, shared, strict=True))
 
     ids = batch["input_ids"]
     fast.train()
@@ -363,6 +371,50 @@ def test_cpu_inference_set_up_computes_the_same_function(tokenizer, batch):
     loss_plain.backward()
     q_fast, q_plain = fast.model.layers[0].self_attn.q_proj, other.model.layers[0].self_attn.q_proj
     torch.testing.assert_close(q_fast.weight.grad, q_plain.weight.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_fused_projections_share_one_product_only_for_the_same_input():
+    """Sibling packed layers (q/k/v) fused: each member's output is its own layer's function
+    of its own weight and bias; members take the lead's parts only when called on the very
+    tensor the lead multiplied, unchanged since, and after ``pack_after`` calls with every
+    member's weights unchanged; a member's refit drops the fused matrix."""
+    import copy
+
+    from tempering.models.generation.cpu_inference import FusedProjections, PackedLinear
+
+    torch.manual_seed(0)
+    plain = [torch.nn.Linear(64, n) for n in (48, 16, 16)]
+    layers = [PackedLinear(copy.deepcopy(linear)) for linear in plain]
+    fusion = FusedProjections(layers, pack_after=1)
+    x, y = torch.randn(5, 64), torch.randn(5, 64)
+
+    def check(inputs, shared):
+        before = fusion.shared
+        for layer, linear, inp in zip(layers, plain, inputs, strict=True):
+            torch.testing.assert_close(layer(inp), linear(inp), atol=1e-5, rtol=1e-5)
+        assert fusion.shared - before == shared
+
+    with torch.inference_mode():
+        check([x, x, x], 0)  # the first lead call: each layer alone (pack_after=1)
+        assert not fusion.is_packed
+        check([x, x, x], 2)
+        assert fusion.is_packed
+        check([x, y, x], 1)  # another input: that member computes alone
+        check([y, x, x], 0)  # the lead multiplied y: nothing kept for x
+    with torch.no_grad():
+        x.mul_(2.0)  # the same tensor changed in place after the lead's call below
+    with torch.inference_mode():
+        layers[0](x)
+    with torch.no_grad():
+        x.add_(1.0)
+    with torch.inference_mode():
+        torch.testing.assert_close(layers[1](x), plain[1](x), atol=1e-5, rtol=1e-5)
+        with torch.no_grad():
+            layers[2].weight.mul_(-1.0)  # a refit of one member
+            plain[2].weight.mul_(-1.0)
+        assert not fusion.is_packed
+        check([x, x, x], 0)
+        check([x, x, x], 2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

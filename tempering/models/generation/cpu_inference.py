@@ -8,7 +8,9 @@ never does it to a model it is lent:
 - `nn.Linear` layers (fp32 ones from `PACK_MIN_WEIGHTS` weights) become `PackedLinear` (the
   same function, computed by oneDNN from a weight copy reordered into its blocked layout once
   the weight has served `PACK_AFTER_CALLS` forwards unchanged, so a refit followed by a short
-  generation does not pay a reorder it cannot earn back);
+  generation does not pay a reorder it cannot earn back); packed siblings that multiply the
+  same input (an attention's q/k/v projections, an MLP's gate and up) become one packed
+  matrix (`FusedProjections`, `FUSED_SIBLINGS`);
 - attention runs as `CPU_SDPA`: grouped-query attention with a padding mask is one SDPA call
   with ``enable_gqa`` instead of HF's copy of every key/value head per group, and a
   reduced-precision model whose CPU runs SDPA's kernel slowly in that dtype decodes (one query
@@ -70,16 +72,23 @@ class PackedLinear(torch.nn.Module):
         self._packed: torch.Tensor | None = None
         self._stamp: tuple[int, int] | None = None  # (id, version) of the weight counted
         self._calls = 0  # forwards with that weight
+        self.fusion: FusedProjections | None = None  # set by FusedProjections
+        self.fusion_index = 0
 
     @property
     def is_packed(self) -> bool:
         """Whether the next forward computes from the packed copy (the weight unchanged)."""
+        if self.fusion is not None:
+            return self.fusion.is_packed
         return self._packed is not None and self._stamp == (id(self.weight), self.weight._version)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if (torch.is_grad_enabled() and w.requires_grad) or x.dtype != w.dtype:
             return torch.nn.functional.linear(x, w, self.bias)
+        if self.fusion is not None:
+            out = self.fusion.forward(self, x)
+            return torch.nn.functional.linear(x, w, self.bias) if out is None else out
         stamp = (id(w), w._version)
         if self._stamp != stamp:  # new weights: drop the old copy, count again
             self._packed, self._stamp, self._calls = None, stamp, 0
@@ -98,6 +107,98 @@ class PackedLinear(torch.nn.Module):
         )
 
 
+# Sibling layers (children of one module, by name) that read the same input, in the order a
+# forward calls them: HF's Llama, Qwen, Mistral and Gemma attentions and MLPs name them so.
+FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class FusedProjections:
+    """Sibling `PackedLinear` layers that multiply the same input -- an attention's query, key
+    and value projections, an MLP's gate and up -- packed as one matrix. The first layer's call
+    computes every member's output in one oneDNN product and keeps the others' parts for their
+    calls on that same input (same tensor, unchanged): a decode step's seven small products a
+    layer become four (SmolLM2 at the GRPO shape on the Zen 4 EPYC, 4 interleaved calls each:
+    fp32 5% faster, bf16 7%). A member called on any other input computes alone, so each layer
+    stays its own function of its own weight whatever the call order. Packing follows
+    `PackedLinear`'s rule over the members' weights together: after ``pack_after`` lead calls
+    with all of them unchanged (each layer runs F.linear until then), and a refit of any member
+    drops the packed matrix and the kept parts."""
+
+    def __init__(self, layers: list[PackedLinear], pack_after: int = PACK_AFTER_CALLS) -> None:
+        self.layers = layers
+        self.sizes = [layer.out_features for layer in layers]
+        self.pack_after = pack_after
+        self._packed: torch.Tensor | None = None
+        self._bias: torch.Tensor | None = None
+        self._stamp: tuple = ()
+        self._calls = 0
+        self._input: tuple[torch.Tensor, int] | None = None  # what the kept parts came from
+        self._parts: list[torch.Tensor] = []
+        self.shared = 0  # member calls served from the lead's product (what tests count)
+        for index, layer in enumerate(layers):
+            layer.fusion, layer.fusion_index = self, index
+
+    def _weights(self) -> tuple:
+        return tuple(
+            (id(t), t._version)
+            for layer in self.layers
+            for t in (layer.weight, layer.bias)
+            if t is not None
+        )
+
+    @property
+    def is_packed(self) -> bool:
+        return self._packed is not None and self._stamp == self._weights()
+
+    def forward(self, layer: PackedLinear, x: torch.Tensor) -> torch.Tensor | None:
+        """``layer``'s output on ``x`` from the fused product, or None: compute it alone."""
+        stamp = self._weights()
+        if stamp != self._stamp:  # new weights: drop the packed matrix and the kept parts
+            self._packed, self._input, self._parts = None, None, []
+            self._stamp, self._calls = stamp, 0
+        if layer.fusion_index:  # a member: the lead's parts if computed from this very input
+            kept = self._input
+            if kept is not None and kept[0] is x and kept[1] == _version(x):
+                self.shared += 1
+                return self._parts[layer.fusion_index]
+            return None
+        if self._packed is None:
+            self._calls += 1
+            if self._calls <= self.pack_after:
+                return None
+            weights = [m.weight.detach() for m in self.layers]
+            biases = [m.bias for m in self.layers]
+            with torch.inference_mode(False), torch.no_grad():
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights))
+                self._bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        out = torch.ops.mkldnn._linear_pointwise(x, self._packed, self._bias, "none", [], "")
+        # contiguous parts: a model may view a projection's output in any way it could before
+        self._parts = [part.contiguous() for part in out.split(self.sizes, dim=-1)]
+        self._input = (x, _version(x))
+        return self._parts[0]
+
+
+def _version(x: torch.Tensor) -> int:
+    """``x``'s in-place version; inference-mode tensors keep none (-1: the same tensor object
+    is the same input, as HF's modules pass one hidden-states tensor to every sibling)."""
+    return -1 if x.is_inference() else x._version
+
+
+def fuse_sibling_layers(model: torch.nn.Module, pack_after: int = PACK_AFTER_CALLS) -> int:
+    """Group ``model``'s `FUSED_SIBLINGS` that are all `PackedLinear` of one input width, dtype
+    and bias-or-not into `FusedProjections`; returns how many groups."""
+    groups = 0
+    for module in model.modules():
+        for names in FUSED_SIBLINGS:
+            layers = [getattr(module, name, None) for name in names]
+            if all(type(layer) is PackedLinear and layer.fusion is None for layer in layers):
+                kinds = {(x.in_features, x.weight.dtype, x.bias is None) for x in layers}
+                if len(kinds) == 1:
+                    FusedProjections(layers, pack_after)
+                    groups += 1
+    return groups
+
+
 def optimize_for_cpu_inference(
     model: torch.nn.Module, min_weights: int | None = None, pack_after: int = PACK_AFTER_CALLS
 ) -> dict[str, int]:
@@ -105,11 +206,13 @@ def optimize_for_cpu_inference(
     `PackedLinear` layers (of at least ``min_weights`` weights, None: `PACK_MIN_WEIGHTS` for
     their dtype; packed after ``pack_after`` forwards) and `CPU_SDPA` attention, decoding by
     matmuls where they win (see module docstring). Returns what it changed
-    (``packed_linear_layers``, ``cpu_sdpa``, ``decode_attention_by_matmul``), and logs it."""
+    (``packed_linear_layers``, ``fused_projections``, ``cpu_sdpa``,
+    ``decode_attention_by_matmul``), and logs it."""
     packed = pack_linear_layers(model, min_weights, pack_after)
     attention = use_cpu_sdpa(model)
     done = {
         "packed_linear_layers": packed,
+        "fused_projections": fuse_sibling_layers(model, pack_after) if packed else 0,
         "cpu_sdpa": int(attention is not None),
         "decode_attention_by_matmul": int(attention == CPU_SDPA_DECODE_MATMUL),
     }
