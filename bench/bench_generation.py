@@ -134,8 +134,9 @@ def matmul_peak(dtype: torch.dtype, n: int = 1024, repeats: int = 7) -> float:
 def time_linears(model: torch.nn.Module, rows: int, repeats: int = 5) -> dict[str, float]:
     """The model's linear layers alone at a decode step's shape: every `nn.Linear` and
     `PackedLinear` in module order, each on ``rows`` rows, back to back (so their weights
-    stream from memory as in a step); the median seconds of ``repeats`` passes, and the
-    FLOPs of one pass."""
+    stream from memory as in a step; layers of one input width share one input tensor, so
+    fused siblings run as one product, as in the engine); the median seconds of ``repeats``
+    passes, and the FLOPs of one pass."""
     from tempering.models.generation.cpu_inference import PackedLinear
 
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear | PackedLinear)]
