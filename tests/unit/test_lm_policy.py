@@ -136,9 +136,9 @@ def test_streamed_refit_sends_layer_aligned_buckets_in_the_engine_dtype(policy) 
     """`stream_weights` from 2 FSDP2 ranks into 2 sink workers: with a bucket limit of one
     decoder layer's size every layer is its own bucket, no layer is split, the tied lm_head is
     sent too (vLLM on CPU keeps a repacked copy of it), the bytes are the engine dtype's, and the received tensors
-    equal the policy's full weights."""
+    equal the policy's full weights (bf16 as `cast_for_sampling` rounds them)."""
     from tempering.distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup
-    from tempering.models.generation.refit import stream_weights
+    from tempering.models.generation.refit import cast_for_sampling, stream_weights
 
     full = {k: v.clone() for k, v in policy.refit.state_dict().items()}
     assert "lm_head.weight" in full  # tied: the state dict names it twice
@@ -167,7 +167,8 @@ def test_streamed_refit_sends_layer_aligned_buckets_in_the_engine_dtype(policy) 
             for name in names:
                 tensor = next(b[name] for b in buckets if name in b)
                 assert tensor.dtype == want_dtype, name
-                torch.testing.assert_close(tensor, full[name].to(want_dtype), atol=0, rtol=0)
+                want = cast_for_sampling(full[name], want_dtype, name)
+                torch.testing.assert_close(tensor, want, atol=0, rtol=0)
     finally:
         sinks.shutdown()
         sink_cluster.shutdown()

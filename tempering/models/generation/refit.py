@@ -15,9 +15,37 @@ rank 0 and put at once -- held a full fp32 copy in rank 0 and in the object stor
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
+import torch
+
 DEFAULT_BUCKET_MB = 512
+
+
+def cast_for_sampling(t: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
+    """``t`` in a sampler's ``dtype``. fp32 -> bf16 rounds stochastically with a draw fixed per
+    element (seeded by ``name``), not to nearest: E[cast] = t, values already on the bf16 grid
+    stay exact, and the same weights always give the same bf16 copy.
+
+    Why not round to nearest: a checkpoint whose fp32 weights sit exactly halfway between two
+    bf16 values (8% of SmolLM2's, dequantized from GGUF) rounds each tie one way; the first
+    optimizer step moves every weight by ~lr in its gradient's direction, and each tie then
+    rounds the other way wherever the step points there -- half a bf16 step (~1e-4) on 8% of
+    the weights, all along the gradient: the bf16 sampler ran far ahead of the fp32 trainer
+    (SmolLM2 GRPO, lr 1e-6: token_mult_prob_error 1.03 before the first update, 1.16-1.28
+    after; lr 1e-8 alike). A fixed draw spreads each element's rounding threshold over the
+    whole bf16 step, so a small update flips a fraction ~update/step of the weights, the
+    expected move equals the update, and the copy tracks the trainer as an fp32 one would.
+    Other dtype pairs are cast as torch does."""
+    if t.dtype != torch.float32 or dtype != torch.bfloat16:
+        return t.to(dtype)
+    draw = torch.Generator(device=t.device).manual_seed(zlib.crc32(name.encode()))
+    low = torch.randint(0, 1 << 16, t.shape, generator=draw, dtype=torch.int32, device=t.device)
+    bits = t.detach().contiguous().view(torch.int32)
+    # the low 16 bits are bf16's rounding remainder: adding a uniform draw carries into the
+    # kept bits with probability remainder / 2^16 (sign-magnitude: the magnitude rounds)
+    return ((bits + low) & -(1 << 16)).view(torch.float32).to(torch.bfloat16)
 
 
 def stream_weights(

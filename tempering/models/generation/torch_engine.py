@@ -40,6 +40,7 @@ from tempering.models.generation.interfaces import (
     check_input_lengths,
     sampling_config,
 )
+from tempering.models.generation.refit import cast_for_sampling
 from tempering.utils import threads
 
 # A byte-level token carries at least one byte and a character at most 4, so a stop string of
@@ -107,7 +108,8 @@ class TorchGenerationEngine:
     def update_weights(self, weights: Mapping[str, Any]) -> None:
         """Copy tensors into the model's parameters/buffers in place, by state-dict name.
 
-        A partial state dict updates only the named tensors (tied weights share storage).
+        A partial state dict updates only the named tensors (tied weights share storage);
+        fp32 values into a bf16 copy round as `refit.cast_for_sampling` does (unbiased).
         """
         targets = self.model.state_dict(keep_vars=True)
         unknown = sorted(set(weights) - set(targets))
@@ -125,6 +127,8 @@ class TorchGenerationEngine:
                         f"update_weights: {name} has shape {tuple(value.shape)}, the model's "
                         f"has {tuple(target.shape)}; the policy and generator models differ."
                     )
+                if target.dtype != value.dtype and target.is_floating_point():
+                    value = cast_for_sampling(value, target.dtype, name)  # unbiased to bf16
                 target.copy_(value)
 
     # ---- in-flight weight updates ----------------------------------------------------------

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from tempering.models.generation.refit import cast_for_sampling
 from tempering.models.policy.model_setup import PolicyState, full_tensor
 
 
@@ -38,7 +39,7 @@ class WeightStreamer:
         sd = full_state_dict(self.state.model)
         if self.state.topo.rank != 0:
             return None
-        return {k: _in_dtype(v, dtype) for k, v in self.state.hf_weights(sd).items()}
+        return {k: _in_dtype(v, dtype, k) for k, v in self.state.hf_weights(sd).items()}
 
     def buckets(self, bucket_bytes: int) -> list[list[str]]:
         """State-dict names in buckets of at most ``bucket_bytes`` (fp32 size), cut only
@@ -72,7 +73,7 @@ class WeightStreamer:
             return None
         import ray
 
-        out = {k: _in_dtype(v, dtype) for k, v in self.state.hf_weights(out).items()}
+        out = {k: _in_dtype(v, dtype, k) for k, v in self.state.hf_weights(out).items()}
         return ray.put(out), sum(t.numel() * t.element_size() for t in out.values())
 
     def adapter(self) -> tuple[Any, int] | None:
@@ -95,9 +96,12 @@ class WeightStreamer:
         return ray.put(payload), sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def _in_dtype(t: torch.Tensor, dtype: str | None) -> torch.Tensor:
-    """``t`` cast to ``dtype`` (a torch dtype name) if it is floating point; None keeps it."""
-    return t.to(getattr(torch, dtype)) if dtype and t.is_floating_point() else t
+def _in_dtype(t: torch.Tensor, dtype: str | None, name: str) -> torch.Tensor:
+    """Weight ``name`` cast to ``dtype`` (a torch dtype name) if it is floating point, as
+    `cast_for_sampling` rounds for a sampler; None keeps it."""
+    if not dtype or not t.is_floating_point():
+        return t
+    return cast_for_sampling(t, getattr(torch, dtype), name)
 
 
 def _layer_of(name: str) -> str:
