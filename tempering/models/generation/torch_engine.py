@@ -119,9 +119,14 @@ class TorchGenerationEngine:
                 f"{unknown[:3]}; expected names like {list(targets)[:3]}. Send the policy's "
                 "full (unsharded) state dict with HF parameter names."
             )
+        copied: dict[int, tuple] = {}  # a target's id -> where the value copied into it lives
         with torch.no_grad():
             for name, value in weights.items():
                 target = targets[name]
+                source = (value.data_ptr(), value.dtype, tuple(value.stride()))
+                if copied.get(id(target)) == source:  # a tied weight's second name: done
+                    continue
+                copied[id(target)] = source
                 if tuple(target.shape) != tuple(value.shape):
                     raise ValueError(
                         f"update_weights: {name} has shape {tuple(value.shape)}, the model's "
