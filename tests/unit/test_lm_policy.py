@@ -135,8 +135,10 @@ def test_train_rejects_partial_global_batch(policy) -> None:
 def test_streamed_refit_sends_layer_aligned_buckets_in_the_engine_dtype(policy) -> None:
     """`stream_weights` from 2 FSDP2 ranks into 2 sink workers: with a bucket limit of one
     decoder layer's size every layer is its own bucket, no layer is split, the tied lm_head is
-    sent too (vLLM on CPU keeps a repacked copy of it), the bytes are the engine dtype's, and the received tensors
-    equal the policy's full weights (bf16 as `cast_for_sampling` rounds them)."""
+    sent too (vLLM on CPU keeps a repacked copy of it) as the very bf16 copy of the embedding
+    (one draw for both names, whichever an engine keeps), the bytes are the engine dtype's, and
+    the received tensors equal the policy's full weights (bf16 as `cast_for_sampling` rounds
+    them)."""
     from tempering.distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup
     from tempering.models.generation.refit import cast_for_sampling, stream_weights
 
@@ -164,11 +166,16 @@ def test_streamed_refit_sends_layer_aligned_buckets_in_the_engine_dtype(policy) 
             assert [len(s) for s in layers_per_bucket if s] == [1, 1], layers_per_bucket
             assert moved == sum(full[n].numel() * nbytes for n in names)
             want_dtype = torch.bfloat16 if dtype else torch.float32
+            first = {"lm_head.weight": "model.embed_tokens.weight"}
             for name in names:
                 tensor = next(b[name] for b in buckets if name in b)
                 assert tensor.dtype == want_dtype, name
-                want = cast_for_sampling(full[name], want_dtype, name)
+                want = cast_for_sampling(full[name], want_dtype, first.get(name, name))
                 torch.testing.assert_close(tensor, want, atol=0, rtol=0)
+            tied = [
+                next(b[n] for b in buckets if n in b) for n in ("lm_head.weight", *first.values())
+            ]
+            assert torch.equal(*tied)  # in bf16 too: drawn under one name
     finally:
         sinks.shutdown()
         sink_cluster.shutdown()

@@ -33,13 +33,14 @@ class WeightStreamer:
 
     def __init__(self, state: PolicyState) -> None:
         self.state = state
+        self.tied = tied_names(state.model)  # the module tree's, so every rank agrees
 
     def state_dict(self, dtype: str | None = None) -> dict[str, torch.Tensor] | None:
         """Full CPU tensors by HF name on rank 0 (None elsewhere), optionally cast to `dtype`."""
         sd = full_state_dict(self.state.model)
         if self.state.topo.rank != 0:
             return None
-        return {k: _in_dtype(v, dtype, k) for k, v in self.state.hf_weights(sd).items()}
+        return self._cast(self.state.hf_weights(sd), dtype)
 
     def buckets(self, bucket_bytes: int) -> list[list[str]]:
         """State-dict names in buckets of at most ``bucket_bytes`` (fp32 size), cut only
@@ -66,6 +67,8 @@ class WeightStreamer:
         state, rank = self.state.model.state_dict(), self.state.topo.rank
         out: dict[str, torch.Tensor] = {}
         for name in names:
+            if self.tied.get(name) in names:  # a tied weight's second name: gathered once
+                continue
             full = full_tensor(state[name])  # every rank joins each all-gather, in the same order
             if rank == 0:
                 out[name] = full.detach().to("cpu", copy=True)
@@ -73,8 +76,10 @@ class WeightStreamer:
             return None
         import ray
 
-        out = {k: _in_dtype(v, dtype, k) for k, v in self.state.hf_weights(out).items()}
-        return ray.put(out), sum(t.numel() * t.element_size() for t in out.values())
+        out = self._cast(self.state.hf_weights(out), dtype)
+        out.update({n: out[self.tied[n]] for n in names if self.tied.get(n) in out})
+        unique = {t.data_ptr(): t.numel() * t.element_size() for t in out.values()}
+        return ray.put(out), sum(unique.values())  # a tensor named twice is pickled once
 
     def adapter(self) -> tuple[Any, int] | None:
         """The LoRA adapters alone for an engine's adapter refit (collective): rank 0 puts
@@ -94,6 +99,30 @@ class WeightStreamer:
         tensors = adapter_state(gathered)
         payload = {"tensors": tensors, "config": lora.peft_config(self.state.source.model_path)}
         return ray.put(payload), sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def _cast(self, weights: dict[str, torch.Tensor], dtype: str | None) -> dict[str, torch.Tensor]:
+        """``weights`` in ``dtype``; a tied weight's second name is drawn for under its first
+        (one bf16 copy of a tied embedding, whichever name an engine keeps), cast once when
+        both are here."""
+        out: dict[str, torch.Tensor] = {}
+        for name, t in weights.items():
+            first = self.tied.get(name, name)
+            same = first in out and weights[first].data_ptr() == t.data_ptr()
+            out[name] = out[first] if same else _in_dtype(t, dtype, first)
+        return out
+
+
+def tied_names(model: torch.nn.Module) -> dict[str, str]:
+    """``{later name: first name}`` for parameters the module tree holds under two names (a
+    tied lm_head -> embed_tokens)."""
+    first: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        first.setdefault(id(param), name)
+    return {
+        name: first[id(param)]
+        for name, param in model.named_parameters(remove_duplicate=False)
+        if first[id(param)] != name
+    }
 
 
 def _in_dtype(t: torch.Tensor, dtype: str | None, name: str) -> torch.Tensor:
