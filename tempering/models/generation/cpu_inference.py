@@ -61,7 +61,9 @@ class PackedLinear(torch.nn.Module):
     (see `PACK_AFTER_CALLS`): the layer runs `F.linear` until the weight has served
     ``pack_after`` forwards unchanged, then packs; a weight replaced or changed in place (its
     version counter moves) drops the packed copy and counts again, so it never computes with
-    stale weights. With autograd recording (training) it is plain `F.linear`."""
+    stale weights. With autograd recording (training) it is plain `F.linear`. The packing
+    lives in ``fusion``: a `FusedProjections` of this layer alone, or of it and the siblings
+    that multiply the same input."""
 
     def __init__(self, linear: torch.nn.Linear, pack_after: int = PACK_AFTER_CALLS) -> None:
         super().__init__()
@@ -69,36 +71,19 @@ class PackedLinear(torch.nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         self.pack_after = pack_after
-        self._packed: torch.Tensor | None = None
-        self._stamp: tuple[int, int] | None = None  # (id, version) of the weight counted
-        self._calls = 0  # forwards with that weight
-        self.fusion: FusedProjections | None = None  # set by FusedProjections
-        self.fusion_index = 0
+        self.fusion = FusedProjections([self], pack_after)
 
     @property
     def is_packed(self) -> bool:
         """Whether the next forward computes from the packed copy (the weight unchanged)."""
-        if self.fusion is not None:
-            return self.fusion.is_packed
-        return self._packed is not None and self._stamp == (id(self.weight), self.weight._version)
+        return self.fusion.is_packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if (torch.is_grad_enabled() and w.requires_grad) or x.dtype != w.dtype:
             return torch.nn.functional.linear(x, w, self.bias)
-        if self.fusion is not None:
-            out = self.fusion.forward(self, x)
-            return torch.nn.functional.linear(x, w, self.bias) if out is None else out
-        stamp = (id(w), w._version)
-        if self._stamp != stamp:  # new weights: drop the old copy, count again
-            self._packed, self._stamp, self._calls = None, stamp, 0
-        if self._packed is None:
-            self._calls += 1
-            if self._calls <= self.pack_after:
-                return torch.nn.functional.linear(x, w, self.bias)
-            with torch.inference_mode(False), torch.no_grad():  # a normal tensor, reusable
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach())
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        out = self.fusion.forward(self, x)
+        return torch.nn.functional.linear(x, w, self.bias) if out is None else out
 
     def extra_repr(self) -> str:
         return (
@@ -113,16 +98,16 @@ FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 class FusedProjections:
-    """Sibling `PackedLinear` layers that multiply the same input -- an attention's query, key
-    and value projections, an MLP's gate and up -- packed as one matrix. The first layer's call
-    computes every member's output in one oneDNN product and keeps the others' parts for their
-    calls on that same input (same tensor, unchanged): a decode step's seven small products a
-    layer become four (SmolLM2 at the GRPO shape on the Zen 4 EPYC, 4 interleaved calls each:
-    fp32 5% faster, bf16 7%). A member called on any other input computes alone, so each layer
-    stays its own function of its own weight whatever the call order. Packing follows
-    `PackedLinear`'s rule over the members' weights together: after ``pack_after`` lead calls
-    with all of them unchanged (each layer runs F.linear until then), and a refit of any member
-    drops the packed matrix and the kept parts."""
+    """`PackedLinear` layers packed as one matrix: a layer alone, or siblings that multiply the
+    same input -- an attention's query, key and value projections, an MLP's gate and up. The
+    first layer's call computes every member's output in one oneDNN product and keeps the
+    others' parts for their calls on that same input (same tensor, unchanged): a decode step's
+    seven small products a layer become four (SmolLM2 at the GRPO shape on the Zen 4 EPYC, 4
+    interleaved calls each: fp32 5% faster, bf16 7%). A member called on any other input
+    computes alone, so each layer stays its own function of its own weight whatever the call
+    order. Rent before buying: each layer runs F.linear until the lead has served
+    ``pack_after`` calls with every member's weights unchanged, then the matrix is packed; a
+    refit of any member drops it and the kept parts, and the count starts again."""
 
     def __init__(self, layers: list[PackedLinear], pack_after: int = PACK_AFTER_CALLS) -> None:
         self.layers = layers
@@ -130,8 +115,8 @@ class FusedProjections:
         self.pack_after = pack_after
         self._packed: torch.Tensor | None = None
         self._bias: torch.Tensor | None = None
-        self._stamp: tuple = ()
-        self._calls = 0
+        self._stamp: tuple = ()  # (id, version) of every member's weight and bias counted
+        self._calls = 0  # lead calls with those weights
         self._input: tuple[torch.Tensor, int] | None = None  # what the kept parts came from
         self._parts: list[torch.Tensor] = []
         self.shared = 0  # member calls served from the lead's product (what tests count)
@@ -151,7 +136,7 @@ class FusedProjections:
         return self._packed is not None and self._stamp == self._weights()
 
     def forward(self, layer: PackedLinear, x: torch.Tensor) -> torch.Tensor | None:
-        """``layer``'s output on ``x`` from the fused product, or None: compute it alone."""
+        """``layer``'s output on ``x`` from the packed product, or None: compute it alone."""
         stamp = self._weights()
         if stamp != self._stamp:  # new weights: drop the packed matrix and the kept parts
             self._packed, self._input, self._parts = None, None, []
@@ -166,16 +151,22 @@ class FusedProjections:
             self._calls += 1
             if self._calls <= self.pack_after:
                 return None
-            weights = [m.weight.detach() for m in self.layers]
-            biases = [m.bias for m in self.layers]
-            with torch.inference_mode(False), torch.no_grad():
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights))
-                self._bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+            self._pack()
         out = torch.ops.mkldnn._linear_pointwise(x, self._packed, self._bias, "none", [], "")
+        if len(self.layers) == 1:
+            return out
         # contiguous parts: a model may view a projection's output in any way it could before
         self._parts = [part.contiguous() for part in out.split(self.sizes, dim=-1)]
         self._input = (x, _version(x))
         return self._parts[0]
+
+    def _pack(self) -> None:
+        weights = [m.weight.detach() for m in self.layers]
+        biases = [m.bias for m in self.layers]
+        with torch.inference_mode(False), torch.no_grad():  # normal tensors, reusable
+            one = weights[0] if len(weights) == 1 else torch.cat(weights)
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(one)
+            self._bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
 
 
 def _version(x: torch.Tensor) -> int:
@@ -191,7 +182,8 @@ def fuse_sibling_layers(model: torch.nn.Module, pack_after: int = PACK_AFTER_CAL
     for module in model.modules():
         for names in FUSED_SIBLINGS:
             layers = [getattr(module, name, None) for name in names]
-            if all(type(layer) is PackedLinear and layer.fusion is None for layer in layers):
+            alone = [type(x) is PackedLinear and len(x.fusion.layers) == 1 for x in layers]
+            if all(alone):
                 kinds = {(x.in_features, x.weight.dtype, x.bias is None) for x in layers}
                 if len(kinds) == 1:
                     FusedProjections(layers, pack_after)
