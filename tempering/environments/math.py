@@ -9,7 +9,8 @@ ourselves: a `VerifierPool` of ``num_workers`` worker processes, each sample sen
 worker with a deadline. A worker that misses the deadline is killed and replaced; the sample
 scores 0 and is counted (``env/math_timeouts``). Unparseable answers score 0 and are counted
 (``env/math_parse_failures``), as are verifier exceptions (``env/math_errors``). Nothing here
-crashes the training step.
+crashes the training step. An answer must be a value: a computation on numerals left undone
+(``4 - 5 + 3``, which math-verify evaluates) is not one (`math_verify_score`).
 
 The workers are confined (`sandbox.py`: limits, no network, an empty environment, no file
 reads outside Python's own folders) and untrusted: a worker's reply crosses back as a JSON
@@ -34,6 +35,7 @@ import json
 import logging
 import math
 import multiprocessing as mp
+import re
 import resource
 import time
 from collections import deque
@@ -81,15 +83,50 @@ def math_verify_score(response: str, ground_truth: str) -> tuple[float, str | No
     math-verify's default extraction (``\\boxed{}`` preferred, then LaTeX/expressions).
     Returns ``(1.0 or 0.0, extracted answer)``, or ``(0.0, None)`` when the response has no
     parseable answer. No internal timeouts: run it under `VerifierPool` for a time limit.
+
+    An answer is a value, not a computation on numerals left undone: math-verify evaluates
+    what it extracts, and from "the final answer is 4 - 5 + 3 - 4 + 9 = 4" it takes the
+    problem restated (``4 - 5 + 3 - 4 + 9``, 7) -- SmolLM2 trained on reasoning-gym's chain
+    sums learned within 16 GRPO steps to restate each problem so and scored 100% held out
+    while every stated result was wrong. Such an extraction counts by what the response says
+    it equals (``= 4``: scored as 4), and with no value stated the response has no answer
+    (unparseable). A single fraction (``3/4``) and anything with a symbol stay answers.
     """
     gold = parse("\\boxed{" + str(ground_truth) + "}", parsing_timeout=None)
     if not gold:
         raise ValueError(f"math-verify cannot parse the ground truth {ground_truth!r}.")
     pred = parse(response, parsing_timeout=None)
-    if not pred:
+    for _ in range(4):  # "= 2 + 3 = 5" chains: follow each stated value
+        if not pred or not _unevaluated(str(pred[-1])):
+            break
+        pred = _stated_value(response, str(pred[-1]))
+    if not pred or _unevaluated(str(pred[-1])):
         return 0.0, None
     correct = verify(gold, pred, timeout_seconds=None)
     return (1.0 if correct else 0.0), str(pred[-1])  # parse() gives [sympy value, its text]
+
+
+# a computation on numerals left undone: two or more numbers joined by operators ("4 - 5 + 3",
+# "2*3", "(7)+(-2)", "6 \\times 7"), except one fraction of two integers ("3/4", an answer)
+_NUMBER = r"\(?[-+]?\d+(?:[.,]\d+)*\)?"
+_OPERATOR = r"(?:[-+*/^×÷·]|\\times|\\cdot|\\div)"
+_COMPUTATION = re.compile(rf"[-+]?{_NUMBER}(?:{_OPERATOR}{_NUMBER})+")
+_FRACTION = re.compile(r"[-+]?\d+/\d+")
+
+
+def _unevaluated(text: str) -> bool:
+    compact = re.sub(r"\s+", "", text).rstrip(".,;:!")  # "= 4 - 5 + 3." ends a sentence
+    return bool(_COMPUTATION.fullmatch(compact)) and not _FRACTION.fullmatch(compact)
+
+
+def _stated_value(response: str, expression: str) -> list:
+    """math-verify's parse of what ``response`` says ``expression`` equals (the rest of the line
+    after its last ``expression =``), [] where it says nothing."""
+    at = response.rfind(expression)
+    if at < 0:
+        return []
+    stated = re.match(r"\s*=\s*([^\n]+)", response[at + len(expression) :])
+    return parse(stated.group(1), parsing_timeout=None) if stated else []
 
 
 class VerifyOutcome(NamedTuple):

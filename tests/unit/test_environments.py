@@ -81,6 +81,23 @@ def test_math_verify_score_equivalent_forms():
     assert math_verify_score("I do not know", "2") == (0.0, None)
 
 
+def test_math_verify_score_wants_a_value_not_the_problem_restated():
+    """math-verify evaluates the expression it extracts: "the final answer is 4 - 5 + 3 - 4 + 9
+    = 4" read as the restated problem (7) and scored 1 -- what a GRPO run on chain sums learned
+    to write. A computation left undone counts by the value the response gives it, or not at
+    all; values, fractions and symbols stay answers."""
+    hack = "The final answer to this arithmetic problem is 4 - 5 + 3 - 4 + 9 = 4."
+    assert math_verify_score(hack, "7") == (0.0, "4")  # the stated result, which is wrong
+    assert math_verify_score(hack.replace("= 4", "= 7"), "7") == (1.0, "7")
+    assert math_verify_score("The final answer is 4 - 5 + 3 = 2 + 0 = 2", "2") == (1.0, "2")
+    for undone in ("The final answer is 4 - 5 + 3 - 4 + 9.", "x = 4 - 5 + 3 - 4 + 9"):
+        assert math_verify_score(undone, "7") == (0.0, None), undone  # no value: no answer
+    assert math_verify_score("\\boxed{6 \\times 7}", "42") == (0.0, None)
+    assert math_verify_score("\\boxed{3/4}", "0.75")[0] == 1.0  # a fraction is a value
+    assert math_verify_score("the answer is -100", "-100")[0] == 1.0
+    assert math_verify_score("7353 - 2157 - 4908 - 5623 + 5235 = -100", "-100")[0] == 1.0
+
+
 def test_math_env_scores_right_wrong_unparseable(math_env):
     math_env.global_post_process_and_metrics({})  # reset counters
     cases = [
