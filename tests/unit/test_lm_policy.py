@@ -176,6 +176,12 @@ def test_streamed_refit_sends_layer_aligned_buckets_in_the_engine_dtype(policy) 
                 next(b[n] for b in buckets if n in b) for n in ("lm_head.weight", *first.values())
             ]
             assert torch.equal(*tied)  # in bf16 too: drawn under one name
+        # one bucket for everything: the tied pair is gathered and cast once, sent once
+        moved = stream_weights(policy, sinks, "bfloat16", bucket_mb=4 * layer_mb * len(full))
+        (one,) = sinks.get_all_worker_results(sinks.run_all_workers_single_data("received"))[0]
+        assert sorted(one) == sorted(full)
+        assert torch.equal(one["lm_head.weight"], one["model.embed_tokens.weight"])
+        assert moved == sum(full[n].numel() * 2 for n in full if n not in first)
     finally:
         sinks.shutdown()
         sink_cluster.shutdown()

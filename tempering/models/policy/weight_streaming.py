@@ -77,7 +77,7 @@ class WeightStreamer:
         import ray
 
         out = self._cast(self.state.hf_weights(out), dtype)
-        out.update({n: out[self.tied[n]] for n in names if self.tied.get(n) in out})
+        out.update({n: out[self.tied[n]] for n in names if self.tied.get(n) in names})
         unique = {t.data_ptr(): t.numel() * t.element_size() for t in out.values()}
         return ray.put(out), sum(unique.values())  # a tensor named twice is pickled once
 
@@ -116,13 +116,11 @@ def tied_names(model: torch.nn.Module) -> dict[str, str]:
     """``{later name: first name}`` for parameters the module tree holds under two names (a
     tied lm_head -> embed_tokens)."""
     first: dict[int, str] = {}
+    tied: dict[str, str] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        first.setdefault(id(param), name)
-    return {
-        name: first[id(param)]
-        for name, param in model.named_parameters(remove_duplicate=False)
-        if first[id(param)] != name
-    }
+        if first.setdefault(id(param), name) != name:
+            tied[name] = first[id(param)]
+    return tied
 
 
 def _in_dtype(t: torch.Tensor, dtype: str | None, name: str) -> torch.Tensor:
