@@ -3,6 +3,7 @@ at the same number of steps, over several seeds.
 
     uv run bench/bench_accuracy.py --variants async          [--seeds 42 1 2] [--steps 600]
     uv run bench/bench_accuracy.py --variants bf16 bf16-raw  # sampling precision
+    uv run bench/bench_accuracy.py --scale smollm2 --variants bf16   # [--steps 24]
 
 Variants (each beside ``fp32``, the default job: examples/configs/grpo_math_tiny.yaml,
 colocated torch engine sampling in float32):
@@ -21,12 +22,20 @@ sampler/trainer mismatch (``train/token_mult_prob_error``, last 100 steps) and g
 (generated tokens per second of ``timing/generation_s``); then per variant the mean gain and
 its difference to fp32's, and the generation speed ratio. A benchmark prints figures; it never
 passes or fails.
+
+``--scale smollm2``: examples/configs/grpo_math_smollm2.yaml (SmolLM2-135M, 4 prompts x 4,
+temperature 0.7) at lr 1e-5 on problems SmolLM2 can partly do: single-digit addition and
+subtraction in the GSM8K prompt ("What is 7 - 9?"), 108 of the 162 pairs to train on and the
+other 54 held out (`single_digit_problems`), scored by math-verify; its own GSM8K validation
+starts at 0% on CPU, where no learning can be read. The judge is ``tempering eval --task
+problems`` of each final model on the 54 (float32, greedy, the chat template, 128 tokens).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import re
 import statistics
 import subprocess
@@ -48,7 +57,19 @@ VARIANTS = {
     "bf16": (BF16, *TIS),
     "bf16-raw": (BF16,),
 }
-ROWS_PER_STEP = 32 * 8  # the default job's prompts x samples
+# per scale: the job's arguments, steps, rows a step (prompts x samples) and what judges it
+SCALES = {
+    "tiny": {"args": (), "steps": 600, "rows": 32 * 8, "baseline": "tiny-arith"},
+    "smollm2": {
+        "args": (
+            "--config", "examples/configs/grpo_math_smollm2.yaml", "data.dataset_name=problems",
+            "data.reasoning_gym_tasks=[]", "policy.optimizer.kwargs.lr=1.0e-5",
+            "grpo.val_period=8", "grpo.max_val_samples=54", "grpo.val_batch_size=54",
+            "data.num_val_samples=54",
+        ),
+        "steps": 24, "rows": 4 * 4, "baseline": "smollm2-135m-instruct",
+    },
+}  # fmt: skip
 SUMMARY = re.compile(r"held-out greedy accuracy ([\d.]+)% -> ([\d.]+)%")
 EVAL = re.compile(r"model +\S+: accuracy ([\d.]+)%")
 BASELINE = re.compile(r"baseline +\S+: accuracy ([\d.]+)%")
@@ -59,11 +80,37 @@ def _check(proc: subprocess.CompletedProcess, what: str) -> None:
         raise SystemExit(f"{what} failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
 
 
-def run(variant: str, seed: int, steps: int, out: Path) -> dict[str, float]:
-    """One run of the main job, then `tempering eval` of its final model."""
-    name = f"{variant}-{seed}"
+def single_digit_problems(folder: Path) -> tuple[Path, Path]:
+    """train.jsonl and val.jsonl in ``folder``: "What is a + b?" / "a - b" for a, b in 1..9 in
+    the GSM8K prompt, shuffled (seed 0); 54 of the 162 held out, the other 108 to train on."""
+    from tempering.data.gsm8k import gsm8k_user_prompt
+
+    pairs = [(a, op, b) for a in range(1, 10) for b in range(1, 10) for op in "+-"]
+    random.Random(0).shuffle(pairs)
+    paths = folder / "train.jsonl", folder / "val.jsonl"
+    for path, part in zip(paths, (pairs[54:], pairs[:54]), strict=True):
+        rows = [
+            {"problem": gsm8k_user_prompt(f"What is {a} {op} {b}?"),
+             "expected_answer": str(a + b if op == "+" else a - b)}
+            for a, op, b in part
+        ]  # fmt: skip
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return paths
+
+
+def run(variant: str, seed: int, steps: int, out: Path, scale: str) -> dict[str, float]:
+    """One run of the job at ``scale``, then `tempering eval` of its final model."""
+    name, spec = f"{variant}-{seed}", SCALES[scale]
+    data: list[str] = []
+    judge = ["--task", "arithmetic"]
+    if scale == "smollm2":
+        train, val = single_digit_problems(out)
+        data = [f"data.train_data_path={train}", f"data.val_data_path={val}"]
+        judge = ["--task", "problems", "--data", str(val), "--samples", "54",
+                 "--chat-template", "--max-new-tokens", "128"]  # fmt: skip
     cmd = [
-        sys.executable, str(REPO / "examples/run_grpo_math.py"), *VARIANTS[variant],
+        sys.executable, str(REPO / "examples/run_grpo_math.py"), *spec["args"], *data,
+        *VARIANTS[variant],
         f"grpo.seed={seed}", f"grpo.max_num_steps={steps}", "grpo.max_wall_time_s=null",
         "checkpointing.enabled=false", f"checkpointing.checkpoint_dir={out}/{name}",
         "logger.tensorboard_enabled=false", f"logger.log_dir={out}/{name}",
@@ -78,11 +125,11 @@ def run(variant: str, seed: int, steps: int, out: Path) -> dict[str, float]:
     rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "timing/generation_s" in r]
     gen_s = sum(r["timing/generation_s"] for r in train)
-    tokens = sum(r["train/gen_length_mean"] * ROWS_PER_STEP for r in train)
+    tokens = sum(r["train/gen_length_mean"] * spec["rows"] for r in train)
     mismatch = [r["train/token_mult_prob_error"] for r in train[-100:]]
     judged = subprocess.run(
         [sys.executable, "-m", "tempering.cli", "eval", str(out / name / "final_hf"),
-         "--baseline", "tiny-arith", "--task", "arithmetic", "--report", str(out / f"{name}.json")],
+         "--baseline", spec["baseline"], *judge, "--report", str(out / f"{name}.json")],
         cwd=REPO, capture_output=True, text=True,
     )  # fmt: skip
     _check(judged, f"tempering eval of {name}")
@@ -101,14 +148,16 @@ def main() -> None:
     p.add_argument("--variants", nargs="+", choices=sorted(set(VARIANTS) - {"fp32"}),
                    default=["async"])  # fmt: skip
     p.add_argument("--seeds", type=int, nargs="+", default=[42, 1, 2])
-    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--steps", type=int, default=None, help="default: 600 tiny, 24 smollm2")
+    p.add_argument("--scale", choices=sorted(SCALES), default="tiny")
     args = p.parse_args()
+    steps = args.steps or SCALES[args.scale]["steps"]
     names = ["fp32", *args.variants]
     results: dict[str, list[dict[str, float]]] = {v: [] for v in names}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
             for variant in names:
-                r = run(variant, seed, args.steps, Path(tmp))
+                r = run(variant, seed, steps, Path(tmp), args.scale)
                 results[variant].append(r)
                 print(f"{variant:8s} seed {seed:3d}: eval {r['start']:.1f}% -> {r['eval']:.1f}% "
                       f"({r['eval'] - r['start']:+.1f} points; own validation {r['own_val']:.1f}%) "
