@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import re
 import statistics
 import subprocess
@@ -80,30 +79,14 @@ def _check(proc: subprocess.CompletedProcess, what: str) -> None:
         raise SystemExit(f"{what} failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
 
 
-def single_digit_problems(folder: Path) -> tuple[Path, Path]:
-    """train.jsonl and val.jsonl in ``folder``: "What is a + b?" / "a - b" for a, b in 1..9 in
-    the GSM8K prompt, shuffled (seed 0); 54 of the 162 held out, the other 108 to train on."""
-    from tempering.data.gsm8k import gsm8k_user_prompt
-
-    pairs = [(a, op, b) for a in range(1, 10) for b in range(1, 10) for op in "+-"]
-    random.Random(0).shuffle(pairs)
-    paths = folder / "train.jsonl", folder / "val.jsonl"
-    for path, part in zip(paths, (pairs[54:], pairs[:54]), strict=True):
-        rows = [
-            {"problem": gsm8k_user_prompt(f"What is {a} {op} {b}?"),
-             "expected_answer": str(a + b if op == "+" else a - b)}
-            for a, op, b in part
-        ]  # fmt: skip
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return paths
-
-
 def run(variant: str, seed: int, steps: int, out: Path, scale: str) -> dict[str, float]:
     """One run of the job at ``scale``, then `tempering eval` of its final model."""
     name, spec = f"{variant}-{seed}", SCALES[scale]
     data: list[str] = []
     judge = ["--task", "arithmetic"]
     if scale == "smollm2":
+        from tempering.data.grpo_problems import single_digit_problems
+
         train, val = single_digit_problems(out)
         data = [f"data.train_data_path={train}", f"data.val_data_path={val}"]
         judge = ["--task", "problems", "--data", str(val), "--samples", "54",

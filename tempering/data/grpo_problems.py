@@ -4,7 +4,10 @@ or reasoning-gym generators; `data.prompt_file` and `data.system_prompt_file` ap
 
 from __future__ import annotations
 
+import json
+import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tempering.config.schemas import DataConfig
@@ -52,6 +55,27 @@ def reasoning_gym_problems(task: str, n: int, seed: int) -> list[Problem]:
         )
     rows = reasoning_gym.create_dataset(task, size=n, seed=seed)
     return [Problem(gsm8k_user_prompt(r["question"]), str(r["answer"]), "math") for r in rows]
+
+
+def single_digit_problems(folder: Path) -> tuple[Path, Path]:
+    """``folder/train.jsonl`` and ``folder/val.jsonl`` (``problem``/``expected_answer``) for
+    ``data.dataset_name=problems``: "What is a + b?" and "a - b" for a, b in 1..9 in the GSM8K
+    prompt, shuffled (seed 0), 54 of the 162 held out and the other 108 to train on. What
+    SmolLM2-135M can partly do (61% greedy held out), where its GSM8K and chain sums score ~0-5%
+    (bench_accuracy.py --scale smollm2, tests/functional/test_smollm2.py)."""
+    from tempering.data.gsm8k import gsm8k_user_prompt
+
+    pairs = [(a, op, b) for a in range(1, 10) for b in range(1, 10) for op in "+-"]
+    random.Random(0).shuffle(pairs)
+    paths = folder / "train.jsonl", folder / "val.jsonl"
+    for path, part in zip(paths, (pairs[54:], pairs[:54]), strict=True):
+        rows = [
+            {"problem": gsm8k_user_prompt(f"What is {a} {op} {b}?"),
+             "expected_answer": str(a + b if op == "+" else a - b)}
+            for a, op, b in part
+        ]  # fmt: skip
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return paths
 
 
 def _dataset_problems(

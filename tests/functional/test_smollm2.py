@@ -66,14 +66,19 @@ def test_smollm2_loads_offline_and_answers(monkeypatch):
 
 
 def test_smollm2_grpo_steps_earn_reward(ray_session, tmp_path):
-    """Two GRPO steps of the SmolLM2 config (GSM8K + reasoning-gym chain sums, math-verify
-    rewards, KL to the reference): some sampled answers are right (reward > 0, so the
-    environment really verifies), the loss is finite, and the policy moved."""
+    """Two GRPO steps of the SmolLM2 config (math-verify rewards, KL to the reference) on
+    single-digit sums it can partly do: some sampled answers are right (reward > 0, so the
+    environment really verifies), the loss is finite, and the policy moved. (On the config's
+    own GSM8K + chain sums SmolLM2 earns ~0 honestly: the reward this test once saw there was
+    math-verify crediting the problem restated, `math_verify_score`.)"""
     import math
     from pathlib import Path
 
     from tempering.algorithms import grpo
     from tempering.config import GRPOMasterConfig, load_config
+    from tempering.data.grpo_problems import single_digit_problems
+
+    train, val = single_digit_problems(tmp_path)
 
     repo = Path(__file__).parents[2]
     cfg, resolved = load_config(
@@ -84,6 +89,10 @@ def test_smollm2_grpo_steps_earn_reward(ray_session, tmp_path):
             "policy.train_global_batch_size=16",
             "policy.generation.max_new_tokens=64",
             "grpo.val_period=0",
+            "data.dataset_name=problems",
+            f"data.train_data_path={train}",
+            f"data.val_data_path={val}",
+            "data.reasoning_gym_tasks=[]",
             f"logger.log_dir={tmp_path}/logs",
             "logger.tensorboard_enabled=false",
             "checkpointing.enabled=false",
