@@ -43,6 +43,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from tempering.data.grpo_problems import SINGLE_DIGIT_HELD_OUT as HELD_OUT
+from tempering.data.grpo_problems import single_digit_problems
+
 REPO = Path(__file__).resolve().parents[1]
 BF16 = "policy.generation.precision=bfloat16"
 TIS = (
@@ -63,8 +66,8 @@ SCALES = {
         "args": (
             "--config", "examples/configs/grpo_math_smollm2.yaml", "data.dataset_name=problems",
             "data.reasoning_gym_tasks=[]", "policy.optimizer.kwargs.lr=1.0e-5",
-            "grpo.val_period=8", "grpo.max_val_samples=54", "grpo.val_batch_size=54",
-            "data.num_val_samples=54",
+            "grpo.val_period=8", f"grpo.max_val_samples={HELD_OUT}",
+            f"grpo.val_batch_size={HELD_OUT}", f"data.num_val_samples={HELD_OUT}",
         ),
         "steps": 24, "rows": 4 * 4, "baseline": "smollm2-135m-instruct",
     },
@@ -85,11 +88,9 @@ def run(variant: str, seed: int, steps: int, out: Path, scale: str) -> dict[str,
     data: list[str] = []
     judge = ["--task", "arithmetic"]
     if scale == "smollm2":
-        from tempering.data.grpo_problems import single_digit_problems
-
         train, val = single_digit_problems(out)
         data = [f"data.train_data_path={train}", f"data.val_data_path={val}"]
-        judge = ["--task", "problems", "--data", str(val), "--samples", "54",
+        judge = ["--task", "problems", "--data", str(val), "--samples", str(HELD_OUT),
                  "--chat-template", "--max-new-tokens", "128"]  # fmt: skip
     cmd = [
         sys.executable, str(REPO / "examples/run_grpo_math.py"), *spec["args"], *data,

@@ -57,6 +57,9 @@ def reasoning_gym_problems(task: str, n: int, seed: int) -> list[Problem]:
     return [Problem(gsm8k_user_prompt(r["question"]), str(r["answer"]), "math") for r in rows]
 
 
+SINGLE_DIGIT_HELD_OUT = 54  # of the 162 single-digit problems (`single_digit_problems`)
+
+
 def single_digit_problems(folder: Path) -> tuple[Path, Path]:
     """``folder/train.jsonl`` and ``folder/val.jsonl`` (``problem``/``expected_answer``) for
     ``data.dataset_name=problems``: "What is a + b?" and "a - b" for a, b in 1..9 in the GSM8K
@@ -68,7 +71,8 @@ def single_digit_problems(folder: Path) -> tuple[Path, Path]:
     pairs = [(a, op, b) for a in range(1, 10) for b in range(1, 10) for op in "+-"]
     random.Random(0).shuffle(pairs)
     paths = folder / "train.jsonl", folder / "val.jsonl"
-    for path, part in zip(paths, (pairs[54:], pairs[:54]), strict=True):
+    held_out = SINGLE_DIGIT_HELD_OUT
+    for path, part in zip(paths, (pairs[held_out:], pairs[:held_out]), strict=True):
         rows = [
             {"problem": gsm8k_user_prompt(f"What is {a} {op} {b}?"),
              "expected_answer": str(a + b if op == "+" else a - b)}
