@@ -67,6 +67,7 @@ def single_digit_problems(folder: Path) -> tuple[Path, Path]:
     SmolLM2-135M can partly do (61% greedy held out), where its GSM8K and chain sums score ~0-5%
     (bench_accuracy.py --scale smollm2, tests/functional/test_smollm2.py)."""
     from tempering.data.gsm8k import gsm8k_user_prompt
+    from tempering.utils.atomic import atomic_write_text
 
     pairs = [(a, op, b) for a in range(1, 10) for b in range(1, 10) for op in "+-"]
     random.Random(0).shuffle(pairs)
@@ -78,7 +79,7 @@ def single_digit_problems(folder: Path) -> tuple[Path, Path]:
              "expected_answer": str(a + b if op == "+" else a - b)}
             for a, op, b in part
         ]  # fmt: skip
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
     return paths
 
 
