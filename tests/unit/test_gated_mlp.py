@@ -84,3 +84,23 @@ def test_no_grad_takes_the_plain_path() -> None:
     with torch.no_grad():
         out = gated_product(gate.requires_grad_(), up, torch.nn.functional.silu)
     assert out.grad_fn is None and torch.equal(out, torch.nn.functional.silu(gate) * up)
+
+
+def test_a_gate_under_min_bytes_is_kept_by_plain_autograd() -> None:
+    gate = torch.randn(3, 4, requires_grad=True)  # 48 bytes
+    up = torch.randn(3, 4)
+    silu = torch.nn.functional.silu
+    lean, kept = gated_product(gate, up, silu, min_bytes=48), gated_product(gate, up, silu, 49)
+    assert type(lean.grad_fn).__name__ == "_GatedProductBackward"
+    assert type(kept.grad_fn).__name__ == "MulBackward0"
+    assert torch.equal(lean, kept)
+    # the model's rebinding reads the threshold it was installed with
+    plain = _model("llama3")
+    use_lean_gated_mlp(plain, min_bytes=1 << 40)
+    ids = torch.arange(3, 15).reshape(1, 12)
+    _, held = _saved_bytes(lambda: plain(input_ids=ids, labels=ids).loss)
+    lean_model = _model("llama3")
+    use_lean_gated_mlp(lean_model)
+    _, lean_held = _saved_bytes(lambda: lean_model(input_ids=ids, labels=ids).loss)
+    layers = plain.config.num_hidden_layers
+    assert held - lean_held == layers * ids.numel() * plain.config.intermediate_size * 4

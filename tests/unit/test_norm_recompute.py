@@ -100,3 +100,18 @@ def test_an_input_modified_in_place_is_named_not_recomputed_wrong() -> None:
     x.add_(1.0)
     with pytest.raises(RuntimeError, match="LayerNorm's input was modified in place"):
         y.sum().backward()
+
+
+def test_hidden_states_under_min_bytes_keep_their_norm_outputs() -> None:
+    plain = _model("llama3")
+    ids = torch.arange(3, 15).reshape(1, 12)
+    one = ids.numel() * plain.config.hidden_size * 4  # one norm output's bytes
+    kept, lean = copy.deepcopy(plain), copy.deepcopy(plain)
+    recompute_norm_outputs(list(kept.model.layers), min_bytes=one + 1)
+    recompute_norm_outputs(list(lean.model.layers), min_bytes=one)
+    plain_loss, plain_held = _held_norm_bytes(plain, ids)
+    kept_loss, kept_held = _held_norm_bytes(kept, ids)
+    _, lean_held = _held_norm_bytes(lean, ids)
+    assert kept_held == plain_held >= 2 * len(plain.model.layers) * one
+    assert lean_held == 0
+    assert torch.equal(plain_loss, kept_loss)

@@ -81,25 +81,32 @@ def _backward_kernel(act: Callable) -> Callable | None:
     return None
 
 
-def gated_product(gate: torch.Tensor, up: torch.Tensor, act: Callable) -> torch.Tensor:
-    """``act(gate) * up``; with autograd recording, its backward recomputes ``act(gate)``."""
+def gated_product(
+    gate: torch.Tensor, up: torch.Tensor, act: Callable, min_bytes: int = 0
+) -> torch.Tensor:
+    """``act(gate) * up``; with autograd recording and ``gate`` at least ``min_bytes``, its
+    backward recomputes ``act(gate)`` (a smaller one is kept: see `use_lean_gated_mlp`)."""
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
-        return _GatedProduct.apply(gate, up, act)
+        if gate.nbytes >= min_bytes:
+            return _GatedProduct.apply(gate, up, act)
     return act(gate) * up
 
 
 def _llama_style_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return self.down_proj(gated_product(self.gate_proj(x), self.up_proj(x), self.act_fn))
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    return self.down_proj(gated_product(gate, up, self.act_fn, self._lean_min_bytes))
 
 
 def _fused_gate_up_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-    return self.down_proj(gated_product(gate, up, self.activation_fn))
+    return self.down_proj(gated_product(gate, up, self.activation_fn, self._lean_min_bytes))
 
 
-def use_lean_gated_mlp(model: torch.nn.Module) -> Counter:
+def use_lean_gated_mlp(model: torch.nn.Module, min_bytes: int = 0) -> Counter:
     """Rebind the gated MLPs' ``forward`` (see module doc); returns and logs what changed, by
-    class (``{"LlamaMLP": 30}``), and the MLP-named modules left as they are."""
+    class (``{"LlamaMLP": 30}``), and the MLP-named modules left as they are. A call whose
+    ``[tokens, intermediate]`` activation is under ``min_bytes`` keeps it (autograd's plain
+    path): the recompute's fixed costs buy nothing there (`model_setup.LEAN_MIN_BYTES`)."""
     changed: Counter = Counter()
     left: Counter = Counter()
     for module in model.modules():
@@ -112,9 +119,14 @@ def use_lean_gated_mlp(model: torch.nn.Module) -> Counter:
             changed[name] += 1
         elif name.endswith(("MLP", "Experts")):
             left[name] += 1
+            continue
+        else:
+            continue
+        module._lean_min_bytes = min_bytes
     if changed or left:
         logger.info(
-            "gated MLPs keep two activations for backward: %s%s", dict(changed) or "none",
+            "gated MLPs keep two activations for backward (where one is >= %d bytes): %s%s",
+            min_bytes, dict(changed) or "none",
             f"; left as they are (their own forward): {dict(left)}" if left else "",
         )  # fmt: skip
     return changed

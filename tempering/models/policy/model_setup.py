@@ -45,6 +45,13 @@ from tempering.models.policy.shared_prefix import BOOL_MASK_ATTENTION, attention
 logger = logging.getLogger(__name__)
 
 PRECISIONS = ("float32", "bfloat16")
+# The activation savers (`gated_mlp`, `norm_recompute`) drop a tensor at least this large and
+# keep a smaller one: each pays fixed costs per call (hooks, a recompute pass) that a few MiB
+# saved do not repay. Measured 2026-11-29 (2 EPYC cores, fp32, in-process, 15 interleaved
+# blocks of 10 steps): tiny-arith's SFT step (norm outputs 0.7 MiB, MLP gates 2.8 MiB a layer)
+# ~5% faster without them; SmolLM2-135M's (8 GSM8K rows: 3.3-5.2 and 9-14 MiB a layer, ~0.6 GiB
+# a step) within noise either way (10.4-12.3 s a step), so large activations keep the savings.
+LEAN_MIN_BYTES = 4 << 20
 # What the model ends in: next-token logits (a policy), or one score per sequence (a reward
 # model: AutoModelForSequenceClassification with one label, trained with BradleyTerryLoss).
 HEADS = ("causal_lm", "score")
@@ -326,12 +333,12 @@ def load_sharded(
     if adapters is not None and mp_policy.param_dtype is not None:
         adapters.freeze_base_in(model, mp_policy.param_dtype)  # bf16: half the base's memory
     use_packed_sdpa(model)  # packed micro-batches cost their sequences, not their bins
-    use_lean_gated_mlp(model)  # act(gate(x)) recomputed in backward, not saved
+    use_lean_gated_mlp(model, LEAN_MIN_BYTES)  # act(gate(x)) recomputed in backward, not saved
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     layers = _decoder_layers(model)
     if not activation_checkpointing:  # (it recomputes whole layers already)
-        recompute_norm_outputs(layers)  # norm outputs recomputed in backward, not saved
+        recompute_norm_outputs(layers, LEAN_MIN_BYTES)  # norm outputs recomputed, not saved
     if topo.world_size == 1 and mp_policy.param_dtype is None:
         # One fp32 rank has nothing to shard, gather or reduce: FSDP2's per-layer hooks
         # and DTensor dispatch cost ~20% of a tiny-arith step (bench/bench_floor.py).
