@@ -47,6 +47,7 @@ from pathlib import Path
 
 from bench_dpo_vs_trl import spread
 from peers import run_trl  # bench/peers.py (this folder is on sys.path)
+from placement import PlacementProbe, placement_note, print_by_placement
 
 SCALES = {
     "tiny": dict(model="tiny-arith", rows=128, max_len=32, lr=1e-3, threads=2, steps=30, warmup=5),
@@ -77,7 +78,9 @@ TRL_SCRIPT = textwrap.dedent(
     trainer = InOrder(model=model, args=cfg, train_dataset=Dataset.from_list(rows),
                          processing_class=tok, callbacks=[timer])
     trainer.train()
-    print("RESULT " + json.dumps({"step_times": timer.times, "fetch_times": timer.fetch}))
+    print("RESULT " + json.dumps(
+        {"step_times": timer.times, "fetch_times": timer.fetch, "ends": timer.ends}
+    ))
     """
 )
 
@@ -107,8 +110,11 @@ def workload(scale: str, model: str, n_rows: int, max_len: int) -> tuple[list[di
     return examples, pad_token_id_of(tokenizer)
 
 
-def bench_tempering(model: str, rows: list[dict], pad: int, args) -> tuple[list[float], float]:
-    """Seconds per step and real (unpadded) tokens per step."""
+def bench_tempering(
+    model: str, rows: list[dict], pad: int, args
+) -> tuple[list[float], list[float], float]:
+    """Seconds per step, each step's end (``time.monotonic``) and real (unpadded) tokens per
+    step."""
     from tempering.data.collate import collate_sft
     from tempering.data.dataloader import StatefulDataLoader
     from tempering.distributed.virtual_cluster import cluster_from_config, init_ray
@@ -126,18 +132,19 @@ def bench_tempering(model: str, rows: list[dict], pad: int, args) -> tuple[list[
         rows, args.rows, shuffle=False, collate_fn=lambda ex: collate_sft(ex, pad), prefetch=True
     )
     loss_fn = NLLLoss()
-    times, tokens = [], 0
+    times, ends, tokens = [], [], 0
     try:
         for _ in range(args.steps):
             t0 = time.perf_counter()
             batch = loader.next_batch()
             policy.train(batch, loss_fn)
             times.append(time.perf_counter() - t0)
+            ends.append(time.monotonic())
             tokens += int(batch["input_lengths"].sum())
     finally:
         policy.shutdown()
         cluster.shutdown()
-    return times, tokens / args.steps
+    return times, ends, tokens / args.steps
 
 
 def _labels(row: dict) -> list[int]:
@@ -185,18 +192,23 @@ def main() -> None:
 
     model = resolve_model_path(args.model)
     rows, pad = workload(args.scale, model, args.rows * args.steps, args.max_len)
-    ours, theirs = [], []
-    for run in range(args.runs):
-        times, tokens = bench_tempering(model, rows, pad, args)
-        ours.append(statistics.median(times[args.warmup :]))
-        trl = bench_trl(model, rows, args)
-        theirs.append(statistics.median(trl["step_times"][args.warmup :]))
-        fetch = statistics.median(trl["fetch_times"][args.warmup :])
-        print(
-            f"run {run + 1}: tempering {ours[-1]:.4f} s/step, TRL {theirs[-1]:.4f} s/step"
-            f" (of which its batch fetch {fetch * 1e3:.1f} ms) ({tokens:.0f} real tokens/step)",
-            flush=True,
-        )  # fmt: skip
+    ours, theirs, split = [], [], []
+    with PlacementProbe() as probe:
+        for run in range(args.runs):
+            times, ends, tokens = bench_tempering(model, rows, pad, args)
+            ours.append(statistics.median(times[args.warmup :]))
+            trl = bench_trl(model, rows, args)
+            theirs.append(statistics.median(trl["step_times"][args.warmup :]))
+            fetch = statistics.median(trl["fetch_times"][args.warmup :])
+            split.append(
+                [probe.split_share(e[args.warmup - 1], e[-1]) for e in (ends, trl["ends"])]
+            )
+            print(
+                f"run {run + 1}: tempering {ours[-1]:.4f} s/step, TRL {theirs[-1]:.4f} s/step"
+                f" (of which its batch fetch {fetch * 1e3:.1f} ms) ({tokens:.0f} real "
+                f"tokens/step); cores on two L3s: {placement_note(split[-1])}",
+                flush=True,
+            )  # fmt: skip
     ratios = [t / o for o, t in zip(ours, theirs, strict=True)]
     print(
         f"workload: {model}, {args.rows} rows/step, max_len {args.max_len}, no packing (TRL"
@@ -207,6 +219,7 @@ def main() -> None:
     print(f"tempering SFT (Ray + FSDP2 worker): {spread(ours)} s/step")
     print(f"TRL 1.16 SFTTrainer:                {spread(theirs)} s/step")
     print(f"speed-up (TRL s/step / tempering):  {spread(ratios, 2)}x")
+    print_by_placement(ratios, [share for share, _ in split])
 
 
 if __name__ == "__main__":

@@ -55,9 +55,10 @@ class Timer(TrainerCallback):
     # a step's wall time from the previous step's end (the first step's from its begin):
     # fetching and collating its batch counts, as it does in tempering's timed steps
     # (``fetch``: each gap between a step's end and the next one's begin, the part that
-    # on_step_begin-to-on_step_end timing leaves out)
+    # on_step_begin-to-on_step_end timing leaves out; ``ends``: each step's end on the
+    # machine-wide monotonic clock, so a caller can tell when the steps ran)
     def __init__(self):
-        self.times, self.fetch, self.t0 = [], [], None
+        self.times, self.fetch, self.ends, self.t0 = [], [], [], None
     def on_step_begin(self, a, s, c, **kw):
         now = time.perf_counter()
         if self.t0 is None:
@@ -67,6 +68,7 @@ class Timer(TrainerCallback):
     def on_step_end(self, a, s, c, **kw):
         now = time.perf_counter()
         self.times.append(now - self.t0)
+        self.ends.append(time.monotonic())
         self.t0 = now
 
 timer = Timer()
