@@ -107,8 +107,9 @@ def test_hidden_states_under_min_bytes_keep_their_norm_outputs() -> None:
     ids = torch.arange(3, 15).reshape(1, 12)
     one = ids.numel() * plain.config.hidden_size * 4  # one norm output's bytes
     kept, lean = copy.deepcopy(plain), copy.deepcopy(plain)
-    recompute_norm_outputs(list(kept.model.layers), min_bytes=one + 1)
-    recompute_norm_outputs(list(lean.model.layers), min_bytes=one)
+    layer_norms = 2  # llama: before attention and before the MLP
+    recompute_norm_outputs(list(kept.model.layers), min_bytes=layer_norms * one + 1)
+    recompute_norm_outputs(list(lean.model.layers), min_bytes=layer_norms * one)
     plain_loss, plain_held = _held_norm_bytes(plain, ids)
     kept_loss, kept_held = _held_norm_bytes(kept, ids)
     _, lean_held = _held_norm_bytes(lean, ids)

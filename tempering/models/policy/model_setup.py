@@ -45,12 +45,14 @@ from tempering.models.policy.shared_prefix import BOOL_MASK_ATTENTION, attention
 logger = logging.getLogger(__name__)
 
 PRECISIONS = ("float32", "bfloat16")
-# The activation savers (`gated_mlp`, `norm_recompute`) drop a tensor at least this large and
-# keep a smaller one: each pays fixed costs per call (hooks, a recompute pass) that a few MiB
-# saved do not repay. Measured 2026-11-29 (2 EPYC cores, fp32, in-process, 15 interleaved
-# blocks of 10 steps): tiny-arith's SFT step (norm outputs 0.7 MiB, MLP gates 2.8 MiB a layer)
-# ~5% faster without them; SmolLM2-135M's (8 GSM8K rows: 3.3-5.2 and 9-14 MiB a layer, ~0.6 GiB
-# a step) within noise either way (10.4-12.3 s a step), so large activations keep the savings.
+# The activation savers (`gated_mlp`, `norm_recompute`) drop what they save in a layer where it
+# comes to at least this much and keep it where less: each pays fixed costs per call (hooks, a
+# recompute pass) that a few MiB do not repay. Measured 2026-11-29 (2 EPYC cores, fp32,
+# in-process, 15 interleaved blocks of 10 steps): tiny-arith's SFT step (two norm outputs 1.4
+# MiB, the MLP's activation 2.8 MiB a layer) ~5% faster without them; SmolLM2-135M's (8 GSM8K
+# rows: 6.6-10 and 9-14 MiB a layer, ~0.6 GiB a step) within noise either way (10.4-12.3 s a
+# step), so it keeps the savings, as does the 4 x 384 LoRA micro-batch of README "LoRA" (6.75
+# and 9 MiB a layer).
 LEAN_MIN_BYTES = 4 << 20
 # What the model ends in: next-token logits (a policy), or one score per sequence (a reward
 # model: AutoModelForSequenceClassification with one label, trained with BradleyTerryLoss).

@@ -98,7 +98,8 @@ class _LayerScope:
 
 def _layer_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     hidden = args[0] if args else kwargs.get("hidden_states")
-    small = isinstance(hidden, torch.Tensor) and hidden.nbytes < self._norm_min_bytes
+    saved = hidden.nbytes * self._norm_count if isinstance(hidden, torch.Tensor) else None
+    small = saved is not None and saved < self._norm_min_bytes
     if small or not torch.is_grad_enabled():
         return self._forward_saving_norms(*args, **kwargs)
     scope = _LayerScope()
@@ -123,27 +124,28 @@ def _record_norm(layer: torch.nn.Module) -> Any:
 
 def recompute_norm_outputs(layers: list[torch.nn.Module], min_bytes: int = 0) -> int:
     """Install on every layer holding a norm (a module class named ``*RMSNorm`` or
-    ``*LayerNorm``); returns (and logs) how many layers took it. A forward whose hidden states
-    (the size of each norm output) are under ``min_bytes`` keeps its norm outputs: the hooks'
-    and the recompute's fixed costs buy nothing there (`model_setup.LEAN_MIN_BYTES`)."""
+    ``*LayerNorm``); returns (and logs) how many layers took it. A forward whose norm outputs
+    come to less than ``min_bytes`` (its hidden states' bytes times the layer's norms) keeps
+    them: the hooks' and the recompute's fixed costs buy nothing there
+    (`model_setup.LEAN_MIN_BYTES`)."""
     done = 0
     for layer in layers:
         norms = [m for m in layer.modules() if type(m).__name__.endswith(NORM_CLASS_SUFFIXES)]
         if not norms or hasattr(layer, "_forward_saving_norms"):  # none, or installed already
             done += bool(norms)
             if norms:
-                layer._norm_min_bytes = min_bytes
+                layer._norm_min_bytes, layer._norm_count = min_bytes, len(norms)
             continue
         for norm in norms:
             norm.register_forward_hook(_record_norm(layer))
         layer._forward_saving_norms = layer.forward
         layer._norm_scope = None
-        layer._norm_min_bytes = min_bytes
+        layer._norm_min_bytes, layer._norm_count = min_bytes, len(norms)
         layer.forward = types.MethodType(_layer_forward, layer)
         done += 1
     logger.info(
-        "norm outputs recomputed in backward in %d of %d decoder layers (where hidden states "
-        "are >= %d bytes)%s", done, len(layers), min_bytes,
+        "norm outputs recomputed in backward in %d of %d decoder layers (where they come to "
+        ">= %d bytes a layer)%s", done, len(layers), min_bytes,
         "" if done == len(layers) else " (the rest hold no *RMSNorm / *LayerNorm module)",
     )  # fmt: skip
     return done
