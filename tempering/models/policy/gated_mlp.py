@@ -8,7 +8,9 @@ product's): three ``[tokens, intermediate]`` tensors, the widest a decoder layer
 (one elementwise pass): SmolLM2-135M, a 4 x 384-token micro-batch, 9 MiB less per layer,
 270 MiB of its 1.78 GiB of saved activations. The same operations in the same order, so
 gradients are unchanged (tests/unit/test_gated_mlp.py). The product itself stays saved by
-``down`` (its weight gradient, or a LoRA adapter's).
+``down`` (its weight gradient, or a LoRA adapter's). A call whose activation is under
+``min_bytes`` (`model_setup.LEAN_MIN_BYTES`: a tiny model's) takes autograd's plain path: the
+recompute's per-call costs would outweigh the few MiB.
 
 `use_lean_gated_mlp` rebinds ``forward`` of the MLP modules whose forward is one of the two
 shapes above (by class, `LLAMA_STYLE` / `FUSED_GATE_UP`); any other module keeps its own,

@@ -7,7 +7,9 @@ consumers save a recipe instead -- the norm and its input, which stays saved any
 backward recomputes the output once when the first consumer needs it (Megatron's "layernorm"
 recompute): SmolLM2-135M, a 4 x 384-token micro-batch, 7 MiB less per layer, 210 MiB of its
 saved activations. The same operations on the same input, so gradients are unchanged
-(tests/unit/test_norm_recompute.py).
+(tests/unit/test_norm_recompute.py). A forward whose norm outputs come to less than
+``min_bytes`` a layer (`model_setup.LEAN_MIN_BYTES`: a tiny model's) keeps them: the hooks' and
+the recompute's per-call costs would outweigh the few MiB.
 
 How: each decoder layer's forward runs inside `torch.autograd.graph.saved_tensors_hooks`;
 forward hooks on its norms record their outputs (held until the layer's forward returns,
