@@ -200,9 +200,8 @@ def main() -> None:
             trl = bench_trl(model, rows, args)
             theirs.append(statistics.median(trl["step_times"][args.warmup :]))
             fetch = statistics.median(trl["fetch_times"][args.warmup :])
-            split.append(
-                [probe.split_share(e[args.warmup - 1], e[-1]) for e in (ends, trl["ends"])]
-            )
+            first = max(args.warmup - 1, 0)  # the timed steps' window (from the warm-up's end)
+            split.append([probe.split_share(e[first], e[-1]) for e in (ends, trl["ends"])])
             print(
                 f"run {run + 1}: tempering {ours[-1]:.4f} s/step, TRL {theirs[-1]:.4f} s/step"
                 f" (of which its batch fetch {fetch * 1e3:.1f} ms) ({tokens:.0f} real "

@@ -88,9 +88,9 @@ def gated_product(
 ) -> torch.Tensor:
     """``act(gate) * up``; with autograd recording and ``gate`` at least ``min_bytes``, its
     backward recomputes ``act(gate)`` (a smaller one is kept: see `use_lean_gated_mlp`)."""
-    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
-        if gate.nbytes >= min_bytes:
-            return _GatedProduct.apply(gate, up, act)
+    recording = torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)
+    if recording and gate.nbytes >= min_bytes:
+        return _GatedProduct.apply(gate, up, act)
     return act(gate) * up
 
 
@@ -113,18 +113,13 @@ def use_lean_gated_mlp(model: torch.nn.Module, min_bytes: int = 0) -> Counter:
     left: Counter = Counter()
     for module in model.modules():
         name = type(module).__name__
-        if name in LLAMA_STYLE:
-            module.forward = types.MethodType(_llama_style_forward, module)
-            changed[name] += 1
-        elif name in FUSED_GATE_UP:
-            module.forward = types.MethodType(_fused_gate_up_forward, module)
+        if name in LLAMA_STYLE or name in FUSED_GATE_UP:
+            forward = _llama_style_forward if name in LLAMA_STYLE else _fused_gate_up_forward
+            module.forward = types.MethodType(forward, module)
+            module._lean_min_bytes = min_bytes
             changed[name] += 1
         elif name.endswith(("MLP", "Experts")):
             left[name] += 1
-            continue
-        else:
-            continue
-        module._lean_min_bytes = min_bytes
     if changed or left:
         logger.info(
             "gated MLPs keep two activations for backward (where one is >= %d bytes): %s%s",
