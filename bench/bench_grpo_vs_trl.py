@@ -20,7 +20,9 @@ either side samples completions for the same 4 (or 16) problems. Sampled lengths
 (different random streams), so the speed-up is reported per generated token
 (generated tokens per second, TRL's from its ``completions/mean_length`` log) as well as per
 step. Each side runs ``--runs`` times, interleaved (these machines are noisy): the figures are
-the median of the per-run medians with their spread (min-max).
+the median of the per-run medians with their spread (min-max). Each run also reports which
+share of its timed steps ran with the machine's two cores on two L3 caches (`placement.py`),
+and the per-token speed-ups are printed again grouped by tempering's placement.
 
 TRL runs in its own environment (`venvs/bench`, the `bench` dependency group, built on first
 use) as a subprocess, so it never enters tempering's lock-in environment.
@@ -36,6 +38,7 @@ import time
 from pathlib import Path
 
 from peers import ensure_bench_venv, peer_env  # bench/peers.py (this folder is on sys.path)
+from placement import PlacementProbe, placement_note, print_by_placement
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -63,9 +66,11 @@ def exact(completions, answer, **kw):
         out.append(1.0 if a in text.split() else 0.0)
     return out
 
-class Clock(TrainerCallback):
-    def __init__(self): self.t = [time.perf_counter()]
-    def on_step_end(self, *a, **k): self.t.append(time.perf_counter())
+class Clock(TrainerCallback):  # ``ends``: on the machine-wide monotonic clock (placement)
+    def __init__(self): self.t, self.ends = [time.perf_counter()], []
+    def on_step_end(self, *a, **k):
+        self.t.append(time.perf_counter())
+        self.ends.append(time.monotonic())
 
 n = args["prompts"] * args["generations"]
 cfg = GRPOConfig(
@@ -84,7 +89,9 @@ trainer.train()
 steps = [b - a for a, b in zip(clock.t, clock.t[1:])]
 lengths = [h["completions/mean_length"] for h in trainer.state.log_history
            if "completions/mean_length" in h]
-print("RESULT " + json.dumps({"step_s": steps, "gen_tokens": [n * x for x in lengths]}))
+print("RESULT " + json.dumps(
+    {"step_s": steps, "gen_tokens": [n * x for x in lengths], "ends": clock.ends}
+))
 """
 
 
@@ -160,7 +167,7 @@ def run_tempering(
     n = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
     run = grpo.setup(cfg, resolved)
     loss_fn = grpo.make_loss(cfg)
-    out: dict = {"step_s": [], "gen_tokens": []}
+    out: dict = {"step_s": [], "gen_tokens": [], "ends": []}
     problems: list = []  # every step's problems, in the order tempering's loader drew them
     next_batch = run.dataloader.next_batch
 
@@ -175,6 +182,7 @@ def run_tempering(
             t0 = time.perf_counter()
             m = grpo.grpo_step(run, loss_fn)
             out["step_s"].append(time.perf_counter() - t0)
+            out["ends"].append(time.monotonic())
             out["gen_tokens"].append(m["train/gen_length_mean"] * n)
             for k, v in m.items():
                 if k.startswith("timing/"):
@@ -205,14 +213,22 @@ def main() -> None:
     steps = a.steps or SCALES[a.scale]["steps"]
     cfg, _ = load(a.scale)
     rows = {"tempering": [], "TRL 1.16": []}
-    for r in range(a.runs):
-        ours, model, problems = run_tempering(a.scale, steps)
-        rows["tempering"].append(per_run(ours))
-        rows["TRL 1.16"].append(per_run(run_trl(cfg, model, problems, steps)))
-        print(
-            f"run {r + 1}: "
-            + ", ".join(f"{k} {v[-1][0]:.3f} s/step {v[-1][1]:.0f} tok/s" for k, v in rows.items())
-        )
+    split = []  # per run: the split-L3 share of tempering's and TRL's timed steps
+    with PlacementProbe() as probe:
+        for r in range(a.runs):
+            ours, model, problems = run_tempering(a.scale, steps)
+            rows["tempering"].append(per_run(ours))
+            theirs = run_trl(cfg, model, problems, steps)
+            rows["TRL 1.16"].append(per_run(theirs))
+            # the timed steps: from the warm-up step's end
+            split.append([probe.split_share(x["ends"][0], x["ends"][-1]) for x in (ours, theirs)])
+            print(
+                f"run {r + 1}: "
+                + ", ".join(
+                    f"{k} {v[-1][0]:.3f} s/step {v[-1][1]:.0f} tok/s" for k, v in rows.items()
+                )
+                + f"; cores on two L3s: {placement_note(split[-1])}"
+            )
     print(
         f"\nGRPO, {a.scale}, {cfg.grpo.num_prompts_per_step}x"
         f"{cfg.grpo.num_generations_per_prompt} per step, up to "
@@ -228,6 +244,7 @@ def main() -> None:
           f"{spread([t[0] / o[0] for o, t in pairs])}x")  # fmt: skip
     print(f"speed-up per generated token (tempering tok/s / TRL tok/s): "
           f"{spread([o[1] / t[1] for o, t in pairs])}x")  # fmt: skip
+    print_by_placement([o[1] / t[1] for o, t in pairs], [share for share, _ in split])
 
 
 if __name__ == "__main__":
