@@ -100,9 +100,9 @@ class _LayerScope:
 
 def _layer_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     hidden = args[0] if args else kwargs.get("hidden_states")
-    saved = hidden.nbytes * self._norm_count if isinstance(hidden, torch.Tensor) else None
-    small = saved is not None and saved < self._norm_min_bytes
-    if small or not torch.is_grad_enabled():
+    if not torch.is_grad_enabled() or (
+        isinstance(hidden, torch.Tensor) and hidden.nbytes * self._norm_count < self._norm_min_bytes
+    ):
         return self._forward_saving_norms(*args, **kwargs)
     scope = _LayerScope()
     self._norm_scope = scope
@@ -133,18 +133,17 @@ def recompute_norm_outputs(layers: list[torch.nn.Module], min_bytes: int = 0) ->
     done = 0
     for layer in layers:
         norms = [m for m in layer.modules() if type(m).__name__.endswith(NORM_CLASS_SUFFIXES)]
-        if not norms or hasattr(layer, "_forward_saving_norms"):  # none, or installed already
-            done += bool(norms)
-            if norms:
-                layer._norm_min_bytes, layer._norm_count = min_bytes, len(norms)
+        if not norms:
+            continue
+        layer._norm_min_bytes, layer._norm_count = min_bytes, len(norms)
+        done += 1
+        if hasattr(layer, "_forward_saving_norms"):  # installed already
             continue
         for norm in norms:
             norm.register_forward_hook(_record_norm(layer))
         layer._forward_saving_norms = layer.forward
         layer._norm_scope = None
-        layer._norm_min_bytes, layer._norm_count = min_bytes, len(norms)
         layer.forward = types.MethodType(_layer_forward, layer)
-        done += 1
     logger.info(
         "norm outputs recomputed in backward in %d of %d decoder layers (where they come to "
         ">= %d bytes a layer)%s", done, len(layers), min_bytes,
