@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 from peers import ensure_bench_venv, peer_env  # bench/peers.py (this folder is on sys.path)
-from placement import PlacementProbe, placement_note, print_by_placement
+from placement import PlacementProbe, placement_note, print_by_placement, print_matched
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -214,6 +214,7 @@ def main() -> None:
     cfg, _ = load(a.scale)
     rows = {"tempering": [], "TRL 1.16": []}
     split = []  # per run: the split-L3 share of tempering's and TRL's timed steps
+    matched: tuple[list, list] = ([], [])  # every timed step: (placement, seconds, tokens)
     with PlacementProbe() as probe:
         for r in range(a.runs):
             ours, model, problems = run_tempering(a.scale, steps)
@@ -222,6 +223,10 @@ def main() -> None:
             rows["TRL 1.16"].append(per_run(theirs))
             # the timed steps: from the warm-up step's end
             split.append([probe.split_share(x["ends"][0], x["ends"][-1]) for x in (ours, theirs)])
+            for side, res in zip(matched, (ours, theirs), strict=True):
+                secs, at, toks = res["step_s"][1:], res["ends"][1:], res["gen_tokens"][1:]
+                states = probe.step_states(at, secs)
+                side.extend(zip(states, secs, toks, strict=True))
             print(
                 f"run {r + 1}: "
                 + ", ".join(
@@ -245,6 +250,7 @@ def main() -> None:
     print(f"speed-up per generated token (tempering tok/s / TRL tok/s): "
           f"{spread([o[1] / t[1] for o, t in pairs])}x")  # fmt: skip
     print_by_placement([o[1] / t[1] for o, t in pairs], [share for share, _ in split])
+    print_matched(*matched, unit="generated tokens")
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ from pathlib import Path
 
 from bench_dpo_vs_trl import spread
 from peers import run_trl  # bench/peers.py (this folder is on sys.path)
-from placement import PlacementProbe, placement_note, print_by_placement
+from placement import PlacementProbe, placement_note, print_by_placement, print_matched
 
 SCALES = {
     "tiny": dict(model="tiny-arith", rows=128, max_len=32, lr=1e-3, threads=2, steps=30, warmup=5),
@@ -193,6 +193,7 @@ def main() -> None:
     model = resolve_model_path(args.model)
     rows, pad = workload(args.scale, model, args.rows * args.steps, args.max_len)
     ours, theirs, split = [], [], []
+    matched: tuple[list, list] = ([], [])  # every timed step: (placement, seconds, 1)
     with PlacementProbe() as probe:
         for run in range(args.runs):
             times, ends, tokens = bench_tempering(model, rows, pad, args)
@@ -202,6 +203,12 @@ def main() -> None:
             fetch = statistics.median(trl["fetch_times"][args.warmup :])
             first = max(args.warmup - 1, 0)  # the timed steps' window (from the warm-up's end)
             split.append([probe.split_share(e[first], e[-1]) for e in (ends, trl["ends"])])
+            for side, (secs, at) in zip(
+                matched, ((times, ends), (trl["step_times"], trl["ends"])), strict=True
+            ):
+                secs, at = secs[args.warmup :], at[args.warmup :]
+                states = probe.step_states(at, secs)
+                side.extend((st, t, 1) for st, t in zip(states, secs, strict=True))
             print(
                 f"run {run + 1}: tempering {ours[-1]:.4f} s/step, TRL {theirs[-1]:.4f} s/step"
                 f" (of which its batch fetch {fetch * 1e3:.1f} ms) ({tokens:.0f} real "
@@ -219,6 +226,7 @@ def main() -> None:
     print(f"TRL 1.16 SFTTrainer:                {spread(theirs)} s/step")
     print(f"speed-up (TRL s/step / tempering):  {spread(ratios, 2)}x")
     print_by_placement(ratios, [share for share, _ in split])
+    print_matched(*matched)
 
 
 if __name__ == "__main__":

@@ -116,12 +116,30 @@ class PlacementProbe:
         self._shm.unlink()
         Path(self._out).unlink(missing_ok=True)
 
-    def samples(self, start: float, end: float) -> list[float]:
-        """Round trips (ns) sampled between ``time.monotonic()`` readings ``start`` and ``end``."""
+    def timed_samples(self, start: float, end: float) -> list[tuple[float, float]]:
+        """``(time.monotonic(), round trip ns)`` samples taken between ``start`` and ``end``."""
         if self.cpus is None:
             return []
         rows = (line.split() for line in Path(self._out).read_text().splitlines())
-        return [float(ns) for t, ns in rows if start <= float(t) <= end]
+        return [(float(t), float(ns)) for t, ns in rows if start <= float(t) <= end]
+
+    def samples(self, start: float, end: float) -> list[float]:
+        """Round trips (ns) sampled between ``time.monotonic()`` readings ``start`` and ``end``."""
+        return [ns for _, ns in self.timed_samples(start, end)]
+
+    def step_states(self, ends: list[float], seconds: list[float]) -> list[str | None]:
+        """Each step's placement, "one L3" or "two L3s", from the samples taken while it ran
+        or within half a sampling interval of it (``ends``: its end on the monotonic clock,
+        ``seconds``: its length); None where they disagree or none was taken."""
+        if not ends:
+            return []
+        margin = self.interval_s / 2
+        got = self.timed_samples(ends[0] - seconds[0] - margin, ends[-1] + margin)
+        states: list[str | None] = []
+        for end, length in zip(ends, seconds, strict=True):
+            near = {ns > SPLIT_NS for t, ns in got if end - length - margin <= t <= end + margin}
+            states.append(None if len(near) != 1 else ("two L3s" if near.pop() else "one L3"))
+        return states
 
     def split_share(self, start: float, end: float) -> float | None:
         """The share of the window's samples with the cores on two L3s (None: no sample)."""
@@ -155,6 +173,23 @@ def print_by_placement(ratios: list[float], shares: list[float | None]) -> None:
             low, mid, high = min(got), statistics.median(got), max(got)
             print(f"  runs with tempering's cores on {key} ({len(got)}): "
                   f"{mid:.2f} ({low:.2f}-{high:.2f})x")  # fmt: skip
+
+
+def print_matched(ours: list[tuple], theirs: list[tuple], unit: str = "steps") -> None:
+    """The speed-up on the same placement: every timed step of all runs, each side's as
+    ``(state, seconds, work)`` (`PlacementProbe.step_states`; ``work``: 1 a step, or the
+    step's generated tokens), grouped by state; per state each side's median rate (work per
+    second over its steps) and their ratio. Runs pair whatever placement each side met; this
+    compares the two where the host gave both the same cores."""
+    for state in ("one L3", "two L3s"):
+        rates = [[w / s for st, s, w in side if st == state] for side in (ours, theirs)]
+        if not all(rates):
+            print(f"  steps on {state}: tempering {len(rates[0])}, TRL {len(rates[1])} "
+                  "(no ratio: a side has none)")  # fmt: skip
+            continue
+        mine, peer = (statistics.median(r) for r in rates)
+        print(f"  steps on {state} (tempering {len(rates[0])}, TRL {len(rates[1])}): "
+              f"{mine:.4g} against {peer:.4g} {unit}/s, {mine / peer:.2f}x")  # fmt: skip
 
 
 if __name__ == "__main__":  # watch the placement: one line a second
