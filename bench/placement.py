@@ -128,17 +128,17 @@ class PlacementProbe:
         return [ns for _, ns in self.timed_samples(start, end)]
 
     def step_states(self, ends: list[float], seconds: list[float]) -> list[str | None]:
-        """Each step's placement, "one L3" or "two L3s", from the samples taken while it ran
-        or within half a sampling interval of it (``ends``: its end on the monotonic clock,
-        ``seconds``: its length); None where they disagree or none was taken."""
+        """Each step's placement from the samples taken while it ran or within half a
+        sampling interval of it (``ends``: its end on the monotonic clock, ``seconds``: its
+        length): `state_of` their split share."""
         if not ends:
             return []
         margin = self.interval_s / 2
         got = self.timed_samples(ends[0] - seconds[0] - margin, ends[-1] + margin)
         states: list[str | None] = []
         for end, length in zip(ends, seconds, strict=True):
-            near = {ns > SPLIT_NS for t, ns in got if end - length - margin <= t <= end + margin}
-            states.append(None if len(near) != 1 else ("two L3s" if near.pop() else "one L3"))
+            near = [ns > SPLIT_NS for t, ns in got if end - length - margin <= t <= end + margin]
+            states.append(state_of(sum(near) / len(near) if near else None))
         return states
 
     def split_share(self, start: float, end: float) -> float | None:
@@ -156,18 +156,21 @@ def placement_note(shares: list[float | None]) -> str:
     )
 
 
+def state_of(share: float | None) -> str | None:
+    """A split share as a placement: "one L3" (at most 20% of samples split), "two L3s" (at
+    least 80%), or None (mixed, or no sample)."""
+    if share is None or 0.2 < share < 0.8:
+        return None
+    return "one L3" if share <= 0.2 else "two L3s"
+
+
 def print_by_placement(ratios: list[float], shares: list[float | None]) -> None:
     """The speed-ups again, grouped by where tempering's timed steps ran (``shares``: their
     split share per run): on one L3 (at most 20% of samples split), split (at least 80%), or
     mixed / unknown."""
     groups: dict[str, list[float]] = {"one L3": [], "two L3s": [], "mixed or unknown": []}
     for ratio, share in zip(ratios, shares, strict=True):
-        key = (
-            "mixed or unknown"
-            if share is None or 0.2 < share < 0.8
-            else ("one L3" if share <= 0.2 else "two L3s")
-        )
-        groups[key].append(ratio)
+        groups[state_of(share) or "mixed or unknown"].append(ratio)
     for key, got in groups.items():
         if got:
             low, mid, high = min(got), statistics.median(got), max(got)
