@@ -224,9 +224,9 @@ def main() -> None:
             # the timed steps: from the warm-up step's end
             split.append([probe.split_share(x["ends"][0], x["ends"][-1]) for x in (ours, theirs)])
             for side, res in zip(matched, (ours, theirs), strict=True):
-                secs, at, toks = res["step_s"][1:], res["ends"][1:], res["gen_tokens"][1:]
-                states = probe.step_states(at, secs)
-                side.extend(zip(states, secs, toks, strict=True))
+                side.extend(
+                    probe.placed_steps(res["ends"][1:], res["step_s"][1:], res["gen_tokens"][1:])
+                )
             print(
                 f"run {r + 1}: "
                 + ", ".join(

@@ -206,9 +206,7 @@ def main() -> None:
             for side, (secs, at) in zip(
                 matched, ((times, ends), (trl["step_times"], trl["ends"])), strict=True
             ):
-                secs, at = secs[args.warmup :], at[args.warmup :]
-                states = probe.step_states(at, secs)
-                side.extend((st, t, 1) for st, t in zip(states, secs, strict=True))
+                side.extend(probe.placed_steps(at[args.warmup :], secs[args.warmup :]))
             print(
                 f"run {run + 1}: tempering {ours[-1]:.4f} s/step, TRL {theirs[-1]:.4f} s/step"
                 f" (of which its batch fetch {fetch * 1e3:.1f} ms) ({tokens:.0f} real "

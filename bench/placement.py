@@ -127,19 +127,23 @@ class PlacementProbe:
         """Round trips (ns) sampled between ``time.monotonic()`` readings ``start`` and ``end``."""
         return [ns for _, ns in self.timed_samples(start, end)]
 
-    def step_states(self, ends: list[float], seconds: list[float]) -> list[str | None]:
-        """Each step's placement from the samples taken while it ran or within half a
-        sampling interval of it (``ends``: its end on the monotonic clock, ``seconds``: its
-        length): `state_of` their split share."""
+    def placed_steps(
+        self, ends: list[float], seconds: list[float], work: list[float] | None = None
+    ) -> list[tuple[str | None, float, float]]:
+        """Each step as ``(placement, seconds, work)`` for `print_matched`: its placement from
+        the samples taken while it ran or within half a sampling interval of it (`state_of`
+        their split share; ``ends``: each step's end on the monotonic clock, ``seconds``: its
+        length), ``work`` 1 a step unless given (a GRPO step's generated tokens)."""
         if not ends:
             return []
+        work = work or [1.0] * len(ends)
         margin = self.interval_s / 2
         got = self.timed_samples(ends[0] - seconds[0] - margin, ends[-1] + margin)
-        states: list[str | None] = []
-        for end, length in zip(ends, seconds, strict=True):
+        out = []
+        for end, length, done in zip(ends, seconds, work, strict=True):
             near = [ns > SPLIT_NS for t, ns in got if end - length - margin <= t <= end + margin]
-            states.append(state_of(sum(near) / len(near) if near else None))
-        return states
+            out.append((state_of(sum(near) / len(near) if near else None), length, done))
+        return out
 
     def split_share(self, start: float, end: float) -> float | None:
         """The share of the window's samples with the cores on two L3s (None: no sample)."""
@@ -180,10 +184,10 @@ def print_by_placement(ratios: list[float], shares: list[float | None]) -> None:
 
 def print_matched(ours: list[tuple], theirs: list[tuple], unit: str = "steps") -> None:
     """The speed-up on the same placement: every timed step of all runs, each side's as
-    ``(state, seconds, work)`` (`PlacementProbe.step_states`; ``work``: 1 a step, or the
-    step's generated tokens), grouped by state; per state each side's median rate (work per
-    second over its steps) and their ratio. Runs pair whatever placement each side met; this
-    compares the two where the host gave both the same cores."""
+    ``(state, seconds, work)`` (`PlacementProbe.placed_steps`), grouped by state; per state
+    each side's median rate (work per second over its steps) and their ratio. Runs pair
+    whatever placement each side met; this compares the two where the host gave both the same
+    cores."""
     for state in ("one L3", "two L3s"):
         rates = [[w / s for st, s, w in side if st == state] for side in (ours, theirs)]
         if not all(rates):
@@ -191,8 +195,9 @@ def print_matched(ours: list[tuple], theirs: list[tuple], unit: str = "steps") -
                   "(no ratio: a side has none)")  # fmt: skip
             continue
         mine, peer = (statistics.median(r) for r in rates)
+        shown = [f"{r:,.0f}" if r >= 1000 else f"{r:.4g}" for r in (mine, peer)]
         print(f"  steps on {state} (tempering {len(rates[0])}, TRL {len(rates[1])}): "
-              f"{mine:.4g} against {peer:.4g} {unit}/s, {mine / peer:.2f}x")  # fmt: skip
+              f"{shown[0]} against {shown[1]} {unit}/s, {mine / peer:.2f}x")  # fmt: skip
 
 
 if __name__ == "__main__":  # watch the placement: one line a second
