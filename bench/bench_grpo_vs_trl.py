@@ -22,7 +22,8 @@ either side samples completions for the same 4 (or 16) problems. Sampled lengths
 step. Each side runs ``--runs`` times, interleaved (these machines are noisy): the figures are
 the median of the per-run medians with their spread (min-max). Each run also reports which
 share of its timed steps ran with the machine's two cores on two L3 caches (`placement.py`),
-and the per-token speed-ups are printed again grouped by tempering's placement.
+and the per-token speed-ups are printed again grouped by tempering's placement, then over
+the steps both sides ran on the same placement (`placement.print_matched`).
 
 TRL runs in its own environment (`venvs/bench`, the `bench` dependency group, built on first
 use) as a subprocess, so it never enters tempering's lock-in environment.

@@ -30,8 +30,10 @@ Each side's defaults otherwise: TRL pads each batch to its longest row (``paddin
   until 2026-11-28 it timed `on_step_begin` to `on_step_end`, which left them out).
 
 Each side runs ``--runs`` times, interleaved (these machines are noisy); prints the median of
-the per-run medians with their spread, and the speed-up per run. A benchmark reports, it never
-passes or fails.
+the per-run medians with their spread, and the speed-up per run. `placement.py` samples where
+the host put the two cores meanwhile: each run's share of split-L3 samples, the speed-ups
+grouped by tempering's placement, and the speed-up over the steps both sides ran on the same
+placement. A benchmark reports, it never passes or fails.
 """
 
 from __future__ import annotations
