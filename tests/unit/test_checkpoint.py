@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 from tempering.distributed.batched_data_dict import BatchedDataDict
 from tempering.losses import NLLLoss
@@ -22,6 +22,7 @@ from tempering.utils.checkpoint import (
     change_lines,
     restore_rng_state,
 )
+from tests.tiny_models import save_tiny_llama
 
 
 def _save(mgr: CheckpointManager, step: int, metrics: dict | None = None) -> None:
@@ -216,18 +217,8 @@ def test_invalid_settings_name_the_key(tmp_path) -> None:
 def worker_factory(tmp_path, monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=100,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
     model_dir = tmp_path / "model"
-    LlamaForCausalLM(cfg).save_pretrained(model_dir)
+    save_tiny_llama(model_dir, tie_word_embeddings=True)
     built: list[FSDP2PolicyWorker] = []
 
     def build() -> FSDP2PolicyWorker:

@@ -11,32 +11,22 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 from tempering.distributed.batched_data_dict import BatchedDataDict
 from tempering.logits import as_logits
 from tempering.losses import NLLLoss
 from tempering.models.policy.fsdp2_worker import FSDP2PolicyWorker
 from tempering.models.policy.optim import build_lr_scheduler, build_optimizer, lr_multiplier
+from tests.tiny_models import save_tiny_llama
 
 VOCAB = 100
 
 
 @pytest.fixture(scope="module")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
     path = tmp_path_factory.mktemp("tiny_llama")
-    LlamaForCausalLM(cfg).save_pretrained(path)
+    save_tiny_llama(path, max_position_embeddings=64)
     return str(path)
 
 

@@ -11,10 +11,11 @@ import pytest
 import test_lora
 import torch
 import torch.nn.functional as F
-from test_lora import LORA, _batch, save_tiny_llama
+from test_lora import LORA, _batch
 
 from tempering.logits import HiddenLogits
 from tempering.losses import ClippedPGLoss, token_entropy, token_logprobs, topk_logprobs
+from tests.tiny_models import save_tiny_llama
 
 B, S, H, V = 3, 7, 16, 50
 lone_rank = test_lora.lone_rank  # the fixture: a worker built in this process

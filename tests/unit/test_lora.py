@@ -14,7 +14,7 @@ import types
 import pytest
 import ray
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 from tempering.config.schemas import LoraConfig
 from tempering.distributed.batched_data_dict import BatchedDataDict
@@ -24,21 +24,10 @@ from tempering.models.policy.fsdp2_worker import FSDP2PolicyWorker
 from tempering.models.policy.lm_policy import build_policy
 from tempering.models.policy.lora import LoraSpec
 from tempering.models.registry import resolve_model_path
+from tests.tiny_models import save_tiny_llama
 
 LORA = {"dim": 4, "alpha": 8.0, "target_modules": (), "match_all_linear": True}
 KWARGS = {"learning_rate": 2e-2, "num_threads": 1, "max_grad_norm": 1.0}
-
-
-def save_tiny_llama(path, tie_word_embeddings: bool = False) -> LlamaForCausalLM:
-    """A seeded 2-layer Llama (vocabulary 100) saved to `path`; returned too."""
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie_word_embeddings,
-    )  # fmt: skip
-    model = LlamaForCausalLM(cfg)
-    model.save_pretrained(path)
-    return model
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,12 @@ import dataclasses
 import pytest
 import test_lora
 import torch
-from test_lora import save_tiny_llama
 
 from tempering.distributed.batched_data_dict import BatchedDataDict, PackedBin
 from tempering.losses import NLLLoss
 from tempering.models.policy.microbatching import PaddingFree
 from tempering.models.policy.shared_prefix import plan_shared_prefix
+from tests.tiny_models import save_tiny_llama
 
 lone_rank = test_lora.lone_rank  # the fixture: a worker built in this process
 SMOLLM2 = PaddingFree(ratio=2.57e-4, per_sequence=5.6)  # model_setup's costs for SmolLM2-135M

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 from tempering.distributed.batched_data_dict import BatchedDataDict
 from tempering.distributed.virtual_cluster import RayVirtualCluster
 from tempering.losses import NLLLoss
 from tempering.models.policy.fsdp2_worker import FSDP2PolicyWorker
 from tempering.models.policy.lm_policy import build_policy
+from tests.tiny_models import save_tiny_llama
 
 LENGTHS = [12, 5, 9, 3, 11, 7, 6, 10]
 WIDTH = 12
@@ -25,18 +26,8 @@ WIDTH = 12
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=100,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
     path = tmp_path_factory.mktemp("parity_model")
-    LlamaForCausalLM(cfg).save_pretrained(path)
+    save_tiny_llama(path)
     return str(path)
 
 

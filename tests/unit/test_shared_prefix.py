@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from tempering.distributed.batched_data_dict import BatchedDataDict
 from tempering.losses import ClippedPGLoss, DPOLoss, NLLLoss
@@ -18,18 +18,13 @@ from tempering.models.policy import packed_attention
 from tempering.models.policy.microbatching import ForwardPass
 from tempering.models.policy.packed_attention import use_packed_sdpa
 from tempering.models.policy.shared_prefix import attention_cost_ratio, plan_shared_prefix
+from tests import tiny_models
 
 VOCAB = 100
 
 
 def tiny_llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        tie_word_embeddings=False, attn_implementation="sdpa",
-    )  # fmt: skip
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_models.tiny_llama(max_position_embeddings=64, attn_implementation="sdpa").eval()
 
 
 @pytest.fixture(scope="module")
