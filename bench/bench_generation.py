@@ -47,42 +47,6 @@ import torch
 FQN = "tempering.models.generation.vllm_worker.VllmGenerationWorker"
 
 
-def build_tiny_llama(folder: Path, seed: int = 0) -> None:
-    """A random Llama with a small byte-level BPE tokenizer, saved as an HF folder (fp32)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<unk>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog 12+34=46"] * 4, trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="</s>"
-    )
-    tokenizer.save_pretrained(folder)
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        tie_word_embeddings=False,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
-
-
 def make_prompts(
     vocab: int, batch: int, max_len: int, seed: int = 0, group: int = 1
 ) -> dict[str, torch.Tensor]:
@@ -314,8 +278,10 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         if args.model is None:
+            from tests.tiny_models import save_tokenized_llama  # the checkout is on sys.path
+
             args.model = str(Path(tmp) / "tiny-llama")
-            build_tiny_llama(Path(args.model))
+            save_tokenized_llama(Path(args.model))
         else:  # a registry name (what `policy.model_name` takes) or a folder
             from tempering.models.registry import resolve_model_path
 

@@ -28,3 +28,34 @@ def save_tiny_llama(path: str | Path, seed: int = 0, **config: Any) -> LlamaForC
     model = tiny_llama(seed, **config)
     model.save_pretrained(path)
     return model
+
+
+def save_tokenized_llama(folder: str | Path, seed: int = 0, **config: Any) -> int:
+    """A random Llama that vLLM's CPU backend can run (hidden 128 = 2 heads of dim 64: its
+    attention has no head size 16) with a small byte-level BPE tokenizer, both saved as an HF
+    folder (fp32) at ``folder``; ``config`` overrides `LlamaConfig` fields. Returns the
+    vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog 12+34=46"] * 4, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="</s>"
+    )
+    tokenizer.save_pretrained(folder)
+    torch.manual_seed(seed)
+    sizes = dict(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    LlamaForCausalLM(LlamaConfig(**{**sizes, **config})).save_pretrained(folder)
+    return len(tokenizer)

@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.tiny_models import save_tokenized_llama
+
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 FQN = "tempering.models.generation.vllm_worker.VllmGenerationWorker"
@@ -85,45 +87,6 @@ DRIVER = textwrap.dedent(
 )
 
 
-def _build_tiny_llama(folder: Path, seed: int) -> int:
-    """A random Llama with a small byte-level BPE tokenizer, saved as an HF folder (fp32);
-    returns the vocabulary size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<unk>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog 12+34=46"] * 4, trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="</s>"
-    )
-    tokenizer.save_pretrained(folder)
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=256,
-        initializer_range=0.1,  # peakier logits than 0.02: no near-ties for greedy to flip on
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        tie_word_embeddings=False,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
-    return len(tokenizer)
-
-
 def _load_hf(folder: Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
@@ -146,8 +109,10 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     python = _vllm_python()
     root = tmp_path_factory.mktemp("vllm_gen")
     model_a, model_b = root / "model_a", root / "model_b"
-    vocab = _build_tiny_llama(model_a, seed=0)
-    assert _build_tiny_llama(model_b, seed=1) == vocab
+    # initializer_range 0.1, not 0.02: peakier logits, no near-ties for greedy to flip on
+    sizes = dict(max_position_embeddings=256, initializer_range=0.1)
+    vocab = save_tokenized_llama(model_a, seed=0, **sizes)
+    assert save_tokenized_llama(model_b, seed=1, **sizes) == vocab
 
     gen = torch.Generator().manual_seed(0)
     B, S = len(PROMPT_LENGTHS), max(PROMPT_LENGTHS)
