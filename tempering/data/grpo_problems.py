@@ -105,8 +105,9 @@ def _dataset_problems(
     if name == "problems":
         return _file_problems(data_cfg)
     if name == "nemo_gym":
-        train = _gym_problems(data_cfg.train_data_path, gym_route)
-        return train, _gym_problems(data_cfg.val_data_path, gym_route)[: data_cfg.num_val_samples]
+        train = _gym_problems(data_cfg.train_data_path, "train_data_path", gym_route)
+        val = _gym_problems(data_cfg.val_data_path, "val_data_path", gym_route)
+        return train, val[: data_cfg.num_val_samples]
     raise ValueError(
         f"data.dataset_name={name!r} has no GRPO prompts; use 'arithmetic', 'gsm8k', 'problems' "
         "(your JSONL / Hugging Face dataset) or 'nemo_gym'"
@@ -136,12 +137,19 @@ def _file_problems(data_cfg: DataConfig) -> tuple[list[Problem], list[Problem]]:
     return split_off_val(train, min(data_cfg.num_val_samples, len(train) // 2), data_cfg.seed)
 
 
-def _gym_problems(path: str | None, default_route: str | None) -> list[Problem]:
-    """NeMo Gym JSONL rows (checked with file:line errors) as problems for task nemo_gym."""
+def _gym_problems(path: str | None, key: str, default_route: str | None) -> list[Problem]:
+    """NeMo Gym JSONL rows (checked with file:line errors) as problems for task nemo_gym;
+    ``key`` names the `data` setting ``path`` came from."""
     from tempering.data.nemo_gym import load_gym_rows, row_prompt_text
+    from tempering.errors import DataFileNotFoundError
 
     if path is None:
         return []
+    if not Path(path).is_file():
+        raise DataFileNotFoundError(
+            f"data.{key}={path!r} does not exist; write the example rows NeMo Gym ships there "
+            f"with `uv run tempering gym-examples {path}`, or set data.{key} to your Gym JSONL"
+        )
     rows = load_gym_rows(path, default_route=default_route)
     return [
         Problem(row_prompt_text(r), str(r.get("expected_answer", "")), "nemo_gym", r) for r in rows

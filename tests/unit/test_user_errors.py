@@ -53,6 +53,11 @@ CASES = {
     "unknown dataset name": (
         "run_dpo.py", ["data.dataset_name=ultrafeedback"], ["data.dataset_name='ultrafeedback'"],
     ),
+    "NeMo Gym rows not written yet": (
+        "run_grpo_nemo_gym.py",
+        ["data.dataset_name=nemo_gym", "data.train_data_path=/no/gym.jsonl"],
+        ["data.train_data_path='/no/gym.jsonl' does not exist", "tempering gym-examples /no/gym.jsonl"],
+    ),
     "file dataset without its file": (
         "run_rm.py", ["data.dataset_name=preference"], ["data.train_data_path"],
     ),
