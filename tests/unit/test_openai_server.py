@@ -11,6 +11,7 @@ the test says so."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 
 import httpx
@@ -199,13 +200,16 @@ BAD_REQUESTS = [
 
 @pytest.mark.parametrize("body,needle,param,status", BAD_REQUESTS, ids=lambda x: str(x)[:20])
 def test_bad_requests_get_a_4xx_naming_the_field_and_the_server_keeps_serving(
-    server, body, needle, param, status
+    server, body, needle, param, status, caplog
 ):
     url = f"{server.base_url}/chat/completions"
-    r = httpx.post(url, content=body) if isinstance(body, str) else httpx.post(url, json=body)
+    with caplog.at_level(logging.WARNING, logger="tempering.models.generation.openai_server"):
+        r = httpx.post(url, content=body) if isinstance(body, str) else httpx.post(url, json=body)
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert needle in error["message"] and error["param"] == param
+    logged = [m for m in caplog.messages if "refused request" in m]  # the operator sees it too
+    assert logged and error["message"] in logged[-1] and f"field {param}" in logged[-1]
     good = httpx.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": Q1}]})
     assert good.status_code == 200
 

@@ -60,6 +60,7 @@ from tempering.models.generation.interfaces import SamplingConfig
 from tempering.utils.serving import AccessLog, BackgroundServer, check_tls_files, is_loopback
 
 log = logging.getLogger(__name__)
+MAX_LOGGED_REFUSALS = 64  # distinct reasons for refusing a request logged in full
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 CONFIG_PREFIX = "policy.generation.http_server"  # where users set what this module is given
@@ -319,8 +320,21 @@ def build_app(
     """The FastAPI app: routes, the API-key check, the body limit and OpenAI-shaped errors."""
     app = FastAPI(title="tempering generation server", docs_url=None, redoc_url=None)
 
+    refusals_logged: set[str] = set()
+
     def error(err: RequestError) -> JSONResponse:
         service.count("bad_requests")
+        # The client gets every reason; the log gets each distinct reason once (the first
+        # MAX_LOGGED_REFUSALS of them), then every 100th refusal: a flood cannot fill it.
+        n = service.stats["bad_requests"]
+        new = err.message not in refusals_logged and len(refusals_logged) < MAX_LOGGED_REFUSALS
+        if new:
+            refusals_logged.add(err.message)
+        if new or n % 100 == 0:
+            log.warning(
+                "generation server: refused request %d (HTTP %d, field %s): %s",
+                n, err.status, err.param, err.message,
+            )  # fmt: skip
         # 413: the rest of the body was never read; close rather than drain it.
         headers = {"Connection": "close"} if err.status == 413 else None
         return JSONResponse(error_body(err), status_code=err.status, headers=headers)
