@@ -29,11 +29,13 @@ returns the token ids and sampler log-probs of every model call.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import copy
 import json
 import logging
 import random
+import re
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import KW_ONLY, dataclass, field
@@ -52,6 +54,7 @@ __all__ = [
     "NemoGymClient",
     "NemoGymEnvironment",
     "episode_from_result",
+    "gym_error_reason",
     "write_gym_examples",
 ]
 
@@ -226,7 +229,7 @@ class NemoGymClient:
                     text = await resp.text()
                     if resp.status < 400:
                         return text
-                    last = f"HTTP {resp.status}: {text[:300]}"
+                    last = f"HTTP {resp.status}: {gym_error_reason(text)[:400]}"
                     if resp.status < 500:  # the request itself is wrong: retrying will not help
                         raise GymServerError(f"{method} {url} answered {last}")
             except (TimeoutError, aiohttp.ClientConnectionError) as err:
@@ -235,6 +238,42 @@ class NemoGymClient:
             f"{method} {url} failed {self.max_retries + 1} times (last: {last}); check that the "
             f"NeMo Gym servers are up (head server {self.head_server_url}) and reachable"
         )
+
+
+# One hop of a Gym error: a Gym server whose inner request failed answers 500 with this
+# sentence (a JSON string) around the inner body as Python prints bytes (nemo_gym.server_utils).
+_GYM_HOP = re.compile(r"Hit an exception in (\S+) calling an inner server: (b(['\"]).*\3)\Z", re.S)
+
+
+def gym_error_reason(text: str) -> str:
+    """The reason inside a Gym error body, with the Gym servers it came through.
+
+    Each Gym server an error passes through wraps the body it got into a sentence of its own
+    and escapes it again, so three hops bury the reason (say our generation server's 400
+    "the prompt has 4271 tokens ...") under hundreds of backslashes. Unwrapped hop by hop:
+    ``"the prompt has ... (through SimpleAgent___x -> VLLMModel___policy_model)"``; an
+    OpenAI-shaped ``{"error": {"message": ...}}`` gives its message; a body of any other shape
+    comes back as it came."""
+    hops, body = [], text
+    while True:
+        try:
+            value = json.loads(body)
+        except ValueError:
+            break
+        if isinstance(value, dict) and isinstance(value.get("error"), dict):
+            body = str(value["error"].get("message", body))
+            break
+        match = _GYM_HOP.match(value) if isinstance(value, str) else None
+        if match is None:
+            body = value if isinstance(value, str) else body
+            break
+        hops.append(match.group(1))
+        try:
+            body = ast.literal_eval(match.group(2)).decode("utf-8", "replace")
+        except (ValueError, SyntaxError):
+            body = match.group(2)
+            break
+    return body + (f" (through {' -> '.join(hops)})" if hops else "")
 
 
 # ------------------------------------------------------------------ results -> episodes

@@ -21,6 +21,7 @@ from tempering.environments.nemo_gym import (
     NemoGymClient,
     NemoGymEnvironment,
     episode_from_result,
+    gym_error_reason,
 )
 from tempering.environments.nemo_gym_standin import GymStandIn
 from tempering.models.generation.chat_service import ChatCompletionService, ServerSettings
@@ -148,6 +149,23 @@ def test_500s_are_retried_then_fail_with_the_url(tiny_gym):
             _client(gym, max_retries=2).run([row])
     finally:
         gym.fail_runs = 0
+
+
+def test_a_gym_error_is_unwrapped_to_its_reason_and_route():
+    """Gym wraps an inner server's error body at every hop (nemo_gym.server_utils: a JSON
+    string holding the inner bytes as Python prints them); the client reports the innermost
+    reason and the servers it came through, not the first 300 characters of backslashes."""
+    reason = "the prompt has 4271 tokens, which leaves no room to generate within 4096"
+    body = json.dumps({"error": {"message": reason, "param": "messages"}}).encode()
+    for server in ("VLLMModel___policy_model", "SimpleAgent___wa", "SimpleAgent___wa"):
+        body = json.dumps(f"Hit an exception in {server} calling an inner server: {body}").encode()
+    assert len(body) > 300 and reason not in body.decode()[:300]  # what the old report showed
+    assert gym_error_reason(body.decode()) == (
+        f"{reason} (through SimpleAgent___wa -> SimpleAgent___wa -> VLLMModel___policy_model)"
+    )
+    assert gym_error_reason('{"detail": "injected failure"}') == '{"detail": "injected failure"}'
+    assert gym_error_reason("<html>Bad gateway</html>") == "<html>Bad gateway</html>"
+    assert gym_error_reason(json.dumps("Request was cancelled")) == "Request was cancelled"
 
 
 def test_an_unreachable_head_server_is_named():
