@@ -156,3 +156,38 @@ def test_gym_examples_command_writes_routed_rows(worker_venvs_dir, tmp_path):
     assert names == {"example_single_tool_call_simple_agent", "math_with_judge_simple_agent"}
     assert len(rows) == 10  # Gym 0.7 ships 5 example rows for each
     assert main(["gym-examples", str(out), "--environments", "no_such_env"]) == 2
+
+
+def test_the_smollm2_gym_config_fits_the_rows_gym_ships(worker_venvs_dir, tmp_path):
+    """grpo_nemo_gym_smollm2.yaml runs on the rows `tempering gym-examples` writes: each row's
+    first prompt, as our generation server renders it for SmolLM2 (tools included), leaves
+    room for max_new_tokens within max_total_sequence_length. At 4096 every workplace_assistant
+    row (27 tools, 4,271 tokens) was refused and the run died at its first step."""
+    from tempering.cli import main
+    from tempering.config import MASTER_CONFIGS, load_config
+    from tempering.data.nemo_gym import load_gym_rows
+    from tempering.models.generation.chat import ChatPromptBuilder
+    from tempering.models.hf import load_tokenizer
+    from tempering.models.registry import resolve_model_path
+
+    config = Path(__file__).parents[2] / "examples/configs/grpo_nemo_gym_smollm2.yaml"
+    cfg, _ = load_config(config, schema=MASTER_CONFIGS["grpo"])
+    out = tmp_path / "rows.jsonl"
+    assert main(["gym-examples", str(out)]) == 0  # the default environments, as the config says
+    rows = load_gym_rows(out)
+    tokenizer = load_tokenizer(resolve_model_path(cfg.policy.model_name))
+    server = cfg.policy.generation.http_server  # the service GRPO builds: the model's template
+    prompts = ChatPromptBuilder(tokenizer, None, server.tool_parser, server.eot_token)
+    budget = cfg.policy.max_total_sequence_length - cfg.policy.generation.max_new_tokens
+    lengths = {}
+    for row in rows:
+        params = row["responses_create_params"]
+        messages = [{"role": m["role"], "content": m["content"]} for m in params["input"]]
+        tools = [  # Responses-API tools as Gym's model server sends them on: chat's shape
+            {"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
+            for t in params.get("tools", [])
+        ]  # fmt: skip
+        n = len(prompts.encode(messages, tools or None).ids)
+        lengths[row["agent_ref"]["name"]] = max(n, lengths.get(row["agent_ref"]["name"], 0))
+    assert len(lengths) == 3 and lengths["workplace_assistant_simple_agent"] > 4096, lengths
+    assert max(lengths.values()) <= budget, (lengths, budget)
