@@ -331,9 +331,10 @@ def build_app(
         if new:
             refusals_logged.add(err.message)
         if new or n % 100 == 0:
+            field = f", field {err.param}" if err.param else ""
             log.warning(
-                "generation server: refused request %d (HTTP %d, field %s): %s",
-                n, err.status, err.param, err.message,
+                "generation server: refused request %d (HTTP %d%s): %s",
+                n, err.status, field, err.message,
             )  # fmt: skip
         # 413: the rest of the body was never read; close rather than drain it.
         headers = {"Connection": "close"} if err.status == 413 else None
