@@ -324,18 +324,7 @@ def build_app(
 
     def error(err: RequestError) -> JSONResponse:
         service.count("bad_requests")
-        # The client gets every reason; the log gets each distinct reason once (the first
-        # MAX_LOGGED_REFUSALS of them), then every 100th refusal: a flood cannot fill it.
-        n = service.stats["bad_requests"]
-        new = err.message not in refusals_logged and len(refusals_logged) < MAX_LOGGED_REFUSALS
-        if new:
-            refusals_logged.add(err.message)
-        if new or n % 100 == 0:
-            field = f", field {err.param}" if err.param else ""
-            log.warning(
-                "generation server: refused request %d (HTTP %d%s): %s",
-                n, err.status, field, err.message,
-            )  # fmt: skip
+        _log_refusal(err, service.stats["bad_requests"], refusals_logged)
         # 413: the rest of the body was never read; close rather than drain it.
         headers = {"Connection": "close"} if err.status == 413 else None
         return JSONResponse(error_body(err), status_code=err.status, headers=headers)
@@ -398,6 +387,21 @@ def build_app(
             return error(err)
 
     return app
+
+
+def _log_refusal(err: RequestError, count: int, logged: set[str]) -> None:
+    """The client gets every refusal's reason; the log gets each distinct reason once (the
+    first `MAX_LOGGED_REFUSALS` of them, kept in ``logged``), then every 100th refusal: a
+    flood of bad requests cannot fill it. ``count``: refusals so far, this one included."""
+    new = err.message not in logged and len(logged) < MAX_LOGGED_REFUSALS
+    if new:
+        logged.add(err.message)
+    if new or count % 100 == 0:
+        field = f", field {err.param}" if err.param else ""
+        log.warning(
+            "generation server: refused request %d (HTTP %d%s): %s",
+            count, err.status, field, err.message,
+        )  # fmt: skip
 
 
 async def read_limited_body(request: Request, limit: int) -> bytes:
