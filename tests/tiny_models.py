@@ -51,11 +51,10 @@ def save_tokenized_llama(folder: str | Path, seed: int = 0, **config: Any) -> in
         tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="</s>"
     )
     tokenizer.save_pretrained(folder)
-    torch.manual_seed(seed)
     sizes = dict(
         vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
         bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False,
     )  # fmt: skip
-    LlamaForCausalLM(LlamaConfig(**{**sizes, **config})).save_pretrained(folder)
+    save_tiny_llama(folder, seed, **{**sizes, **config})
     return len(tokenizer)
