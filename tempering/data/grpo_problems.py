@@ -145,12 +145,13 @@ def _gym_problems(path: str | None, key: str, default_route: str | None) -> list
 
     if path is None:
         return []
-    if not Path(path).is_file():
+    try:
+        rows = load_gym_rows(path, default_route=default_route)
+    except DataFileNotFoundError:
         raise DataFileNotFoundError(
             f"data.{key}={path!r} does not exist; write the example rows NeMo Gym ships there "
             f"with `uv run tempering gym-examples {path}`, or set data.{key} to your Gym JSONL"
-        )
-    rows = load_gym_rows(path, default_route=default_route)
+        ) from None
     return [
         Problem(row_prompt_text(r), str(r.get("expected_answer", "")), "nemo_gym", r) for r in rows
     ]
