@@ -194,9 +194,11 @@ class ChatCompletionService:
         self._token_texts: dict[int, str] = {}  # token id -> its text, for log-prob entries
 
     # ---- requests ------------------------------------------------------------------------
-    def count(self, key: str, n: int = 1) -> None:
+    def count(self, key: str, n: int = 1) -> int:
+        """Add ``n`` to the counter ``key``; returns its new value."""
         with self._stats_lock:
             self.stats[key] += n
+            return self.stats[key]
 
     def stats_snapshot(self) -> dict[str, int]:
         """A copy of the counters (they are bumped from the server's threads)."""

@@ -323,8 +323,7 @@ def build_app(
     refusals_logged: set[str] = set()
 
     def error(err: RequestError) -> JSONResponse:
-        service.count("bad_requests")
-        _log_refusal(err, service.stats["bad_requests"], refusals_logged)
+        _log_refusal(err, service.count("bad_requests"), refusals_logged)
         # 413: the rest of the body was never read; close rather than drain it.
         headers = {"Connection": "close"} if err.status == 413 else None
         return JSONResponse(error_body(err), status_code=err.status, headers=headers)
