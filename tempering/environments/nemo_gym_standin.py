@@ -42,7 +42,22 @@ from fastapi.responses import JSONResponse
 from tempering.environments.calculator import evaluate_expression
 from tempering.utils.serving import BackgroundServer
 
-__all__ = ["GymStandIn"]
+__all__ = ["GymStandIn", "chat_messages_and_tools"]
+
+
+def chat_messages_and_tools(params: dict[str, Any]) -> tuple[list[dict], list[dict]]:
+    """A row's ``responses_create_params`` as the chat request Gym's vllm_model sends the
+    policy: its input as messages (a string input: one user message) and its Responses-API
+    tools in chat's ``{"type": "function", "function": {...}}`` shape."""
+    value = params["input"]
+    messages = [{"role": "user", "content": value}] if isinstance(value, str) else [
+        {"role": m["role"], "content": m.get("content")} for m in value
+    ]  # fmt: skip
+    tools = [
+        {"type": "function", "function": {k: v for k, v in t.items() if k not in ("type", "strict")}}
+        for t in params.get("tools") or []
+    ]  # fmt: skip
+    return messages, tools
 
 
 class GymStandIn:
@@ -188,14 +203,7 @@ class GymStandIn:
 
     async def _run(self, row: dict[str, Any]) -> dict[str, Any]:
         params = row["responses_create_params"]
-        value = params["input"]
-        messages = [{"role": "user", "content": value}] if isinstance(value, str) else [
-            {"role": m["role"], "content": m.get("content")} for m in value
-        ]  # fmt: skip
-        tools = [
-            {"type": "function", "function": {k: v for k, v in t.items() if k not in ("type", "strict")}}
-            for t in params.get("tools") or []
-        ]  # fmt: skip
+        messages, tools = chat_messages_and_tools(params)
         resources = self._servers[self.RESOURCES].url
         headers = {"Authorization": f"Bearer {self.api_key or 'none'}"}
         output: list[dict[str, Any]] = []

@@ -166,6 +166,7 @@ def test_the_smollm2_gym_config_fits_the_rows_gym_ships(worker_venvs_dir, tmp_pa
     from tempering.cli import main
     from tempering.config import MASTER_CONFIGS, load_config
     from tempering.data.nemo_gym import load_gym_rows
+    from tempering.environments.nemo_gym_standin import chat_messages_and_tools
     from tempering.models.generation.chat import ChatPromptBuilder
     from tempering.models.hf import load_tokenizer
     from tempering.models.registry import resolve_model_path
@@ -181,12 +182,7 @@ def test_the_smollm2_gym_config_fits_the_rows_gym_ships(worker_venvs_dir, tmp_pa
     budget = cfg.policy.max_total_sequence_length - cfg.policy.generation.max_new_tokens
     lengths = {}
     for row in rows:
-        params = row["responses_create_params"]
-        messages = [{"role": m["role"], "content": m["content"]} for m in params["input"]]
-        tools = [  # Responses-API tools as Gym's model server sends them on: chat's shape
-            {"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
-            for t in params.get("tools", [])
-        ]  # fmt: skip
+        messages, tools = chat_messages_and_tools(row["responses_create_params"])
         n = len(prompts.encode(messages, tools or None).ids)
         lengths[row["agent_ref"]["name"]] = max(n, lengths.get(row["agent_ref"]["name"], 0))
     assert len(lengths) == 3 and lengths["workplace_assistant_simple_agent"] > 4096, lengths
