@@ -16,6 +16,7 @@ from typing import Any
 
 from tempering.config import DPOMasterConfig, parse_args_and_load
 from tempering.errors import exit_on_user_error
+from tempering.utils.stopping import stop_cleanly
 
 DEFAULT = Path(__file__).parent / "configs" / "dpo.yaml"
 
@@ -24,13 +25,14 @@ def main() -> None:
     cfg, resolved = parse_args_and_load(sys.argv[1:], DEFAULT, DPOMasterConfig)  # fails fast
     from tempering.algorithms import dpo  # heavy imports only after the config is valid
 
-    with exit_on_user_error():  # a missing model or a bad data row: one message, exit 2
-        run = dpo.setup(cfg, resolved)
-    try:
-        summary = dpo.train(run)
-    finally:
-        run.close()
-    print(dpo.report(summary, cfg, held_out_task_accuracy(summary, cfg)))
+    with stop_cleanly(cfg.checkpointing):  # Ctrl-C / SIGTERM: workers freed, exit 130 / 143
+        with exit_on_user_error():  # a missing model or a bad data row: one message, exit 2
+            run = dpo.setup(cfg, resolved)
+        try:
+            summary = dpo.train(run)
+        finally:
+            run.close()
+        print(dpo.report(summary, cfg, held_out_task_accuracy(summary, cfg)))
 
 
 def held_out_task_accuracy(summary: dict[str, Any], cfg: DPOMasterConfig) -> str | None:

@@ -297,8 +297,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tempering`` console script; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    from tempering.utils.stopping import stop_cleanly
+
     try:
-        return int(args.func(args))
+        with stop_cleanly():  # Ctrl-C / SIGTERM: Ray freed, exit 130 / 143
+            return int(args.func(args))
     except (FileNotFoundError, ValueError, KeyError, UserInputError) as e:
         print(f"tempering {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -24,12 +24,21 @@ def run_grpo_example(argv: list[str], default_config: Path) -> None:
     """What every GRPO example script does: load and validate the config (failing fast,
     before any heavy import), set up, train, free everything, print the summary."""
     from tempering.config import GRPOMasterConfig, parse_args_and_load
-    from tempering.errors import exit_on_user_error
 
     cfg, resolved = parse_args_and_load(argv, default_config, GRPOMasterConfig)
+    from tempering.utils.stopping import stop_cleanly
+
+    with stop_cleanly(cfg.checkpointing):  # Ctrl-C / SIGTERM: free the workers, say where
+        _run_grpo(cfg, resolved)  # to resume, exit 130 / 143
+
+
+def _run_grpo(cfg: Any, resolved: dict[str, Any]) -> None:
+    """Set up, train, restart from the last checkpoint after a worker death or an expired
+    deadline (up to ``fault_tolerance.max_restarts``), free everything, print the summary."""
     from tempering.algorithms import grpo  # heavy imports only after the config is valid
     from tempering.distributed.deadlines import DeadlineExceeded
     from tempering.distributed.worker_groups import WorkerDiedError
+    from tempering.errors import exit_on_user_error
 
     if cfg.grpo.async_grpo.enabled:
         from tempering.algorithms.async_grpo import train
@@ -69,13 +78,15 @@ def run_distillation_example(argv: list[str], default_config: Path) -> None:
 
     cfg, resolved = parse_args_and_load(argv, default_config, DistillationMasterConfig)
     from tempering.algorithms import distillation  # heavy imports only after the config is valid
+    from tempering.utils.stopping import stop_cleanly
 
-    with exit_on_user_error():  # a missing model, a teacher of another vocabulary: exit 2
-        run = distillation.setup(cfg, resolved)
-    try:
-        summary = distillation.train(run)
-    finally:
-        run.close()
+    with stop_cleanly(cfg.checkpointing):
+        with exit_on_user_error():  # a missing model, a teacher of another vocabulary: exit 2
+            run = distillation.setup(cfg, resolved)
+        try:
+            summary = distillation.train(run)
+        finally:
+            run.close()
     print(distillation.summary_text(summary, cfg))
 
 

@@ -39,6 +39,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # n
 
 # Re-exported here because DESIGN.md places them beside the cluster.
 from tempering.distributed.actor_environments import PY_EXECUTABLES  # noqa: E402, F401
+from tempering.utils.stopping import reclaim_signals  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,7 @@ def init_ray(
                 if attempt == start_attempts or "timed out during startup" not in str(exc):
                     raise
                 logger.warning("Ray start attempt %d failed (%s); retrying", attempt, exc)
+    reclaim_signals()  # ray.init() set its own SIGTERM handler in the driver
     return ray.cluster_resources()
 
 

@@ -56,7 +56,11 @@ PHASES = {
 }
 
 
-def _run(out: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+class _Finished(subprocess.CompletedProcess):
+    left: list[str]  # processes of the run's session still alive after it exited
+
+
+def _run(out: Path, *extra: str, env: dict[str, str] | None = None) -> _Finished:
     cmd = [
         sys.executable, "examples/run_grpo_math.py", *COMMON,
         f"logger.log_dir={out}/logs", f"checkpointing.checkpoint_dir={out}/ckpt", *extra,
@@ -69,6 +73,7 @@ def _run(out: Path, *extra: str, env: dict[str, str] | None = None) -> subproces
     )  # fmt: skip
     try:
         stdout, stderr = proc.communicate(timeout=900)
+        left = _left_behind(proc.pid)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
@@ -76,7 +81,27 @@ def _run(out: Path, *extra: str, env: dict[str, str] | None = None) -> subproces
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    done = _Finished(cmd, proc.returncode, stdout, stderr)
+    done.left = left
+    return done
+
+
+def _left_behind(session: int, wait_s: float = 10.0) -> list[str]:
+    """The live processes of `session` (the run's, started in its own), once they have had
+    `wait_s` to end after the run exited: Ray's node processes are tied to the driver and end
+    within a second of it."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError):
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                if int(fields[3]) == session and fields[0] != "Z":  # not a zombie
+                    cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ")
+                    left.append(f"{stat.parent.name} {cmdline.decode(errors='replace')[:80]}")
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
 
 
 def _records(out: Path) -> list[dict]:
@@ -107,6 +132,7 @@ def baseline(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("baseline")
     proc = _run(out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.left == [], proc.left
     rows = _records(out)
     assert max(r["step"] for r in rows) == STEPS
     return rows
@@ -157,6 +183,31 @@ def test_kill_during_checkpoint_save_keeps_the_previous_one(baseline, tmp_path):
     assert "a checkpoint save that never finished" in rerun.stderr
     assert not [p for p in ckpt.iterdir() if ".tmp-" in p.name]
     _assert_same_run(_records(tmp_path), baseline, "killed mid-save")
+
+
+def test_ctrl_c_and_sigterm_stop_cleanly_and_the_reruns_resume(baseline, tmp_path):
+    # Ctrl-C as `uv run` passes it on (SIGINT to the process group, twice) in step 3's
+    # training; then, in the rerun, SIGTERM (docker stop, a scheduler) in step 5's; then a
+    # rerun to the end. Each stop frees the run's workers (none of its processes is left),
+    # names the checkpoint the same command resumes from, and exits 128 + the signal's number
+    # without a traceback; the three runs together equal the uninterrupted one.
+    ckpt = tmp_path / "ckpt"
+    for fault, code, resume_at in (("controller:train:3:0.05:INT", 130, 2),
+                                   ("controller:train:3:0.05:TERM", 143, 4)):  # fmt: skip
+        stopped = _run(tmp_path, env={"TEMPERING_FAULT": fault})
+        what = f"{fault}\n{stopped.stderr[-3000:]}"
+        assert stopped.returncode == code, what
+        name = "SIGINT" if code == 130 else "SIGTERM"
+        assert (
+            f"stopped by {name}; the same command, run again, resumes from "
+            f"{ckpt / f'step_{resume_at}'} (step {resume_at})" in stopped.stderr
+        ), what
+        assert "Traceback" not in stopped.stderr, what
+        assert stopped.left == [], (fault, stopped.left)
+    rerun = _run(tmp_path)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert rerun.left == [], rerun.left
+    _assert_same_run(_records(tmp_path), baseline, "stopped by SIGINT, then by SIGTERM")
 
 
 def test_max_restarts_replaces_a_killed_worker_in_process(baseline, tmp_path):
