@@ -14,9 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tempering.algorithms.launch import training_run
 from tempering.config import DPOMasterConfig, parse_args_and_load
-from tempering.errors import exit_on_user_error
-from tempering.utils.stopping import stop_cleanly
 
 DEFAULT = Path(__file__).parent / "configs" / "dpo.yaml"
 
@@ -25,9 +24,8 @@ def main() -> None:
     cfg, resolved = parse_args_and_load(sys.argv[1:], DEFAULT, DPOMasterConfig)  # fails fast
     from tempering.algorithms import dpo  # heavy imports only after the config is valid
 
-    with stop_cleanly(cfg.checkpointing):  # Ctrl-C / SIGTERM: workers freed, exit 130 / 143
-        with exit_on_user_error():  # a missing model or a bad data row: one message, exit 2
-            run = dpo.setup(cfg, resolved)
+    with training_run(cfg):  # Ctrl-C, a folder in use, a bad row: one line, no traceback
+        run = dpo.setup(cfg, resolved)
         try:
             summary = dpo.train(run)
         finally:

@@ -10,9 +10,8 @@ that GRPO's `env.reward_model_path` (task "reward_model") takes.
 import sys
 from pathlib import Path
 
+from tempering.algorithms.launch import training_run
 from tempering.config import RMMasterConfig, parse_args_and_load
-from tempering.errors import exit_on_user_error
-from tempering.utils.stopping import stop_cleanly
 
 DEFAULT = Path(__file__).parent / "configs" / "rm.yaml"
 
@@ -21,9 +20,8 @@ def main() -> None:
     cfg, resolved = parse_args_and_load(sys.argv[1:], DEFAULT, RMMasterConfig)  # fails fast
     from tempering.algorithms import rm  # heavy imports only after the config is valid
 
-    with stop_cleanly(cfg.checkpointing):  # Ctrl-C / SIGTERM: workers freed, exit 130 / 143
-        with exit_on_user_error():  # a missing model or a bad data row: one message, exit 2
-            run = rm.setup(cfg, resolved)
+    with training_run(cfg):  # Ctrl-C, a folder in use, a bad row: one line, no traceback
+        run = rm.setup(cfg, resolved)
         try:
             summary = rm.train(run)
             export = rm.export(run)

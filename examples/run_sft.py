@@ -8,9 +8,8 @@ The default config trains tiny-arith from scratch on CPU (the recipe of models/t
 import sys
 from pathlib import Path
 
+from tempering.algorithms.launch import training_run
 from tempering.config import SFTMasterConfig, parse_args_and_load
-from tempering.errors import exit_on_user_error
-from tempering.utils.stopping import stop_cleanly
 
 DEFAULT = Path(__file__).parent / "configs" / "sft.yaml"
 
@@ -19,9 +18,8 @@ def main() -> None:
     cfg, resolved = parse_args_and_load(sys.argv[1:], DEFAULT, SFTMasterConfig)  # fails fast
     from tempering.algorithms import sft  # heavy imports only after the config is valid
 
-    with stop_cleanly(cfg.checkpointing):  # Ctrl-C / SIGTERM: workers freed, exit 130 / 143
-        with exit_on_user_error():  # a missing model or a bad data row: one message, exit 2
-            run = sft.setup(cfg, resolved)
+    with training_run(cfg):  # Ctrl-C, a folder in use, a bad row: one line, no traceback
+        run = sft.setup(cfg, resolved)
         try:
             val = sft.train(run)
             export = Path(cfg.checkpointing.checkpoint_dir) / "final_hf"  # written by train()

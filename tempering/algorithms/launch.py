@@ -1,7 +1,8 @@
 """What a GRPO (or distillation) example script runs: load and validate the config (failing
 fast, before any heavy import), set up, train, restart from the last checkpoint after a worker
 death or an expired deadline (`fault_tolerance.max_restarts`, GRPO), free everything, print the
-summary.
+summary. Every training script (SFT, DPO and RM's too) runs its set-up and training inside
+:func:`training_run`.
 
     from tempering.algorithms.launch import run_grpo_example
     run_grpo_example(sys.argv[1:], Path(__file__).parent / "configs" / "grpo_math_tiny.yaml")
@@ -14,10 +15,26 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+
+@contextmanager
+def training_run(cfg: Any) -> Iterator[None]:
+    """Around a training script's set-up and training: Ctrl-C / SIGTERM stop it cleanly
+    (workers freed, the checkpoint to resume from named, exit 130 / 143: `utils.stopping`),
+    its log and checkpoint folders are its own while it runs (`utils.run_lock`), and a user's
+    mistake -- a missing model, a bad data row, a folder in use -- is one message and exit 2."""
+    from tempering.errors import exit_on_user_error
+    from tempering.utils.run_lock import lock_run_dirs
+    from tempering.utils.stopping import stop_cleanly
+
+    with stop_cleanly(cfg.checkpointing), exit_on_user_error(), lock_run_dirs(cfg):
+        yield
 
 
 def run_grpo_example(argv: list[str], default_config: Path) -> None:
@@ -26,10 +43,8 @@ def run_grpo_example(argv: list[str], default_config: Path) -> None:
     from tempering.config import GRPOMasterConfig, parse_args_and_load
 
     cfg, resolved = parse_args_and_load(argv, default_config, GRPOMasterConfig)
-    from tempering.utils.stopping import stop_cleanly
-
-    with stop_cleanly(cfg.checkpointing):  # Ctrl-C / SIGTERM: free the workers, say where
-        _run_grpo(cfg, resolved)  # to resume, exit 130 / 143
+    with training_run(cfg):
+        _run_grpo(cfg, resolved)
 
 
 def _run_grpo(cfg: Any, resolved: dict[str, Any]) -> None:
@@ -38,7 +53,6 @@ def _run_grpo(cfg: Any, resolved: dict[str, Any]) -> None:
     from tempering.algorithms import grpo  # heavy imports only after the config is valid
     from tempering.distributed.deadlines import DeadlineExceeded
     from tempering.distributed.worker_groups import WorkerDiedError
-    from tempering.errors import exit_on_user_error
 
     if cfg.grpo.async_grpo.enabled:
         from tempering.algorithms.async_grpo import train
@@ -47,8 +61,7 @@ def _run_grpo(cfg: Any, resolved: dict[str, Any]) -> None:
     restarts: list[dict[str, Any]] = []
     while True:
         start = time.perf_counter()
-        with exit_on_user_error():  # a missing model or a bad data row: one message, exit 2
-            run = grpo.setup(cfg, resolved)
+        run = grpo.setup(cfg, resolved)
         if restarts:
             restarts[-1].update(setup_s=time.perf_counter() - start, resumed_at=run.start_step)
         try:
@@ -74,15 +87,12 @@ def run_distillation_example(argv: list[str], default_config: Path) -> None:
     """What `examples/run_distillation.py` does: load and validate the config (failing fast),
     set up student and teacher, train, free everything, print the summary."""
     from tempering.config import DistillationMasterConfig, parse_args_and_load
-    from tempering.errors import exit_on_user_error
 
     cfg, resolved = parse_args_and_load(argv, default_config, DistillationMasterConfig)
     from tempering.algorithms import distillation  # heavy imports only after the config is valid
-    from tempering.utils.stopping import stop_cleanly
 
-    with stop_cleanly(cfg.checkpointing):
-        with exit_on_user_error():  # a missing model, a teacher of another vocabulary: exit 2
-            run = distillation.setup(cfg, resolved)
+    with training_run(cfg):  # a teacher of another vocabulary, too: one message, exit 2
+        run = distillation.setup(cfg, resolved)
         try:
             summary = distillation.train(run)
         finally:

@@ -94,3 +94,23 @@ def test_dataset_names_in_the_schema_are_the_loaders_names():
             _dataset_problems(cfg, None)
         except (ValueError, FileNotFoundError) as err:
             assert "has no GRPO prompts" not in str(err), name
+
+
+def test_a_folder_another_run_is_using_is_refused_before_anything_starts(tmp_path):
+    """The same command started twice (two terminals, a requeued job): the second would
+    overwrite the first's checkpoints and interleave its metrics."""
+    from types import SimpleNamespace
+
+    from tempering.utils.run_lock import lock_run_dirs
+
+    ckpt = tmp_path / "ckpt"
+    running = SimpleNamespace(
+        logger=SimpleNamespace(log_dir=str(tmp_path / "logs")),
+        checkpointing=SimpleNamespace(enabled=True, checkpoint_dir=str(ckpt)),
+    )
+    with lock_run_dirs(running):  # this test process plays the run that is going
+        proc = _run("run_grpo_math.py", f"checkpointing.checkpoint_dir={ckpt}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"checkpointing.checkpoint_dir='{ckpt}' is in use by another run (pid {os.getpid()} " \
+        in proc.stderr, proc.stderr[-2000:]  # fmt: skip
