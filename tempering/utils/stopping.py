@@ -10,7 +10,7 @@ to Ray's own handler and aborted the process with status 134.
 :func:`stop_cleanly` wraps an entry point. The first SIGINT or SIGTERM raises `Stopped` in
 the main thread, so every ``finally`` frees its workers as on any error. A repeat within
 `REPEAT_S` seconds is the same request delivered twice and is ignored; a later one means
-"now": the process exits at once (Ray's node processes are tied to it and end with it).
+"now": every process below this one (Ray's, its workers') is killed and the process exits.
 After the cleanup, Ray is shut down, one line names the newest complete checkpoint (the
 command, run again, resumes from it) and the process exits with ``128 + signal number`` (130
 for SIGINT, 143 for SIGTERM), as a shell reports a signalled command. ``ray.init()`` installs
@@ -20,6 +20,7 @@ the guard's back.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -60,9 +61,10 @@ class _Guard:
             raise Stopped(signum)
         if now - self.first[1] < REPEAT_S:
             return  # the same request, delivered twice
+        killed = kill_descendants()
         print(
-            f"{signal.Signals(signum).name} again while stopping: exiting now, without "
-            "waiting for the workers to be freed",
+            f"{signal.Signals(signum).name} again while stopping: exiting now; killed "
+            f"{killed} processes below this one (Ray's and its workers') without waiting",
             file=sys.stderr,
             flush=True,
         )
@@ -70,6 +72,29 @@ class _Guard:
 
 
 _active: _Guard | None = None
+
+
+def kill_descendants() -> int:
+    """SIGKILL every process below this one -- Ray's node processes, its workers and what
+    they started -- and return how many (an interrupted ``ray.shutdown()`` leaves Ray's agents
+    running otherwise). The whole tree is read from /proc first, so none escapes by being
+    reparented; nothing where there is no /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # ended meanwhile
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], [os.getpid()]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    for pid in found:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    return len(found)
 
 
 def reclaim_signals() -> None:

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,7 +22,7 @@ from tempering.utils.stopping import stop_cleanly, stop_message
 
 CHILD = textwrap.dedent(
     """
-    import sys, time
+    import subprocess, sys, time
     from types import SimpleNamespace
     from tempering.utils import stopping
 
@@ -32,6 +33,9 @@ CHILD = textwrap.dedent(
             while True:
                 time.sleep(0.01)
         finally:
+            if sys.argv[3] == "hang":  # a worker process below, and a cleanup that hangs
+                worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+                print(worker.pid, flush=True)
             print("cleanup", flush=True)
             while sys.argv[3] == "hang":
                 time.sleep(0.01)
@@ -49,6 +53,7 @@ def _signalled(ckpt: Path, signals: list[int], repeat_s: float = 2.0, cleanup: s
     try:
         assert proc.stdout.readline() == "inside\n"
         proc.send_signal(signals[0])
+        worker = int(proc.stdout.readline()) if cleanup == "hang" else None
         for sig in signals[1:]:
             if cleanup == "hang":
                 assert proc.stdout.readline() == "cleanup\n"
@@ -56,7 +61,15 @@ def _signalled(ckpt: Path, signals: list[int], repeat_s: float = 2.0, cleanup: s
         out, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    return proc.returncode, out, err
+    return proc.returncode, (worker if cleanup == "hang" else out), err
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # killed, not yet reaped by init
 
 
 def _checkpoint(ckpt: Path, step: int, complete: bool = True) -> None:
@@ -85,10 +98,14 @@ def test_sigterm_exits_143_and_says_a_rerun_starts_over_without_a_checkpoint(tmp
     assert "starts from the beginning" in err and "Traceback" not in err
 
 
-def test_a_later_repeat_while_cleanup_hangs_exits_at_once(tmp_path):
-    code, out, err = _signalled(tmp_path, [signal.SIGINT, signal.SIGINT], 0.0, "hang")
+def test_a_later_repeat_while_cleanup_hangs_kills_the_workers_and_exits_at_once(tmp_path):
+    code, worker, err = _signalled(tmp_path, [signal.SIGINT, signal.SIGINT], 0.0, "hang")
     assert code == 130, err
-    assert "SIGINT again while stopping: exiting now" in err
+    assert "SIGINT again while stopping: exiting now; killed 1 processes below this one" in err
+    deadline = time.monotonic() + 10  # SIGKILLed before the exit; the kernel ends it
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(worker), "the worker below the stopped process runs on"
 
 
 def test_a_keyboard_interrupt_raised_by_code_passes_and_handlers_are_restored():
