@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -85,6 +86,29 @@ def change_lines(diff: Mapping[str, tuple]) -> list[str]:
 
 class CheckpointMismatchError(ValueError, UserInputError):
     """A checkpoint folder holds another model's run than the one resuming from it."""
+
+
+class CheckpointSpaceError(OSError, UserInputError):
+    """A checkpoint does not fit on its disk (found before writing, or by the disk filling)."""
+
+
+FULL_BYTES = 256 * 2**10  # a save that failed with less free than this ran out of space
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def _out_of_space(exc: BaseException, folder: Path) -> bool:
+    """Whether a failed save ran out of disk: ENOSPC anywhere in its chain, or its text (a
+    worker's error arrives as text), or -- torch's writer says only ``unexpected pos`` -- a
+    disk left all but full."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return "No space left on device" in str(exc) or shutil.disk_usage(folder).free < FULL_BYTES
 
 
 class CheckpointManager:
@@ -149,15 +173,43 @@ class CheckpointManager:
         info["step"] = step
         info.setdefault("metrics", {})
         info["rng_state"] = capture_rng_state()
+        newest = self.latest_complete()
+        need = _folder_bytes(newest) if newest is not None else 0
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        if shutil.disk_usage(self.checkpoint_dir).free < need:
+            raise self._space_error(step, newest, need, "would not fit")  # before writing
         with atomic_directory(self.step_dir(step), overwrite=True) as tmp:
-            yield tmp
-            from tempering.utils.logger import redact_secrets  # no credentials in checkpoints
+            try:
+                yield tmp
+                from tempering.utils.logger import redact_secrets  # none in checkpoints
 
-            plain = redact_secrets(_plain(config or {}))
-            (tmp / CONFIG_FILE).write_text(yaml.safe_dump(plain, sort_keys=False))
-            # Written last: its presence marks a finished folder even before the rename.
-            (tmp / TRAINING_INFO).write_text(json.dumps(_plain(info)))
+                plain = redact_secrets(_plain(config or {}))
+                (tmp / CONFIG_FILE).write_text(yaml.safe_dump(plain, sort_keys=False))
+                # Written last: its presence marks a finished folder even before the rename.
+                (tmp / TRAINING_INFO).write_text(json.dumps(_plain(info)))
+            except Exception as exc:
+                if _out_of_space(exc, self.checkpoint_dir):
+                    raise self._space_error(step, newest, need, "filled the disk") from exc
+                raise
         self._prune()
+
+    def _space_error(
+        self, step: int, newest: Path | None, need: int, what: str
+    ) -> CheckpointSpaceError:
+        free = shutil.disk_usage(self.checkpoint_dir).free
+        size = f"; the newest one, {newest.name}, takes {need / 2**20:.1f} MiB" if newest else ""
+        kept = "every checkpoint" if self.keep_top_k is None else f"{self.keep_top_k}"
+        intact = (
+            f" {newest} is intact: the same command, run again, resumes from it."
+            if newest else ""
+        )  # fmt: skip
+        return CheckpointSpaceError(
+            f"checkpoint step_{step} {what} in checkpointing.checkpoint_dir="
+            f"'{self.checkpoint_dir}': {free / 2**20:.1f} MiB free{size}, and "
+            f"checkpointing.keep_top_k={self.keep_top_k} keeps {kept} beside the one being "
+            "written. Free space there, lower checkpointing.keep_top_k, or point "
+            f"checkpointing.checkpoint_dir at a larger disk.{intact}"
+        )
 
     # ---------------------------------------------------------------- finding
     def complete_checkpoints(self) -> list[tuple[int, Path]]:
