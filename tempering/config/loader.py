@@ -55,6 +55,11 @@ def _load_node(path: Path, stack: tuple[Path, ...]) -> DictConfig:
         raise ConfigError([f"defaults: inheritance cycle: {chain}"])
     if not path.is_file():
         where = f" (listed in defaults: of {stack[-1]})" if stack else ""
+        if path.is_dir():
+            inside = sorted(p.name for p in path.glob("*.yaml"))
+            more = f" and {len(inside) - 6} more" if len(inside) > 6 else ""
+            hint = f"; it holds {', '.join(inside[:6])}{more}" if inside else ""
+            raise ConfigError([f"config file {path}{where} is a folder: name a YAML file{hint}"])
         raise ConfigError([f"config file {path} does not exist{where}; check the path"])
     try:
         with path.open() as f:

@@ -53,6 +53,15 @@ def test_missing_default_and_cycle_are_errors(tmp_path):
         load_yaml(tmp_path / "p.yaml")
 
 
+def test_a_folder_given_as_the_config_is_named_with_what_it_holds(tmp_path):
+    with pytest.raises(
+        ConfigError, match=r"is a folder: name a YAML file; it holds p.yaml, q.yaml"
+    ):
+        write(tmp_path, "p.yaml", "x: 1\n")
+        write(tmp_path, "q.yaml", "x: 2\n")
+        load_yaml(tmp_path)
+
+
 def test_override_change_add_forceadd_delete_lists_strings():
     cfg = {"a": {"b": 1, "d": 2}, "s": "x"}
     out = apply_overrides(
