@@ -12,6 +12,7 @@ told otherwise; callers that expose anything beyond loopback must require a key.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import ipaddress
 import json
@@ -24,6 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from tempering.errors import UserInputError
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +83,14 @@ def check_tls_files(
     return TlsFiles(certfile, keyfile)
 
 
+class ListenAddressError(OSError, UserInputError):
+    """A server cannot listen where it was told to (the port taken, the host not this
+    machine's); the message names the setting and the fix."""
+
+
 class BackgroundServer:
-    """uvicorn running `app` on `host:port` in a daemon thread (https when given `tls`)."""
+    """uvicorn running `app` on `host:port` in a daemon thread (https when given `tls`).
+    `config_key` names where a user sets host and port, for the error when they are wrong."""
 
     def __init__(
         self,
@@ -90,12 +99,17 @@ class BackgroundServer:
         port: int = 0,
         name: str = "server",
         tls: TlsFiles | None = None,
+        config_key: str | None = None,
     ):
         self.app, self.host, self.name, self.tls = app, host, name, tls
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._socket = socket.socket(family, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._socket.bind((host, port))
+        try:
+            self._socket.bind((host, port))
+        except OSError as err:
+            self._socket.close()
+            raise _listen_error(err, host, port, config_key or name) from None
         self.port = int(self._socket.getsockname()[1])
         self._server: Any = None
         self._thread: threading.Thread | None = None
@@ -203,3 +217,16 @@ def key_fingerprint(authorization: bytes | None) -> str | None:
         return None
     key = authorization[7:] if authorization[:7].lower() == b"bearer " else authorization
     return hashlib.sha256(key).hexdigest()[:16]
+
+
+def _listen_error(err: OSError, host: str, port: int, key: str) -> ListenAddressError:
+    if err.errno == errno.EADDRINUSE:
+        fix = "another process listens there; choose another port, or 0 for a free one"
+        named = ListenAddressError(f"{key}.port={port} on {host!r}: {fix}")
+    else:
+        named = ListenAddressError(
+            f"{key}.host={host!r} (port {port}): cannot listen there ({err.strerror}); use an "
+            "address of this machine, 127.0.0.1 (the default) or 0.0.0.0 (every interface)"
+        )
+    named.errno = err.errno
+    return named

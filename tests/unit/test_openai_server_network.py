@@ -217,3 +217,22 @@ def test_nemo_gym_launch_mode_refuses_an_https_server():
         build_nemo_gym_environment(gym, policy_base_url="https://127.0.0.1:1/v1",
                                    policy_model_name=MODEL, policy_api_key=None, max_seq_len=64,
                                    pad_token_id=0, work_dir="/nonexistent")  # fmt: skip
+
+
+def test_a_port_in_use_or_a_foreign_host_is_named_with_the_key_and_the_fix(tokenizer):
+    from tempering.utils.serving import ListenAddressError
+
+    with socket.socket() as taken:  # another process's listener, in effect
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ListenAddressError) as err:
+            OpenAIServer(_service(tokenizer), port=port)
+    assert str(err.value).startswith(
+        f"policy.generation.http_server.port={port} on '127.0.0.1': another process listens"
+    )
+    with pytest.raises(ListenAddressError, match=r"http_server.host='203.0.113.77' \(port 0\): "
+                       "cannot listen there"):  # fmt: skip
+        OpenAIServer(
+            _service(tokenizer), host="203.0.113.77", api_key="k"
+        )  # TEST-NET-3: no machine's own

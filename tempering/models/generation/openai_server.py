@@ -471,7 +471,9 @@ class OpenAIServer:
         self.ca_file = (ssl_ca_file or tls.certfile) if tls else None
         app = build_app(service, api_key, max_request_bytes)
         self.access_log = AccessLog(app, access_log) if access_log else None
-        self._http = BackgroundServer(self.access_log or app, host, port, "openai-server", tls)
+        self._http = BackgroundServer(
+            self.access_log or app, host, port, "openai-server", tls, config_key=CONFIG_PREFIX
+        )
         self.port = self._http.port
 
     @property
