@@ -49,6 +49,13 @@ def prepare_run(deadlines_cfg: DeadlinesConfig | None = None, log_dir: str | Non
     check_container_fingerprint()
 
 
+def data_source(data_cfg: Any) -> str:
+    """Where a run's training data comes from, as the user set it: the key and its value."""
+    if data_cfg.train_data_path:
+        return f"data.train_data_path={data_cfg.train_data_path!r}"
+    return f"data.dataset_name={data_cfg.dataset_name!r}"
+
+
 def start_ray(cluster_cfg: ClusterConfig) -> None:
     """Start (or join) Ray with the cluster's GPUs declared. Cheap to call twice."""
     from tempering.distributed.virtual_cluster import init_ray

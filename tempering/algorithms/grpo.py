@@ -90,6 +90,15 @@ class GRPORun:
         self.cluster.shutdown()
 
 
+def _problems(cfg: GRPOMasterConfig) -> tuple[list[Problem], list[Problem]]:
+    """The training and validation problems, each with the environment that scores it."""
+    train_problems, val_problems = load_problems(cfg.data, cfg.env.nemo_gym.default_route)
+    if cfg.env.task_name:  # one environment scores every problem
+        for p in train_problems + val_problems:
+            p.task_name = cfg.env.task_name
+    return train_problems, val_problems
+
+
 def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any], plan: Any = None) -> GRPORun:
     """Everything a GRPO run needs, started; ``plan``: the placement plan when the caller made
     it (distillation's, which adds the teacher), else made here."""
@@ -106,13 +115,12 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any], plan: Any = None) -> 
     plan = plan or common.plan_run(cfg)
     model_path = resolve_model_path(cfg.policy.model_name)
     tokenizer = common.load_run_tokenizer(cfg.policy)
-    train_problems, val_problems = load_problems(cfg.data, cfg.env.nemo_gym.default_route)
-    if cfg.env.task_name:  # one environment scores every problem
-        for p in train_problems + val_problems:
-            p.task_name = cfg.env.task_name
+    train_problems, val_problems = _problems(cfg)
     dataloader = StatefulDataLoader(
-        train_problems, cfg.grpo.num_prompts_per_step, seed=cfg.grpo.seed
-    )
+        train_problems, cfg.grpo.num_prompts_per_step, seed=cfg.grpo.seed,
+        batch_key="grpo.num_prompts_per_step",
+        source=f"the training problems ({common.data_source(cfg.data)})",
+    )  # fmt: skip
     common.start_ray(cfg.cluster)  # the inputs are good: now the workers
     environments = build_environments(cfg, {p.task_name for p in train_problems + val_problems})
 

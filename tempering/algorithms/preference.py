@@ -97,6 +97,7 @@ def preference_loader(
     *,
     seed: int = 0,
     shuffle: bool = True,
+    source: str = "the preference pairs",
 ) -> Any:
     """A `StatefulDataLoader` of `preference_batch`es, ``batch_rows // 2`` pairs each (the
     policy counts rows), that tokenizes the next batch in a background thread while the
@@ -112,6 +113,8 @@ def preference_loader(
         seed=seed,
         collate_fn=lambda chunk: preference_batch(chunk, own, max_seq_len),
         prefetch=True,
+        batch_key="policy.train_global_batch_size",  # rows: a pair is two
+        source=source,
     )
 
 
@@ -187,6 +190,7 @@ def prepare(cfg: Any, resolved: dict[str, Any], name: str) -> PreferenceRun:
         tokenizer,
         pol.max_total_sequence_length,
         seed=section.seed,
+        source=f"the training pairs ({common.data_source(cfg.data)})",
     )
     common.start_ray(cfg.cluster)
     cluster = common.build_cluster(plan.policy, cfg.cluster, name)

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from tempering.errors import UserInputError
+
 logger = logging.getLogger(__name__)
 
 # How long a thread that wants Python's GIL waits before the holder must hand it over (Python's
@@ -27,6 +29,10 @@ logger = logging.getLogger(__name__)
 # a tiny DPO step took 78.8 ms at 5 ms, 75.0 at 1 ms and 72.3 at 0.2 ms (medians of 70
 # interleaved steps each, 2026-11-28).
 PREFETCH_SWITCH_INTERVAL_S = 2e-4
+
+
+class DatasetTooSmallError(ValueError, UserInputError):
+    """The training data cannot fill one step's batch."""
 
 
 class StatefulDataLoader:
@@ -41,16 +47,20 @@ class StatefulDataLoader:
         drop_last: bool = True,
         collate_fn: Callable[[list[Any]], Any] = list,
         prefetch: bool = False,
+        batch_key: str = "batch_size",
+        source: str = "the dataset",
     ) -> None:
+        """`batch_key` and `source` name the setting behind `batch_size` and the data, for
+        the error when the data cannot fill one batch."""
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
-        if drop_last and len(dataset) < batch_size:
-            raise ValueError(
-                f"dataset of {len(dataset)} examples is smaller than batch_size={batch_size} "
-                "with drop_last=True: no batch could be made; lower the batch size"
+        if len(dataset) == 0 or (drop_last and len(dataset) < batch_size):
+            raise DatasetTooSmallError(
+                f"{source} has {len(dataset)} example{'' if len(dataset) == 1 else 's'}, "
+                f"fewer than the {batch_size} one step "
+                f"takes (set by {batch_key}): no batch can be made; add examples or lower "
+                f"{batch_key}"
             )
-        if len(dataset) == 0:
-            raise ValueError("StatefulDataLoader got an empty dataset")
         self.dataset = dataset
         self.batch_size = batch_size
         self.seed = seed

@@ -34,6 +34,14 @@ def test_openmathinstruct2_rows_load_with_the_default_keys(tmp_path):
     assert rows == [("What is 2+3?", "5"), ("Compute 7*6.", "42"), ("Half of 9?", "\\frac{9}{2}")]
 
 
+def test_a_file_saved_with_a_byte_order_mark_and_crlf_loads(tmp_path):
+    """Windows tools (Notepad, Excel's "UTF-8" export) start a file with a byte-order mark
+    and end lines with CRLF; json.loads refused the first row of such a file."""
+    path = tmp_path / "windows.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + _jsonl(path, OMI2).read_bytes().replace(b"\n", b"\r\n"))
+    assert load_problem_rows(path) == load_problem_rows(_jsonl(tmp_path / "plain.jsonl", OMI2))
+
+
 def test_other_keys_and_hugging_face_sources(tmp_path):
     import datasets
 

@@ -274,7 +274,7 @@ def test_loader_collates_and_rejects_bad_state(tokenizer):
     assert loader.next_batch()["input_ids"].shape[0] == 2
     with pytest.raises(ValueError, match="position=99"):
         loader.load_state_dict({"epoch": 0, "position": 99, "seed": 0})
-    with pytest.raises(ValueError, match="smaller than batch_size"):
+    with pytest.raises(ValueError, match="has 2 examples, fewer than the 3 one step takes"):
         StatefulDataLoader([1, 2], batch_size=3)
 
 

@@ -36,6 +36,13 @@ def bad_rows(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def two_rows(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "two.jsonl"
+    path.write_text('{"problem": "1+1", "expected_answer": "2"}\n' * 2)  # 1 trains, 1 validates
+    return path
+
+
 CASES = {
     "missing model": (
         "run_grpo_math.py", ["policy.model_name=/no/such/model"], ["'/no/such/model'", "Fix:"],
@@ -58,6 +65,12 @@ CASES = {
         ["data.dataset_name=nemo_gym", "data.train_data_path=/no/gym.jsonl"],
         ["data.train_data_path='/no/gym.jsonl' does not exist", "tempering gym-examples /no/gym.jsonl"],
     ),
+    "fewer problems than one step takes": (
+        "run_grpo_math.py",
+        ["data.dataset_name=problems", "data.train_data_path={two_rows}"],
+        ["the training problems (data.train_data_path='", "example, fewer than the 32 one step",
+         "lower grpo.num_prompts_per_step"],
+    ),
     "file dataset without its file": (
         "run_rm.py", ["data.dataset_name=preference"], ["data.train_data_path"],
     ),
@@ -65,9 +78,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_mistake_is_one_message_before_anything_starts(case, bad_rows):
+def test_mistake_is_one_message_before_anything_starts(case, bad_rows, two_rows):
     script, overrides, expected = CASES[case]
-    proc = _run(script, *(o.format(bad_rows=bad_rows) for o in overrides))
+    proc = _run(script, *(o.format(bad_rows=bad_rows, two_rows=two_rows) for o in overrides))
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     for text in expected:
