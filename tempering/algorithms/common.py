@@ -20,6 +20,7 @@ from tempering.config.schemas import (
     LoggerConfig,
     PolicyConfig,
 )
+from tempering.errors import UserInputError
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +58,28 @@ def data_source(data_cfg: Any) -> str:
 
 
 def start_ray(cluster_cfg: ClusterConfig) -> None:
-    """Start (or join) Ray with the cluster's GPUs declared. Cheap to call twice."""
+    """Start (or join) Ray with the cluster's GPUs declared. Cheap to call twice. A local
+    one-node run asking for more GPUs than torch sees here stops first, naming why: Ray would
+    declare them anyway, and the workers would train on the CPU."""
     from tempering.distributed.virtual_cluster import init_ray
 
     gpus = cluster_cfg.gpus_per_node * cluster_cfg.num_nodes
+    if gpus and cluster_cfg.num_nodes == 1 and not os.environ.get("RAY_ADDRESS"):
+        import torch
+
+        if torch.cuda.device_count() < gpus:
+            from tempering.models.policy.model_setup import cuda_unusable_reason
+
+            why = cuda_unusable_reason() if not torch.cuda.is_available() else "check nvidia-smi"
+            raise GPUsMissingError(
+                f"cluster.gpus_per_node={gpus} but torch sees {torch.cuda.device_count()} GPU(s) "
+                f"on this machine: {why}; or set cluster.gpus_per_node=0 to train on CPUs"
+            )
     init_ray(num_gpus=gpus or None)
+
+
+class GPUsMissingError(RuntimeError, UserInputError):
+    """The config asks for GPUs this machine does not have (or torch cannot use)."""
 
 
 def plan_run(cfg: Any) -> Any:

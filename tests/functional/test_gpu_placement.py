@@ -7,7 +7,8 @@ and each actor is told which GPU indices it holds. For `grpo_math_1B.yaml` (1 GP
 engines of TP 4 -- over two nodes; 2 x 8 and 1 x 8 were dropped to keep the suite's time: 16
 workers cost 2 cores minutes), the test builds the plan, the policy's
 virtual cluster and its worker group (the real FSDP2 policy worker, on the tiny model: torch
-sees no CUDA, so the workers compute on CPU with gloo) and the colocated vLLM engines'
+sees no CUDA, so the workers compute on CPU with gloo, as TEMPERING_STANDIN_GPUS=1 allows)
+and the colocated vLLM engines'
 placement with `start_colocated_engines`, the function the run uses. The engine is a probe
 (tests/workers.py) -- a real vLLM cannot start without a GPU -- that
 reports where Ray put it. Checked: bundles per node, which policy worker got which GPU index
@@ -89,6 +90,7 @@ def _main(config: str, nodes: int, overrides: list[str]) -> None:
 
     temp_root = tempfile.mkdtemp(prefix="raygpu_", dir="/tmp")
     os.environ["RAY_TMPDIR"] = temp_root
+    os.environ["TEMPERING_STANDIN_GPUS"] = "1"  # the workers' GPUs are declared, not there
     os.makedirs(os.path.join(temp_root, "ray"))
     head = {"num_cpus": gpus + 2, "num_gpus": gpus, "include_dashboard": False,
             "temp_dir": f"{temp_root}/ray"}  # fmt: skip

@@ -135,12 +135,50 @@ class Topology:
                 "dp_size": self.dp_size, "tp_size": self.tp_size}  # fmt: skip
 
 
+STANDIN_GPUS_ENV = "TEMPERING_STANDIN_GPUS"  # "1": CPU-only Ray nodes stand in for GPU ones
+
+
+def cuda_unusable_reason() -> str:
+    """Why torch sees no GPU here, and the fix."""
+    if torch.version.cuda is None:
+        return (
+            f"torch {torch.__version__} is a CPU-only build; install the CUDA build "
+            "(uv sync --no-group cpu --group gpu: README, 'Environments: CPU and GPU from one lock')"
+        )
+    return (
+        f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no usable GPU: a driver "
+        f"missing or older than CUDA {torch.version.cuda} needs, or CUDA_VISIBLE_DEVICES="
+        f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}; see nvidia-smi"
+    )
+
+
+def check_assigned_gpus() -> None:
+    """A worker Ray gave GPUs must see them: else it would train on the CPU, silently, many
+    times slower. ``TEMPERING_STANDIN_GPUS=1`` allows it, logged (the tests' CPU-only Ray nodes
+    that declare GPUs)."""
+    if torch.cuda.is_available():
+        return
+    import ray
+
+    ids = ray.get_gpu_ids() if ray.is_initialized() else []
+    if not ids:
+        return
+    where = f"worker on {socket.gethostname()} given GPU(s) {ids} (cluster.gpus_per_node > 0)"
+    if os.environ.get(STANDIN_GPUS_ENV) == "1":
+        logger.warning("%s computes on CPU: %s=1", where, STANDIN_GPUS_ENV)
+        return
+    raise RuntimeError(
+        f"{where}, but {cuda_unusable_reason()}; or set cluster.gpus_per_node=0 to train on CPUs"
+    )
+
+
 def init_topology(tp_size: int) -> Topology:
     """Join the process group (RANK, WORLD_SIZE, LOCAL_RANK from the environment) and build the
     ``dp`` (x ``tp``) device mesh. A group started earlier in this process is reused."""
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    check_assigned_gpus()
     if torch.cuda.is_available():
         index = local_rank if torch.cuda.device_count() > local_rank else 0
         device = torch.device("cuda", index)
