@@ -40,6 +40,7 @@ from typing import Any, Generic, TypeVar
 
 import yaml
 
+from tempering.errors import UserInputError
 from tempering.utils.atomic import atomic_write_text
 
 _log = logging.getLogger(__name__)
@@ -291,13 +292,18 @@ class Logger:
 
 
 # ---------------------------------------------------------------- backends
+class LoggerBackendError(RuntimeError, UserInputError):
+    """A logging backend the config turned on cannot start; the message names the key and
+    the fix (a login, an install, a URI)."""
+
+
 def _start_tensorboard(path: Path, config_text: str) -> Any:
     try:
         from torch.utils.tensorboard import SummaryWriter
 
         writer = SummaryWriter(log_dir=str(path))
     except Exception as e:
-        raise RuntimeError(
+        raise LoggerBackendError(
             f"logger.tensorboard_enabled=true but TensorBoard could not start ({type(e).__name__}: "
             f"{e}); install `tensorboard` (uv sync) or set logger.tensorboard_enabled=false"
         ) from e
@@ -310,7 +316,7 @@ def _start_wandb(log_dir: Path, project: str, name: str | None, config: dict[str
     try:
         import wandb
     except Exception as e:
-        raise RuntimeError(
+        raise LoggerBackendError(
             f"logger.wandb_enabled=true but `wandb` cannot be imported ({type(e).__name__}: {e}); "
             f"install it (uv sync) or set logger.wandb_enabled=false"
         ) from e
@@ -324,7 +330,7 @@ def _start_wandb(log_dir: Path, project: str, name: str | None, config: dict[str
             settings=wandb.Settings(silent=True, console="off"),
         )
     except Exception as e:
-        raise RuntimeError(
+        raise LoggerBackendError(
             f"logger.wandb_enabled=true but W&B could not start ({type(e).__name__}: {e}); run "
             f"`wandb login`, or set WANDB_MODE=offline to log locally, or set "
             f"logger.wandb_enabled=false"
@@ -337,7 +343,7 @@ def _start_mlflow(
     try:
         from mlflow.tracking import MlflowClient
     except Exception as e:
-        raise RuntimeError(
+        raise LoggerBackendError(
             f"logger.mlflow_enabled=true but `mlflow` cannot be imported ({type(e).__name__}: {e}); "
             f"install mlflow-skinny (uv sync) or set logger.mlflow_enabled=false"
         ) from e
@@ -353,7 +359,7 @@ def _start_mlflow(
         run = client.create_run(exp_id, run_name=run_name)
         client.log_dict(run.info.run_id, config, "config.yaml")
     except Exception as e:
-        raise RuntimeError(
+        raise LoggerBackendError(
             f"logger.mlflow_enabled=true but MLflow could not start at tracking URI {uri!r} "
             f"({type(e).__name__}: {e}); check the URI/server or set logger.mlflow_enabled=false"
         ) from e

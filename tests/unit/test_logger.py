@@ -183,11 +183,14 @@ def test_broken_backends_are_errors_naming_the_fix(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A missing wandb package is simulated by hiding the module (it is installed here).
+    # LoggerBackendError is a UserInputError: the scripts print it as one line, exit 2.
+    from tempering.utils.logger import LoggerBackendError
+
     monkeypatch.setitem(__import__("sys").modules, "wandb", None)
-    with pytest.raises(RuntimeError, match=r"wandb.*logger\.wandb_enabled=false"):
+    with pytest.raises(LoggerBackendError, match=r"wandb.*logger\.wandb_enabled=false"):
         Logger(tmp_path / "a", tensorboard_enabled=False, wandb_enabled=True)
     with pytest.raises(
-        RuntimeError,
+        LoggerBackendError,
         match=r"MLflow could not start at tracking URI 'bogus://nowhere'.*mlflow_enabled=false",
     ):
         Logger(
