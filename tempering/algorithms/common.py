@@ -57,6 +57,10 @@ def data_source(data_cfg: Any) -> str:
     return f"data.dataset_name={data_cfg.dataset_name!r}"
 
 
+class GPUsMissingError(RuntimeError, UserInputError):
+    """The config asks for GPUs this machine does not have (or torch cannot use)."""
+
+
 def start_ray(cluster_cfg: ClusterConfig) -> None:
     """Start (or join) Ray with the cluster's GPUs declared. Cheap to call twice. A local
     one-node run asking for more GPUs than torch sees here stops first, naming why: Ray would
@@ -76,10 +80,6 @@ def start_ray(cluster_cfg: ClusterConfig) -> None:
                 f"on this machine: {why}; or set cluster.gpus_per_node=0 to train on CPUs"
             )
     init_ray(num_gpus=gpus or None)
-
-
-class GPUsMissingError(RuntimeError, UserInputError):
-    """The config asks for GPUs this machine does not have (or torch cannot use)."""
 
 
 def plan_run(cfg: Any) -> Any:

@@ -55,11 +55,11 @@ class StatefulDataLoader:
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
         if len(dataset) == 0 or (drop_last and len(dataset) < batch_size):
+            n = len(dataset)
             raise DatasetTooSmallError(
-                f"{source} has {len(dataset)} example{'' if len(dataset) == 1 else 's'}, "
-                f"fewer than the {batch_size} one step "
-                f"takes (set by {batch_key}): no batch can be made; add examples or lower "
-                f"{batch_key}"
+                f"{source} has {n} example{'' if n == 1 else 's'}, fewer than the {batch_size} "
+                f"one step takes (set by {batch_key}): no batch can be made; add examples or "
+                f"lower {batch_key}"
             )
         self.dataset = dataset
         self.batch_size = batch_size

@@ -97,7 +97,7 @@ def iter_jsonl(path: str | Path, issues: RowIssues) -> Iterator[tuple[int, dict[
     path = Path(path)
     if not path.is_file():
         raise DataFileNotFoundError(f"data file {str(path)!r} does not exist; check the path")
-    with path.open(encoding="utf-8-sig") as f:  # -sig: a byte-order mark (Windows tools) goes
+    with path.open(encoding="utf-8-sig") as f:  # drops the byte-order mark Windows tools write
         for line_number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
