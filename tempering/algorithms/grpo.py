@@ -91,7 +91,11 @@ class GRPORun:
 
 
 def _problems(cfg: GRPOMasterConfig) -> tuple[list[Problem], list[Problem]]:
-    """The training and validation problems, each with the environment that scores it."""
+    """The training and validation problems, each with the environment that scores it (a
+    custom reward's module checked to be there, before any worker starts)."""
+    from tempering.environments.reward_fn import check_reward_fn
+
+    check_reward_fn(cfg.env.reward_fn)
     train_problems, val_problems = load_problems(cfg.data, cfg.env.nemo_gym.default_route)
     if cfg.env.task_name:  # one environment scores every problem
         for p in train_problems + val_problems:

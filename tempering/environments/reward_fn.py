@@ -20,6 +20,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,8 +37,9 @@ from tempering.environments.interfaces import (
     prompt_text,
     samples,
 )
+from tempering.errors import UserInputError
 
-__all__ = ["RewardFn", "RewardFunctionEnvironment", "load_reward_fn"]
+__all__ = ["RewardFn", "RewardFunctionEnvironment", "check_reward_fn", "load_reward_fn"]
 
 RewardFn = Callable[[str, str, dict[str, Any]], float]
 
@@ -54,6 +57,36 @@ def _import_module(module_path: str) -> Any:
         spec.loader.exec_module(module)
         return module
     return importlib.import_module(module_path)
+
+
+class RewardFnNotFoundError(ImportError, UserInputError):
+    """``env.reward_fn`` names a module or file that is not there."""
+
+
+def check_reward_fn(path: str | None) -> None:
+    """Before any worker starts: the module or file ``env.reward_fn`` names can be found
+    (found, not imported: the function is loaded where it runs, in its environment actor)."""
+    if not path:
+        return
+    module_path = path.rpartition(":" if ":" in path else ".")[0]
+    if not module_path:
+        load_reward_fn(path)  # raises its own error for a path that is no import path
+    if module_path.endswith(".py"):
+        found = Path(module_path).is_file()
+    else:
+        sys.path.insert(0, os.getcwd())  # where the actor looks too: Ray adds the driver's cwd
+        try:
+            found = importlib.util.find_spec(module_path) is not None
+        except (ImportError, ValueError):  # a parent package that is missing or broken
+            found = False
+        finally:
+            sys.path.remove(os.getcwd())
+    if not found:
+        raise RewardFnNotFoundError(
+            f"env.reward_fn={path!r}: {module_path!r} is not found from {Path.cwd()}; run from "
+            "the folder that holds it (it must be importable) or give a file path "
+            "'dir/file.py:fn'"
+        )
 
 
 def load_reward_fn(path: str) -> RewardFn:

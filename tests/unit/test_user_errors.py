@@ -71,6 +71,10 @@ CASES = {
         ["the training problems (data.train_data_path='", "example, fewer than the 32 one step",
          "lower grpo.num_prompts_per_step"],
     ),
+    "custom reward module not there": (
+        "run_grpo_math.py", ["env.reward_fn=no_such_rewards:brevity"],
+        ["env.reward_fn='no_such_rewards:brevity': 'no_such_rewards' is not found from "],
+    ),
     "file dataset without its file": (
         "run_rm.py", ["data.dataset_name=preference"], ["data.train_data_path"],
     ),
@@ -127,3 +131,19 @@ def test_a_folder_another_run_is_using_is_refused_before_anything_starts(tmp_pat
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert f"checkpointing.checkpoint_dir='{ckpt}' is in use by another run (pid {os.getpid()} " \
         in proc.stderr, proc.stderr[-2000:]  # fmt: skip
+
+
+def test_a_custom_reward_in_the_working_folder_is_found_as_its_actor_finds_it(
+    tmp_path, monkeypatch
+):
+    """Ray's workers import from the driver's working folder, so the check looks there too
+    (a run from the folder holding my_rewards.py trains; from elsewhere it stops)."""
+    from tempering.environments.reward_fn import RewardFnNotFoundError, check_reward_fn
+
+    (tmp_path / "my_rewards_here.py").write_text("def brevity(p, c, m):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)
+    check_reward_fn("my_rewards_here:brevity")
+    check_reward_fn("my_rewards_here.py:brevity")
+    monkeypatch.chdir(tmp_path.parent)
+    with pytest.raises(RewardFnNotFoundError, match="run from the folder that holds it"):
+        check_reward_fn("my_rewards_here:brevity")
