@@ -74,18 +74,27 @@ class _Guard:
 _active: _Guard | None = None
 
 
+def process_table() -> dict[int, tuple[str, int, int]]:
+    """``{pid: (state, parent pid, session id)}`` of every process, from /proc (empty where
+    there is none); a process that ends while the table is read is left out."""
+    table = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:  # the fields after the command name, which may hold spaces and parentheses
+            state, ppid, _pgrp, session = stat.read_text().rsplit(")", 1)[1].split()[:4]
+            table[int(stat.parent.name)] = (state, int(ppid), int(session))
+        except (OSError, IndexError, ValueError):
+            continue  # ended meanwhile
+    return table
+
+
 def kill_descendants() -> int:
     """SIGKILL every process below this one -- Ray's node processes, its workers and what
     they started -- and return how many (an interrupted ``ray.shutdown()`` leaves Ray's agents
     running otherwise). The whole tree is read from /proc first, so none escapes by being
     reparented; nothing where there is no /proc."""
     children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue  # ended meanwhile
-        children.setdefault(ppid, []).append(int(stat.parent.name))
+    for pid, (_state, ppid, _session) in process_table().items():
+        children.setdefault(ppid, []).append(pid)
     found, todo = [], [os.getpid()]
     while todo:
         below = children.get(todo.pop(), [])

@@ -90,15 +90,16 @@ def _left_behind(session: int, wait_s: float = 10.0) -> list[str]:
     """The live processes of `session` (the run's, started in its own), once they have had
     `wait_s` to end after the run exited: Ray's node processes are tied to the driver and end
     within a second of it."""
+    from tempering.utils.stopping import process_table
+
     deadline = time.monotonic() + wait_s
     while True:
         left = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            with contextlib.suppress(OSError):
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-                if int(fields[3]) == session and fields[0] != "Z":  # not a zombie
-                    cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ")
-                    left.append(f"{stat.parent.name} {cmdline.decode(errors='replace')[:80]}")
+        for pid, (state, _ppid, sid) in process_table().items():
+            if sid == session and state != "Z":  # not a zombie
+                with contextlib.suppress(OSError):
+                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                    left.append(f"{pid} {cmdline.decode(errors='replace')[:80]}")
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.2)

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tempering.utils.stopping import stop_cleanly, stop_message
+from tempering.utils.stopping import process_table, stop_cleanly, stop_message
 
 CHILD = textwrap.dedent(
     """
@@ -65,11 +65,8 @@ def _signalled(ckpt: Path, signals: list[int], repeat_s: float = 2.0, cleanup: s
 
 
 def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"  # killed, not yet reaped by init
+    entry = process_table().get(pid)
+    return entry is not None and entry[0] != "Z"  # a zombie: killed, not yet reaped by init
 
 
 def _checkpoint(ckpt: Path, step: int, complete: bool = True) -> None:
