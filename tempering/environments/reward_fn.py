@@ -68,9 +68,7 @@ def check_reward_fn(path: str | None) -> None:
     (found, not imported: the function is loaded where it runs, in its environment actor)."""
     if not path:
         return
-    module_path = path.rpartition(":" if ":" in path else ".")[0]
-    if not module_path:
-        load_reward_fn(path)  # raises its own error for a path that is no import path
+    module_path, _ = _split(path)
     if module_path.endswith(".py"):
         found = Path(module_path).is_file()
     else:
@@ -89,17 +87,21 @@ def check_reward_fn(path: str | None) -> None:
         )
 
 
-def load_reward_fn(path: str) -> RewardFn:
-    """Import the callable named by ``"module:attr"``, ``"module.attr"`` or ``"file.py:attr"``."""
-    if ":" in path:
-        module_path, _, attr = path.rpartition(":")
-    else:
-        module_path, _, attr = path.rpartition(".")
+def _split(path: str) -> tuple[str, str]:
+    """``(module or file, attribute)`` of ``"module:attr"``, ``"module.attr"`` or
+    ``"file.py:attr"``; a ValueError naming the form for anything else."""
+    module_path, _, attr = path.rpartition(":" if ":" in path else ".")
     if not module_path or not attr:
         raise ValueError(
             f"reward_fn='{path}' is not an import path; write 'package.module:function' "
             f"(e.g. 'examples.custom_reward:length_penalty')."
         )
+    return module_path, attr
+
+
+def load_reward_fn(path: str) -> RewardFn:
+    """Import the callable named by ``"module:attr"``, ``"module.attr"`` or ``"file.py:attr"``."""
+    module_path, attr = _split(path)
     try:
         module = _import_module(module_path)
     except ImportError as exc:
