@@ -114,6 +114,7 @@ def resolve_model(model: str, scratch: Path) -> tuple[str, dict[str, Any] | None
     import yaml
 
     from tempering.models.export import export_checkpoint
+    from tempering.utils.checkpoint import run_folder_hint
 
     path = Path(model)
     step = path.parent if path.name == "policy" else path
@@ -122,6 +123,9 @@ def resolve_model(model: str, scratch: Path) -> tuple[str, dict[str, Any] | None
         export_checkpoint(step, out)
         return str(out), yaml.safe_load((step / "config.yaml").read_text())
     if path.is_dir() and not (path / "config.json").is_file():
+        hint = run_folder_hint(path)
+        if hint:
+            raise FileNotFoundError(hint)
         raise FileNotFoundError(
             f"{model} is neither a Hugging Face folder (no config.json) nor a step checkpoint "
             "(no config.yaml + policy/); pass results/<run>/final_hf or results/<run>/step_<N>"

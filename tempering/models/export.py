@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from tempering.utils.atomic import TMP_MARKER, atomic_directory
+from tempering.utils.checkpoint import run_folder_hint
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +145,9 @@ def _policy_dir(ckpt: Path) -> tuple[Path, Path]:
                                      ("config.yaml", step / "config.yaml")) if not p.is_file()
     ]  # fmt: skip
     if problems:
+        hint = run_folder_hint(step)
+        if hint:  # the run's checkpoint_dir, one level above its steps
+            raise PartialCheckpointError(hint)
         raise PartialCheckpointError(
             f"{step} is not a complete step checkpoint ({', '.join(problems)}); pass a "
             "step_<N> folder that a run finished writing"

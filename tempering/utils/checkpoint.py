@@ -332,6 +332,20 @@ class CheckpointManager:
         return ranked[: self.keep_top_k]
 
 
+def run_folder_hint(folder: str | Path) -> str | None:
+    """What to pass instead when `folder` is a run's checkpoint_dir, not one of its steps."""
+    found = CheckpointManager(folder, save_period=1).complete_checkpoints()
+    if not found:
+        return None
+    names = ", ".join(path.name for _, path in found)
+    final = Path(folder) / "final_hf"
+    final_hint = f" or its final model, {final}" if (final / "config.json").is_file() else ""
+    return (
+        f"{folder} is a run's checkpoint folder, not one step: it holds {names}; pass one of "
+        f"them, e.g. the newest, {found[-1][1]}{final_hint}"
+    )
+
+
 def _process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -90,6 +90,7 @@ def _omi2_file(path: Path, n: int) -> Path:
 def test_grpo_on_own_problems_leaves_final_hf_and_exports_any_step(ray_session, tmp_path):
     from tempering.algorithms import grpo
     from tempering.distributed.batched_data_dict import BatchedDataDict
+    from tempering.evaluation import resolve_model
     from tempering.models.export import PartialCheckpointError, export_checkpoint
 
     data = _omi2_file(tmp_path / "omi2.jsonl", 400)
@@ -136,6 +137,12 @@ def test_grpo_on_own_problems_leaves_final_hf_and_exports_any_step(ray_session, 
     (partial / "training_info.json").unlink()
     with pytest.raises(PartialCheckpointError, match="step_9 is not a complete step checkpoint"):
         export_checkpoint(partial, tmp_path / "never")
+    # the run's checkpoint folder itself: export and eval name what it holds and the newest
+    hint = r"checkpoint folder, not one step: it holds step_1, step_2; .*ckpt/step_2 or its final"
+    with pytest.raises(PartialCheckpointError, match=hint):
+        export_checkpoint(tmp_path / "ckpt", tmp_path / "never")
+    with pytest.raises(FileNotFoundError, match=hint):
+        resolve_model(str(tmp_path / "ckpt"), tmp_path / "scratch")
 
 
 @pytest.mark.parametrize("algorithm", ["sft", "dpo", "rm"])
