@@ -191,9 +191,10 @@ def evaluate(
     threshold = 0.0 if multi_turn else 0.5  # solved (any turn) / correct
     with tempfile.TemporaryDirectory(prefix="tempering_eval_") as scratch:
         path, run_cfg = resolve_model(model, Path(scratch))
-        settings = eval_settings(task, run_cfg or {}, max_new_tokens, use_chat_template, max_turns)
-        sampling = SamplingConfig(max_new_tokens=settings.max_new_tokens, temperature=temperature)
         tokenizer = load_tokenizer(path)
+        settings = eval_settings(task, run_cfg or {}, max_new_tokens, use_chat_template, max_turns,
+                                 has_template=bool(getattr(tokenizer, "chat_template", None)))  # fmt: skip
+        sampling = SamplingConfig(max_new_tokens=settings.max_new_tokens, temperature=temperature)
         generation, close = _backend(path, backend, sampling)
         try:
             rollouts = EvalRollouts(generation, tokenizer, sampling, settings)
@@ -241,16 +242,25 @@ def eval_settings(
     max_new_tokens: int | None,
     use_chat_template: bool | None,
     max_turns: int | None,
+    has_template: bool = True,
 ) -> EvalSettings:
     """Each setting from its argument, else the run's config (a checkpoint's), else the
-    task's default."""
+    task's default; a tokenizer without a chat template (a base model's) reads raw prompts
+    unless the template is asked for by name (an error naming the fix)."""
     policy_cfg = run_cfg.get("policy") or {}
     gen_cfg = policy_cfg.get("generation") or {}
     turns = max_turns or (3 if task == "arithmetic_retry" else 1)
     chat = use_chat_template
     if chat is None:
-        chat = (run_cfg.get("data") or {}).get("use_chat_template", task not in (
-            "arithmetic", "arithmetic_retry"))  # fmt: skip
+        chat = (run_cfg.get("data") or {}).get("use_chat_template")
+    if chat and not has_template:
+        raise ValueError(
+            "the model's tokenizer has no chat template (a base model?) and "
+            f"{'--chat-template' if use_chat_template else 'its run set data.use_chat_template'} "
+            "asks for it: pass --no-chat-template for raw prompts"
+        )
+    if chat is None:  # the task's default, where the tokenizer can
+        chat = has_template and task not in ("arithmetic", "arithmetic_retry")
     new_tokens = max_new_tokens or gen_cfg.get("max_new_tokens") or (
         6 if task.startswith("arithmetic") else 256)  # fmt: skip
     max_len = int(policy_cfg.get("max_total_sequence_length") or 4096)
@@ -356,7 +366,8 @@ def report(result: EvalResult, baseline: EvalResult | None, path: str | None) ->
     s = result.settings
     lines = [
         f"tempering eval: {result.task} ({s['split']} split, {result.samples} problems, greedy, "
-        f"{s['backend']} engine, max {s['max_new_tokens']} new tokens"
+        f"{s['backend']} engine, max {s['max_new_tokens']} new tokens, "
+        + ("chat template" if s["use_chat_template"] else "raw prompts")
         + (f", {s['max_turns']} turns" if s["max_turns"] > 1 else "")
         + ")",
         line(result, "model"),

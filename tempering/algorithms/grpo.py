@@ -34,6 +34,7 @@ from tempering.algorithms.signal_watch import SignalWatch, step_signal
 from tempering.config.schemas import GRPOMasterConfig
 from tempering.data.grpo_problems import Problem, load_problems, reasoning_gym_problems  # noqa: F401
 from tempering.distributed.batched_data_dict import BatchedDataDict
+from tempering.errors import UserInputError
 from tempering.utils import faults
 from tempering.utils.timers import Timer
 
@@ -90,9 +91,13 @@ class GRPORun:
         self.cluster.shutdown()
 
 
-def _problems(cfg: GRPOMasterConfig) -> tuple[list[Problem], list[Problem]]:
+class ChatTemplateMissingError(ValueError, UserInputError):
+    """The run renders chat messages and the tokenizer has no chat template."""
+
+
+def _problems(cfg: GRPOMasterConfig, tokenizer: Any) -> tuple[list[Problem], list[Problem]]:
     """The training and validation problems, each with the environment that scores it (a
-    custom reward's module checked to be there, before any worker starts)."""
+    custom reward's module and a needed chat template checked, before any worker starts)."""
     from tempering.environments.reward_fn import check_reward_fn
 
     check_reward_fn(cfg.env.reward_fn)
@@ -100,7 +105,34 @@ def _problems(cfg: GRPOMasterConfig) -> tuple[list[Problem], list[Problem]]:
     if cfg.env.task_name:  # one environment scores every problem
         for p in train_problems + val_problems:
             p.task_name = cfg.env.task_name
+    _check_chat_template(cfg, tokenizer, {p.task_name for p in train_problems + val_problems})
     return train_problems, val_problems
+
+
+def _check_chat_template(cfg: GRPOMasterConfig, tokenizer: Any, tasks: set[str]) -> None:
+    """A base model's tokenizer (no chat template) trains on raw prompts given as token ids;
+    whatever renders messages needs a template, named here."""
+    if getattr(tokenizer, "chat_template", None):
+        return
+    needs = [
+        why for why, need in (
+            ("data.use_chat_template=true", cfg.data.use_chat_template),
+            ("policy.generation.http_server.enabled=true (clients send messages)",
+             cfg.policy.generation.http_server.enabled),
+            (f"grpo.max_rollout_turns={cfg.grpo.max_rollout_turns} (later turns are messages)",
+             cfg.grpo.max_rollout_turns > 1),
+            (f"the tasks {sorted(tasks & {'nemo_gym', *_TOOL_TASKS})} (messages, tools)",
+             bool(tasks & {"nemo_gym", *_TOOL_TASKS})),
+        ) if need
+    ]  # fmt: skip
+    if needs:
+        fixes = " (or data.use_chat_template=false for raw prompts)" * cfg.data.use_chat_template
+        raise ChatTemplateMissingError(
+            f"policy.model_name={cfg.policy.model_name!r}: its tokenizer has no chat template "
+            f"(a base model?), and {'; '.join(needs)} needs one. Fix: set "
+            f"policy.tokenizer.chat_template to a Jinja template{fixes}, or use the model's "
+            "instruct version"
+        )
 
 
 def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any], plan: Any = None) -> GRPORun:
@@ -119,7 +151,7 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any], plan: Any = None) -> 
     plan = plan or common.plan_run(cfg)
     model_path = resolve_model_path(cfg.policy.model_name)
     tokenizer = common.load_run_tokenizer(cfg.policy)
-    train_problems, val_problems = _problems(cfg)
+    train_problems, val_problems = _problems(cfg, tokenizer)
     dataloader = StatefulDataLoader(
         train_problems, cfg.grpo.num_prompts_per_step, seed=cfg.grpo.seed,
         batch_key="grpo.num_prompts_per_step",

@@ -233,7 +233,7 @@ def make_plan(cfg: Any, shape: ModelShape | None, teacher_shape: ModelShape | No
     tp = pol.dtensor_cfg.tensor_parallel_size
     if shape is None:
         notes.append(f"the size of {pol.model_name!r} is unknown here (no config.json on this "
-                     "machine): memory was not checked")  # fmt: skip
+                     "machine, or not a Llama-style one): memory was not checked")  # fmt: skip
 
     gen_cfg = pol.generation if isinstance(cfg, GRPOMasterConfig) else None
     split = gen_cfg is not None and not gen_cfg.colocated.enabled

@@ -59,7 +59,7 @@ def model_shape(model_name: str) -> ModelShape | None:
         folders.append(Path(resolve_model_path(model_name)))
     for folder in folders:
         if (folder / "config.json").is_file():
-            return ModelShape.from_config(json.loads((folder / "config.json").read_text()))
+            return _read_shape(json.loads((folder / "config.json").read_text()), "config.json")
     try:  # a hub id already in the local cache
         from huggingface_hub import try_to_load_from_cache
 
@@ -67,5 +67,14 @@ def model_shape(model_name: str) -> ModelShape | None:
     except Exception:  # not a valid repo id
         return None
     if isinstance(cached, str):
-        return ModelShape.from_config(json.loads(Path(cached).read_text()), "HF cache")
+        return _read_shape(json.loads(Path(cached).read_text()), "HF cache")
     return None
+
+
+def _read_shape(config: dict[str, Any], source: str) -> ModelShape | None:
+    """The shape in a Llama-style config (hidden_size, num_hidden_layers, ...), else None
+    (GPT-2 names them n_embd, n_layer, ...): the planner notes that memory went unchecked."""
+    try:
+        return ModelShape.from_config(config, source)
+    except KeyError:
+        return None

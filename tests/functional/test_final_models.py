@@ -193,28 +193,40 @@ def test_sft_dpo_rm_leave_final_hf(ray_session, tmp_path, algorithm):
     assert scores.shape == (1, 1) and torch.isfinite(scores).all()
 
 
-def test_eval_of_the_final_model_agrees_with_the_runs_last_validation(ray_session, tmp_path):
-    """`tempering eval` scores the same problems the way GRPO validation does: on the main
+def test_a_base_model_learns_and_eval_agrees_with_the_runs_validation(ray_session, tmp_path):
+    """A base model -- tiny-arith without its chat template, as a pretrained-only checkpoint
+    ships -- trains with GRPO on raw prompts (its turns end at EOS) and learns: held-out
+    accuracy rises by at least 5 points from 40.6% (measured: +14.6 in 15 steps). And
+    `tempering eval` scores the same problems the way GRPO validation does: on the main
     job's config, the final model's eval accuracy equals the run's last validation."""
     from tempering.algorithms import grpo
     from tempering.evaluation import evaluate
+    from tempering.models.registry import resolve_model_path
 
+    base = tmp_path / "base"
+    shutil.copytree(resolve_model_path("tiny-arith"), base)
+    (base / "chat_template.jinja").unlink()
     cfg, resolved = load_config(
         REPO / "examples/configs/grpo_math_tiny.yaml",
-        [*_common(tmp_path), "grpo.max_num_steps=3", "grpo.val_period=3",
-         "data.num_val_samples=96", "grpo.max_val_samples=96", "checkpointing.save_period=3"],
+        [*_common(tmp_path), f"policy.model_name={base}", "grpo.max_num_steps=15",
+         "grpo.val_period=15", "data.num_val_samples=96", "grpo.max_val_samples=96",
+         "checkpointing.save_period=15"],
         schema=GRPOMasterConfig,
     )  # fmt: skip
     run = grpo.setup(cfg, resolved)
     try:
+        assert run.chat.prompts.chat_template is None
+        assert run.chat.prompts.eot_token_id == run.tokenizer.eos_token_id
         summary = grpo.train(run)
     finally:
         run.close()
+    assert summary["end_accuracy"] >= summary["start_accuracy"] + 0.05, summary
     final = evaluate(summary["final_model"], "arithmetic", samples=96, progress=False)
     assert final.accuracy == summary["end_accuracy"]
-    start = evaluate("tiny-arith", "arithmetic", samples=96, progress=False)
+    assert final.settings["use_chat_template"] is False
+    start = evaluate(str(base), "arithmetic", samples=96, progress=False)
     assert start.accuracy == summary["start_accuracy"]
-    step = evaluate(str(tmp_path / "ckpt/step_3"), "arithmetic", samples=96, progress=False)
+    step = evaluate(str(tmp_path / "ckpt/step_15"), "arithmetic", samples=96, progress=False)
     assert step.correct == final.correct  # a step checkpoint, exported on the fly
 
 

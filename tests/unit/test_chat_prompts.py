@@ -54,6 +54,17 @@ def test_end_of_turn_token_is_found_from_the_template(tiny, chatml):
     assert builder.eot_token_id != chatml.eos_token_id  # not the EOS: found, not assumed
 
 
+def test_a_base_models_tokenizer_ends_turns_at_eos_and_refuses_messages_by_name():
+    """No chat template (a base model): prompts arrive as token ids, so the builder stands;
+    a turn ends at the EOS; rendering messages is refused with the fix."""
+    base = build_tokenizer()
+    base.chat_template = None
+    builder = ChatPromptBuilder(base)
+    assert (builder.eot_token, builder.eot_token_id) == (base.eos_token, base.eos_token_id)
+    with pytest.raises(ValueError, match="no chat template .*policy.tokenizer.chat_template"):
+        builder.encode([_user("1+1=?")])
+
+
 def test_first_turn_is_the_template_rendering(chatml):
     builder = ChatPromptBuilder(chatml)
     enc = builder.encode([_user("Q: 1+2=? A:")])

@@ -43,6 +43,19 @@ def two_rows(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory) -> Path:
+    """tiny-arith as a base model: its tokenizer without a chat template."""
+    import shutil
+
+    from tempering.models.registry import resolve_model_path
+
+    folder = tmp_path_factory.mktemp("models") / "base"
+    shutil.copytree(resolve_model_path("tiny-arith"), folder)
+    (folder / "chat_template.jinja").unlink()
+    return folder
+
+
 CASES = {
     "missing model": (
         "run_grpo_math.py", ["policy.model_name=/no/such/model"], ["'/no/such/model'", "Fix:"],
@@ -75,6 +88,11 @@ CASES = {
         "run_grpo_math.py", ["env.reward_fn=no_such_rewards:brevity"],
         ["env.reward_fn='no_such_rewards:brevity': 'no_such_rewards' is not found from "],
     ),
+    "a base model's prompts through a chat template": (
+        "run_grpo_math.py", ["policy.model_name={base_model}", "data.use_chat_template=true"],
+        ["its tokenizer has no chat template (a base model?), and data.use_chat_template=true "
+         "needs one", "data.use_chat_template=false for raw prompts"],
+    ),
     "file dataset without its file": (
         "run_rm.py", ["data.dataset_name=preference"], ["data.train_data_path"],
     ),
@@ -82,9 +100,10 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_mistake_is_one_message_before_anything_starts(case, bad_rows, two_rows):
+def test_mistake_is_one_message_before_anything_starts(case, bad_rows, two_rows, base_model):
     script, overrides, expected = CASES[case]
-    proc = _run(script, *(o.format(bad_rows=bad_rows, two_rows=two_rows) for o in overrides))
+    files = {"bad_rows": bad_rows, "two_rows": two_rows, "base_model": base_model}
+    proc = _run(script, *(o.format(**files) for o in overrides))
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     for text in expected:

@@ -270,12 +270,9 @@ class ChatPromptBuilder:
         eot_token: str | None = None,
     ) -> None:
         self.tokenizer = tokenizer
-        self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
-        if not self.chat_template:
-            raise ValueError(
-                f"tokenizer {getattr(tokenizer, 'name_or_path', tokenizer)!r} has no chat "
-                "template; set policy.tokenizer.chat_template to a Jinja template"
-            )
+        # None for a base model's tokenizer: prompts given as token ids are served (turns end
+        # at its eos token); messages are refused by name (`render`)
+        self.chat_template = chat_template or getattr(tokenizer, "chat_template", None) or None
         if tool_parser not in TOOL_CALL_PARSERS and tool_parser != "auto":
             raise ValueError(
                 f"tool_parser={tool_parser!r} is unknown; use 'auto' or one of "
@@ -285,8 +282,8 @@ class ChatPromptBuilder:
         # wrapper costs ~3x the work it forwards.
         self._fast = getattr(tokenizer, "backend_tokenizer", None)
         self._encode = text_encoder(tokenizer)
-        self.template_renders_tools = "tools" in self.chat_template
-        self.template_renders_tool_calls = "tool_calls" in self.chat_template
+        self.template_renders_tools = "tools" in (self.chat_template or "")
+        self.template_renders_tool_calls = "tool_calls" in (self.chat_template or "")
         self.eot_token = eot_token or self._find_eot_token()
         eot_id = tokenizer.convert_tokens_to_ids(self.eot_token)
         if eot_id is None or eot_id == tokenizer.unk_token_id:
@@ -310,6 +307,8 @@ class ChatPromptBuilder:
         """The template's text for `messages` (tool-call and tool messages adapted for
         templates that do not know them; a default tool prompt when `tools` are given and the
         template does not render them)."""
+        if self.chat_template is None:
+            raise ValueError(no_chat_template(self.tokenizer, "messages cannot be rendered"))
         msgs = [self._template_message(m) for m in messages]
         kwargs = dict(chat_template_kwargs or {})
         if tools and self.template_renders_tools:
@@ -450,6 +449,10 @@ class ChatPromptBuilder:
         return out
 
     def _find_eot_token(self) -> str:
+        if self.chat_template is None:  # a base model: a turn is everything up to its eos
+            if not self.tokenizer.eos_token:
+                raise ValueError(no_chat_template(self.tokenizer, "and no eos token either"))
+            return self.tokenizer.eos_token
         text = self.render(
             [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}],
             add_generation_prompt=False,
@@ -467,6 +470,15 @@ class ChatPromptBuilder:
             "could not find the chat template's end-of-turn token (no special token follows an "
             f"assistant message: {after[:40]!r}); set the server's eot_token explicitly"
         )
+
+
+def no_chat_template(tokenizer: Any, consequence: str) -> str:
+    """The message for a tokenizer without a chat template (a base model's)."""
+    name = getattr(tokenizer, "name_or_path", tokenizer)
+    return (
+        f"tokenizer {name!r} has no chat template (a base model?): {consequence}. Fix: set "
+        "policy.tokenizer.chat_template to a Jinja template, or use the model's instruct version"
+    )
 
 
 def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
