@@ -121,6 +121,19 @@ def test_model_sizes_match_published_counts_and_the_real_model():
     assert model_shape("tiny-arith").params == sum(p.numel() for p in model.parameters())
 
 
+def test_a_config_without_llama_style_keys_plans_with_memory_unchecked(tmp_path):
+    """GPT-2 names its sizes n_embd, n_layer, ...: the planner notes it cannot size the model
+    (it raised KeyError 'hidden_size' under a traceback before any worker started)."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 2, "vocab_size": 269}))  # fmt: skip
+    assert model_shape(str(tmp_path)) is None
+    p = plan("grpo_math_tiny.yaml", f"policy.model_name={tmp_path}")
+    assert p.memory is None
+    assert any("not a Llama-style one): memory was not checked" in n for n in p.notes), p.notes
+
+
 def test_tempering_plan_command():
     ok = subprocess.run([sys.executable, "-m", "tempering.cli", "plan",
                          "examples/configs/grpo_math_8B.yaml"],
