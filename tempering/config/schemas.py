@@ -443,6 +443,21 @@ class _Master(Section):
     data: DataConfig = DataConfig()
     deadlines: DeadlinesConfig = DeadlinesConfig()
 
+    @model_validator(mode="after")
+    def _warmup_within_the_run(self) -> _Master:
+        """A decaying lr schedule needs steps after its warmup (the worker refused it, under a
+        traceback, once Ray had started)."""
+        sched = self.policy.scheduler
+        name = next(n for n in ("sft", "dpo", "rm", "grpo", "distillation") if hasattr(self, n))
+        steps = getattr(self, name).max_num_steps
+        if sched.name != "constant" and sched.warmup_steps >= steps:
+            raise ValueError(
+                f"policy.scheduler.warmup_steps={sched.warmup_steps} is not below "
+                f"{name}.max_num_steps={steps}: the {sched.name} schedule decays after the "
+                "warmup. Lower the warmup, raise the steps, or set policy.scheduler.name=constant"
+            )
+        return self
+
 
 _GRPO_ONLY = "applies to GRPO problems only"
 _GRPO_DATA_KEYS = (

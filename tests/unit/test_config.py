@@ -12,6 +12,7 @@ import yaml
 from tempering.config import (
     ConfigError,
     GRPOMasterConfig,
+    RMMasterConfig,
     SFTMasterConfig,
     apply_overrides,
     load_config,
@@ -120,6 +121,13 @@ def test_cross_field_checks():
             schema=GRPOMasterConfig,
         )
     assert "cannot both be set" in str(e.value) and "loss_fn.ratio_clip_c" in str(e.value)
+    # a decaying schedule whose warmup outlasts the run (rm.yaml warms up 10 steps)
+    with pytest.raises(ConfigError, match=r"warmup_steps=10 is not below rm.max_num_steps=2"):
+        load_config(
+            REPO / "examples/configs/rm.yaml", ["rm.max_num_steps=2"], schema=RMMasterConfig
+        )
+    load_config(REPO / "examples/configs/rm.yaml", ["rm.max_num_steps=2",
+                "policy.scheduler.name=constant"], schema=RMMasterConfig)  # fmt: skip
     adapter_refit = "policy.generation.vllm_cfg.lora_adapter_refit=true"
     for overrides in (
         [adapter_refit, "policy.dtensor_cfg.lora_cfg.enabled=true"],  # the torch engine
