@@ -629,6 +629,8 @@ def step_metrics(
             / max(timing.get("timing/generation_s", 0.0), 1e-9),
         }
     )
+    if "prompt_too_long" in batch:  # masked out, no turn generated (logged by the rollouts)
+        metrics["train/prompt_too_long"] = float(batch["prompt_too_long"].sum())
     metrics.update(timing)
     return metrics
 

@@ -31,6 +31,7 @@ import torch
 
 from tempering.data.episodes import EpisodeRecord, build_batch
 from tempering.distributed.batched_data_dict import BatchedDataDict
+from tempering.models.generation.chat import message_text
 from tempering.models.generation.chat_service import (
     CONTEXT_LENGTH_EXCEEDED,
     ChatRequest,
@@ -198,6 +199,7 @@ class _Episode:
     done: bool = False
     truncated: bool = False
     cut: bool = False  # ended by the batch's deadline
+    too_long: str | None = None  # the first prompt left no room to generate: why
 
 
 def run_rollouts(
@@ -237,6 +239,7 @@ def run_rollouts(
         for ep, result in zip(active, results, strict=True):
             if isinstance(result, RequestError):  # the observation left no room to generate
                 ep.done = ep.truncated = True
+                ep.too_long = None if turn else str(result)  # the prompt itself: no turn at all
                 continue
             _add_turn(ep, result)
             stepped.append(ep)
@@ -263,6 +266,8 @@ def run_rollouts(
         if not ep.done:  # the turn limit ended an episode its environment had not ended
             ep.truncated = True
     batch = build_batch([_record(e) for e in episodes])
+    batch["prompt_too_long"] = torch.tensor([int(e.too_long is not None) for e in episodes])
+    _warn_too_long(episodes, max_seq_len)
     if deadline_s is not None:
         batch["deadline_cut"] = torch.tensor([int(e.cut) for e in episodes])
     return batch
@@ -277,6 +282,20 @@ def _cut(active: list[_Episode], turn: int, deadline_s: float) -> None:
         "%.0f s (grpo.async_grpo.group_timeout_s); ended there as truncated",
         len(active), turn, deadline_s,
     )  # fmt: skip
+
+
+def _warn_too_long(episodes: Sequence[_Episode], max_seq_len: int) -> None:
+    """Episodes whose first prompt alone filled the sequence budget generated nothing and are
+    masked out (they score and teach nothing): counted in the batch, logged here."""
+    too_long = [e for e in episodes if e.too_long is not None]
+    if too_long:
+        log.warning(
+            "rollouts: %d of %d episode(s) got no turn: the prompt left no room to generate "
+            "within max_seq_len=%d (policy.max_total_sequence_length), e.g. %r (%s); they are "
+            "masked out. Raise the limit, or shorten or filter those prompts",
+            len(too_long), len(episodes), max_seq_len,
+            message_text(too_long[0].messages[-1].get("content"))[:60], too_long[0].too_long,
+        )  # fmt: skip
 
 
 def _request(ep: _Episode, greedy: bool, first: bool, max_seq_len: int) -> ChatRequest:

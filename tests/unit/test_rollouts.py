@@ -120,6 +120,23 @@ def test_budget_and_turn_limit_end_episodes_as_truncated(service, tokenizer):
                          max_turns=3, max_seq_len=20, **kwargs)  # fmt: skip
     assert (short["input_lengths"] <= 20).all() and (short["turns"] == 1).all()
     assert torch.equal(short["truncated"], short["rewards"] == 0)
+    assert not short["prompt_too_long"].any()  # a second turn that did not fit is not that
+
+
+def test_a_prompt_longer_than_the_budget_is_masked_counted_and_logged(service, tokenizer, caplog):
+    samples = _samples(4, tokenizer)
+    samples[1] = RolloutSample([{"role": "user", "content": "1+" * 40 + "1"}], {"ground_truth":
+                               "41"}, "retry", tokenizer("1+" * 40 + "1")["input_ids"])  # fmt: skip
+    with caplog.at_level("WARNING", logger="tempering.experience.rollouts"):
+        batch = run_rollouts(InProcessTurnClient(service), samples, _envs(3), max_turns=3,
+                             max_seq_len=64, sampling=SAMPLING, greedy=True)  # fmt: skip
+    assert batch["prompt_too_long"].tolist() == [0, 1, 0, 0]
+    assert batch["sample_mask"].tolist() == [1, 0, 1, 1]  # trains on nothing
+    assert batch["truncated"][1] and batch["turns"][1] == 0
+    (record,) = [r for r in caplog.records if "got no turn" in r.getMessage()]
+    assert "1 of 4 episode(s)" in record.getMessage()
+    assert "policy.max_total_sequence_length" in record.getMessage()
+    assert "the prompt has 81 tokens" in record.getMessage()
 
 
 class _Clock:
