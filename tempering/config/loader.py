@@ -199,6 +199,17 @@ def _suggest(key: str, candidates: list[str]) -> str:
 
 
 # ---------------------------------------------------------------------- validation
+# An algorithm's own section -> the entry points that train it (a config given to another's).
+_ALGORITHM_SCRIPTS = {
+    "sft": ("SFT", "examples/run_sft.py"),
+    "dpo": ("DPO", "examples/run_dpo.py"),
+    "rm": ("reward-model training", "examples/run_rm.py"),
+    "grpo": ("GRPO", "a GRPO script (examples/run_grpo_math.py, run_grpo_multiturn.py, "
+             "run_grpo_nemo_gym.py)"),
+    "distillation": ("on-policy distillation", "examples/run_distillation.py"),
+}  # fmt: skip
+
+
 def _submodel(annotation: Any) -> type[BaseModel] | None:
     return (
         annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
@@ -240,7 +251,13 @@ def validate(cfg: dict[str, Any], schema: type[M]) -> M:
         problems = []
         for err in e.errors():
             path = ".".join(str(p) for p in err["loc"])
-            if err["type"] == "extra_forbidden":
+            if err["type"] == "extra_forbidden" and path in _ALGORITHM_SCRIPTS:
+                name, script = _ALGORITHM_SCRIPTS[path]
+                problems.append(
+                    f"{path}: unknown key: this file configures {name} (its {path}: section), "
+                    f"which this entry point does not train; run it with {script}"
+                )
+            elif err["type"] == "extra_forbidden":
                 problems.append(f"{path}: unknown key{_suggest(path, valid)}")
             elif err["type"] == "missing":
                 problems.append(f"{path}: required key is missing")
@@ -253,6 +270,7 @@ def validate(cfg: dict[str, Any], schema: type[M]) -> M:
                 kind = err["type"].split("_")[0]
                 what = f"expected {_EXPECTED[kind]}" if kind in _EXPECTED else err["msg"].lower()
                 problems.append(f"{path}: {what}, got {given!r}")
+        problems.sort(key=lambda m: "this file configures" not in m)  # the cause first
         raise ConfigError(problems) from None
 
 

@@ -97,6 +97,15 @@ def test_schema_errors_name_path_type_and_suggestion():
     assert len(e.value.problems) == 3
 
 
+def test_another_algorithms_config_names_its_entry_point():
+    with pytest.raises(ConfigError) as e:
+        load_config(REPO / "examples/configs/grpo_math_tiny.yaml", [], schema=SFTMasterConfig)
+    assert e.value.problems[0].startswith("grpo: unknown key: this file configures GRPO")
+    assert "examples/run_grpo_math.py" in e.value.problems[0]
+    with pytest.raises(ConfigError, match="configures SFT .*run it with examples/run_sft.py"):
+        load_config(REPO / "examples/configs/sft.yaml", [], schema=GRPOMasterConfig)
+
+
 def test_cross_field_checks():
     with pytest.raises(ConfigError, match="not divisible by policy.train_micro_batch_size=3"):
         load_config(
