@@ -8,7 +8,7 @@ import json
 import pytest
 
 from tempering.cli import main
-from tempering.evaluation import paired_difference, wilson_interval
+from tempering.evaluation import eval_settings, paired_difference, wilson_interval
 
 
 def test_wilson_interval_matches_known_values():
@@ -49,3 +49,15 @@ def test_eval_command_prints_and_reports(tmp_path, capsys):
 def test_eval_errors_name_the_problem(argv, needle, capsys):
     assert main(argv) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_a_base_models_prompts_are_raw_unless_the_template_is_asked_for():
+    """A tokenizer without a chat template (a base model's) reads gsm8k's prompts raw, where
+    an instruct model's go through its template; asking for the template is an error."""
+    assert eval_settings("gsm8k", {}, None, None, None, has_template=True).use_chat_template
+    assert not eval_settings("gsm8k", {}, None, None, None, has_template=False).use_chat_template
+    with pytest.raises(ValueError, match="--chat-template asks for it: pass --no-chat-template"):
+        eval_settings("gsm8k", {}, None, True, None, has_template=False)
+    run = {"data": {"use_chat_template": True}}
+    with pytest.raises(ValueError, match="its run set data.use_chat_template"):
+        eval_settings("arithmetic", run, None, None, None, has_template=False)
