@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tempering.data.records import DataFormatError, OnBadRow, RowError, RowIssues, iter_jsonl
-from tempering.errors import DataFileNotFoundError
+from tempering.errors import DataFileNotFoundError, UserInputError
 
 __all__ = ["apply_prompt_template", "load_problem_rows", "read_prompt_file"]
 
@@ -113,7 +113,17 @@ def read_prompt_file(path: str | None, what: str) -> str | None:
     file = Path(path)
     if not file.is_file():
         raise DataFileNotFoundError(f"data.{what}={path!r} does not exist; check the path")
-    return file.read_text(encoding="utf-8")
+    text = file.read_text(encoding="utf-8")
+    if what == "prompt_file" and text.count("{}") != 1:
+        raise PromptTemplateError(
+            f"data.prompt_file={path!r} must hold exactly one '{{}}' where the problem goes; "
+            f"it has {text.count('{}')}: {text[:80]!r}"
+        )
+    return text
+
+
+class PromptTemplateError(ValueError, UserInputError):
+    """A prompt file without exactly one ``{}``."""
 
 
 def apply_prompt_template(template: str | None, problem: str) -> str:

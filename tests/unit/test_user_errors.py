@@ -44,6 +44,13 @@ def two_rows(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def no_slot(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "prompt.txt"
+    path.write_text("Solve the problem and put the answer last.\n")  # no '{}' for the problem
+    return path
+
+
+@pytest.fixture(scope="module")
 def base_model(tmp_path_factory) -> Path:
     """tiny-arith as a base model: its tokenizer without a chat template."""
     import shutil
@@ -93,6 +100,10 @@ CASES = {
         ["its tokenizer has no chat template (a base model?), and data.use_chat_template=true "
          "needs one", "data.use_chat_template=false for raw prompts"],
     ),
+    "a prompt file with no place for the problem": (
+        "run_grpo_math.py", ["data.prompt_file={no_slot}"],
+        ["data.prompt_file='", "prompt.txt' must hold exactly one '{}'", "it has 0"],
+    ),
     "file dataset without its file": (
         "run_rm.py", ["data.dataset_name=preference"], ["data.train_data_path"],
     ),
@@ -100,9 +111,12 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_mistake_is_one_message_before_anything_starts(case, bad_rows, two_rows, base_model):
+def test_mistake_is_one_message_before_anything_starts(
+    case, bad_rows, two_rows, base_model, no_slot
+):
     script, overrides, expected = CASES[case]
-    files = {"bad_rows": bad_rows, "two_rows": two_rows, "base_model": base_model}
+    files = {"bad_rows": bad_rows, "two_rows": two_rows, "base_model": base_model,
+             "no_slot": no_slot}  # fmt: skip
     proc = _run(script, *(o.format(**files) for o in overrides))
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
