@@ -433,6 +433,28 @@ def first_logged(log_dir: str, prefix: str) -> dict[str, float]:
     return best[1] if best else {}
 
 
+class ChatTemplateMissingError(ValueError, UserInputError):
+    """The run renders chat messages and the tokenizer has no chat template."""
+
+
+def check_chat_template(tokenizer: Any, cfg: Any, needs: list[str] | None = None) -> None:
+    """A base model's tokenizer (no chat template) trains on raw text; whatever renders chat
+    messages (`data.use_chat_template`, and the GRPO features in ``needs``) needs a template:
+    refused here, before Ray starts, naming what needs it and the fix."""
+    if getattr(tokenizer, "chat_template", None):
+        return
+    asked = cfg.data.use_chat_template
+    needs = ["data.use_chat_template=true"] * asked + list(needs or [])
+    if needs:
+        raw = " (or data.use_chat_template=false for raw prompts)" * asked
+        raise ChatTemplateMissingError(
+            f"policy.model_name={cfg.policy.model_name!r}: its tokenizer has no chat template "
+            f"(a base model?), and {'; '.join(needs)} needs one. Fix: set "
+            f"policy.tokenizer.chat_template to a Jinja template{raw}, or use the model's "
+            "instruct version"
+        )
+
+
 def load_run_tokenizer(policy_cfg: PolicyConfig) -> Any:
     """The run's tokenizer: `policy.tokenizer.name` (default: the model's), with
     `policy.tokenizer.chat_template` replacing its chat template when set (for every prompt,

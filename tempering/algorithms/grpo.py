@@ -34,7 +34,6 @@ from tempering.algorithms.signal_watch import SignalWatch, step_signal
 from tempering.config.schemas import GRPOMasterConfig
 from tempering.data.grpo_problems import Problem, load_problems, reasoning_gym_problems  # noqa: F401
 from tempering.distributed.batched_data_dict import BatchedDataDict
-from tempering.errors import UserInputError
 from tempering.utils import faults
 from tempering.utils.timers import Timer
 
@@ -91,10 +90,6 @@ class GRPORun:
         self.cluster.shutdown()
 
 
-class ChatTemplateMissingError(ValueError, UserInputError):
-    """The run renders chat messages and the tokenizer has no chat template."""
-
-
 def _problems(cfg: GRPOMasterConfig, tokenizer: Any) -> tuple[list[Problem], list[Problem]]:
     """The training and validation problems, each with the environment that scores it (a
     custom reward's module and a needed chat template checked, before any worker starts)."""
@@ -110,29 +105,18 @@ def _problems(cfg: GRPOMasterConfig, tokenizer: Any) -> tuple[list[Problem], lis
 
 
 def _check_chat_template(cfg: GRPOMasterConfig, tokenizer: Any, tasks: set[str]) -> None:
-    """A base model's tokenizer (no chat template) trains on raw prompts given as token ids;
-    whatever renders messages needs a template, named here."""
-    if getattr(tokenizer, "chat_template", None):
-        return
+    """What in a GRPO run renders chat messages, for `common.check_chat_template`."""
+    chat_tasks = sorted(tasks & {"nemo_gym", *_TOOL_TASKS})
     needs = [
         why for why, need in (
-            ("data.use_chat_template=true", cfg.data.use_chat_template),
             ("policy.generation.http_server.enabled=true (clients send messages)",
              cfg.policy.generation.http_server.enabled),
             (f"grpo.max_rollout_turns={cfg.grpo.max_rollout_turns} (later turns are messages)",
              cfg.grpo.max_rollout_turns > 1),
-            (f"the tasks {sorted(tasks & {'nemo_gym', *_TOOL_TASKS})} (messages, tools)",
-             bool(tasks & {"nemo_gym", *_TOOL_TASKS})),
+            (f"the tasks {chat_tasks} (messages, tools)", bool(chat_tasks)),
         ) if need
     ]  # fmt: skip
-    if needs:
-        fixes = " (or data.use_chat_template=false for raw prompts)" * cfg.data.use_chat_template
-        raise ChatTemplateMissingError(
-            f"policy.model_name={cfg.policy.model_name!r}: its tokenizer has no chat template "
-            f"(a base model?), and {'; '.join(needs)} needs one. Fix: set "
-            f"policy.tokenizer.chat_template to a Jinja template{fixes}, or use the model's "
-            "instruct version"
-        )
+    common.check_chat_template(tokenizer, cfg, needs)
 
 
 def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any], plan: Any = None) -> GRPORun:

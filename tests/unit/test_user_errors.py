@@ -100,6 +100,10 @@ CASES = {
         ["its tokenizer has no chat template (a base model?), and data.use_chat_template=true "
          "needs one", "data.use_chat_template=false for raw prompts"],
     ),
+    "a base model's DPO pairs through a chat template": (
+        "run_dpo.py", ["policy.model_name={base_model}", "data.use_chat_template=true"],
+        ["its tokenizer has no chat template (a base model?)"],
+    ),
     "a prompt file with no place for the problem": (
         "run_grpo_math.py", ["data.prompt_file={no_slot}"],
         ["data.prompt_file='", "prompt.txt' must hold exactly one '{}'", "it has 0"],
