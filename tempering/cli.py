@@ -285,8 +285,30 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
 ]
 
 
+def version_line() -> str:
+    """``tempering X (python, torch, ray, transformers)`` as installed, for bug reports; read
+    from package metadata, nothing imported (vLLM lives in its worker venv: `tempering envs`)."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    from tempering import __version__
+
+    parts = [f"python {platform.python_version()}"]
+    for dist in ("torch", "ray", "transformers"):
+        try:
+            parts.append(f"{dist} {version(dist)}")
+        except PackageNotFoundError:
+            parts.append(f"{dist} not installed")
+    return f"tempering {__version__} ({', '.join(parts)})"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tempering", description="tempering command line tools")
+    parser = argparse.ArgumentParser(
+        prog="tempering",
+        description="tempering command line tools",
+        formatter_class=argparse.RawTextHelpFormatter,  # --version on one line
+    )
+    parser.add_argument("--version", action="version", version=version_line())
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in SUBCOMMANDS:
         add(subparsers)
