@@ -5,12 +5,15 @@ or reasoning-gym generators; `data.prompt_file` and `data.system_prompt_file` ap
 from __future__ import annotations
 
 import json
+import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tempering.config.schemas import DataConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -134,7 +137,15 @@ def _file_problems(data_cfg: DataConfig) -> tuple[list[Problem], list[Problem]]:
     if data_cfg.val_data_path:
         val = rows(data_cfg.val_data_path, data_cfg.val_split)[: data_cfg.num_val_samples]
         return train, val
-    return split_off_val(train, min(data_cfg.num_val_samples, len(train) // 2), data_cfg.seed)
+    num_val = min(data_cfg.num_val_samples, len(train) // 2)
+    if num_val < data_cfg.num_val_samples:
+        log.warning(
+            "data.num_val_samples=%d, but data.train_data_path=%r holds %d problems: %d (half) "
+            "are held out for validation and %d train; pass data.val_data_path for a separate "
+            "validation file", data_cfg.num_val_samples, data_cfg.train_data_path, len(train),
+            num_val, len(train) - num_val,
+        )  # fmt: skip
+    return split_off_val(train, num_val, data_cfg.seed)
 
 
 def _gym_problems(path: str | None, key: str, default_route: str | None) -> list[Problem]:

@@ -113,3 +113,15 @@ def test_prompt_and_system_prompt_files_shape_every_problem(tmp_path):
     assert load_problems(cfg)[1] == val  # the held-out split is deterministic
     with pytest.raises(ValueError, match="exactly one"):
         apply_prompt_template("no placeholder", "x")
+
+
+def test_a_validation_share_larger_than_half_the_file_is_capped_and_said(tmp_path, caplog):
+    path = _jsonl(tmp_path / "omi2.jsonl", OMI2 * 4)  # 12 problems, 256 asked for validation
+    cfg = DataConfig(dataset_name="problems", train_data_path=str(path), num_val_samples=256)
+    with caplog.at_level("WARNING", logger="tempering.data.grpo_problems"):
+        train, val = load_problems(cfg)
+    assert (len(train), len(val)) == (6, 6)
+    (record,) = caplog.records
+    assert "data.num_val_samples=256" in record.getMessage()
+    assert "holds 12 problems: 6 (half) are held out" in record.getMessage()
+    assert "data.val_data_path" in record.getMessage()
