@@ -40,7 +40,7 @@ def load_preference_data(data_cfg: DataConfig) -> PreferenceData:
     `DataFormatError` naming file and line, or is skipped and counted (`data.on_bad_row`).
     """
     from tempering.data import preference_datasets as pd
-    from tempering.data.records import split_off_val
+    from tempering.data.records import hold_out
 
     name = data_cfg.dataset_name
     if name in ("arithmetic", "arithmetic_parity"):
@@ -71,8 +71,10 @@ def load_preference_data(data_cfg: DataConfig) -> PreferenceData:
         loaded.append(load(data_cfg.val_data_path, data_cfg.prompt_key, data_cfg.on_bad_row))
         train, val = loaded[0].examples, loaded[1].examples
     else:
-        held = min(data_cfg.num_val_samples, len(loaded[0]) // 2)
-        train, val = split_off_val(loaded[0].examples, held, data_cfg.seed)
+        source = f"data.train_data_path={data_cfg.train_data_path!r}"
+        train, val = hold_out(
+            loaded[0].examples, data_cfg.num_val_samples, data_cfg.seed, source, "pairs"
+        )
     reasons = [r for d in loaded for r in d.skipped_reasons]
     if not train or not val:
         raise ValueError(

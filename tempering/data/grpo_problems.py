@@ -5,15 +5,12 @@ or reasoning-gym generators; `data.prompt_file` and `data.system_prompt_file` ap
 from __future__ import annotations
 
 import json
-import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tempering.config.schemas import DataConfig
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -122,7 +119,7 @@ def _file_problems(data_cfg: DataConfig) -> tuple[list[Problem], list[Problem]]:
     env.task_name says otherwise; without a validation file, num_val_samples are held out of
     the training file (deterministically)."""
     from tempering.data.problems import load_problem_rows
-    from tempering.data.records import split_off_val
+    from tempering.data.records import hold_out
 
     if not data_cfg.train_data_path:
         raise ValueError("data.dataset_name=problems needs data.train_data_path (JSONL or HF)")
@@ -137,15 +134,8 @@ def _file_problems(data_cfg: DataConfig) -> tuple[list[Problem], list[Problem]]:
     if data_cfg.val_data_path:
         val = rows(data_cfg.val_data_path, data_cfg.val_split)[: data_cfg.num_val_samples]
         return train, val
-    num_val = min(data_cfg.num_val_samples, len(train) // 2)
-    if num_val < data_cfg.num_val_samples:
-        log.warning(
-            "data.num_val_samples=%d, but data.train_data_path=%r holds %d problems: %d (half) "
-            "are held out for validation and %d train; pass data.val_data_path for a separate "
-            "validation file", data_cfg.num_val_samples, data_cfg.train_data_path, len(train),
-            num_val, len(train) - num_val,
-        )  # fmt: skip
-    return split_off_val(train, num_val, data_cfg.seed)
+    source = f"data.train_data_path={data_cfg.train_data_path!r}"
+    return hold_out(train, data_cfg.num_val_samples, data_cfg.seed, source, "problems")
 
 
 def _gym_problems(path: str | None, key: str, default_route: str | None) -> list[Problem]:

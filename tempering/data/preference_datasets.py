@@ -49,9 +49,9 @@ from tempering.data.records import (
     OnBadRow,
     RowError,
     check_message_log,
+    hold_out,
     load_jsonl,
     require,
-    split_off_val,
     split_train_val,
     stable_hash,
 )
@@ -341,13 +341,4 @@ def load_preference_splits(
     train = load(train_data_path, prompt_key, on_bad_row).examples
     if val_data_path:
         return train, load(val_data_path, prompt_key, on_bad_row).examples
-    held = min(num_val, len(train) // 2)
-    if held < num_val:
-        logger.warning(
-            "%s has %d pairs: holding out %d for validation instead of num_val=%d",
-            train_data_path,
-            len(train),
-            held,
-            num_val,
-        )
-    return split_off_val(train, held, seed)
+    return hold_out(train, num_val, seed, f"data.train_data_path={train_data_path!r}", "pairs")

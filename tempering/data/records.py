@@ -171,6 +171,21 @@ def split_train_val(
     return split_off_val(items, round(len(items) * val_fraction), seed)
 
 
+def hold_out(
+    items: Sequence[T], num_val: int, seed: int, source: str, unit: str = "examples"
+) -> tuple[list[T], list[T]]:
+    """`split_off_val` with at most half of ``items`` held out: a training file too small for
+    ``num_val`` (``data.num_val_samples``) keeps half to train on, logged, not silent."""
+    held = min(num_val, len(items) // 2)
+    if held < num_val:
+        logger.warning(
+            "data.num_val_samples=%d, but %s holds %d %s: %d (half) are held out for "
+            "validation and %d train; pass data.val_data_path for a separate validation file",
+            num_val, source, len(items), unit, held, len(items) - held,
+        )  # fmt: skip
+    return split_off_val(items, held, seed)
+
+
 def split_off_val(items: Sequence[T], num_val: int, seed: int = 0) -> tuple[list[T], list[T]]:
     """Deterministic split: items ordered by sha256(f"{seed}:{index}"), the first ``num_val``
     go to val. Each split keeps the input order, so the split depends only on the item

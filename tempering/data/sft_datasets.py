@@ -43,9 +43,9 @@ from tempering.data.records import (
     RowError,
     RowIssues,
     check_message_log,
+    hold_out,
     load_jsonl,
     require,
-    split_off_val,
 )
 from tempering.errors import DataFileNotFoundError
 
@@ -230,7 +230,7 @@ def load_sft_splits(
     """``(train, val)`` message logs of a file-based dataset named by ``data.dataset_name``.
 
     With ``val_data_path`` the validation logs come from that file; otherwise ``num_val``
-    logs are held out of the training file by :func:`split_off_val` with ``seed``.
+    logs are held out of the training file by :func:`hold_out` (at most half, a cap logged) with ``seed``.
     """
     if name not in SFT_LOADERS:
         raise ValueError(
@@ -243,18 +243,4 @@ def load_sft_splits(
     train = load(train_data_path, prompt_key, response_key, on_bad_row).examples
     if val_data_path:
         return train, load(val_data_path, prompt_key, response_key, on_bad_row).examples
-    return split_off_val(train, _capped_num_val(num_val, len(train), train_data_path), seed)
-
-
-def _capped_num_val(num_val: int, total: int, source: str) -> int:
-    """At most half of the data goes to validation; a cap is logged, not silent."""
-    capped = min(num_val, total // 2)
-    if capped < num_val:
-        logger.warning(
-            "%s has %d examples: holding out %d for validation instead of num_val=%d",
-            source,
-            total,
-            capped,
-            num_val,
-        )
-    return capped
+    return hold_out(train, num_val, seed, f"data.train_data_path={train_data_path!r}")

@@ -254,7 +254,8 @@ def test_load_sft_splits_by_dataset_name(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         train, val = load_sft_splits("prompt_response", str(train_file), None, "q", "a", num_val=8)
     assert (len(train), len(val)) == (5, 5)  # capped at half, and said so
-    assert "holding out 5 for validation instead of num_val=8" in caplog.text
+    assert "data.num_val_samples=8, but data.train_data_path=" in caplog.text
+    assert "holds 10 examples: 5 (half) are held out for validation and 5 train" in caplog.text
     assert {log[0]["content"] for log in train}.isdisjoint(log[0]["content"] for log in val)
     assert load_sft_splits("prompt_response", str(train_file), None, "q", "a", num_val=3) == (
         load_sft_splits("prompt_response", str(train_file), None, "q", "a", num_val=3)
