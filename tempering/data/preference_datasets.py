@@ -36,7 +36,6 @@ Corruption is deterministic (keyed by sha256 of a salt) and never returns the in
 
 from __future__ import annotations
 
-import logging
 import re
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
@@ -55,8 +54,6 @@ from tempering.data.records import (
     split_train_val,
     stable_hash,
 )
-
-logger = logging.getLogger(__name__)
 
 __all__ = [
     "PreferencePair",

@@ -114,25 +114,26 @@ def read_prompt_file(path: str | None, what: str) -> str | None:
     if not file.is_file():
         raise DataFileNotFoundError(f"data.{what}={path!r} does not exist; check the path")
     text = file.read_text(encoding="utf-8")
-    if what == "prompt_file" and text.count("{}") != 1:
-        raise PromptTemplateError(
-            f"data.prompt_file={path!r} must hold exactly one '{{}}' where the problem goes; "
-            f"it has {text.count('{}')}: {text[:80]!r}"
-        )
+    if what == "prompt_file":  # refused by name here, before any problem is built
+        check_prompt_template(text, f"data.prompt_file={path!r}")
     return text
 
 
 class PromptTemplateError(ValueError, UserInputError):
-    """A prompt file without exactly one ``{}``."""
+    """A prompt template without exactly one ``{}``."""
+
+
+def check_prompt_template(template: str, where: str = "the prompt template") -> None:
+    if template.count("{}") != 1:
+        raise PromptTemplateError(
+            f"{where} must hold exactly one '{{}}' where the problem goes; it has "
+            f"{template.count('{}')}: {template[:80]!r}"
+        )
 
 
 def apply_prompt_template(template: str | None, problem: str) -> str:
     """NeMo RL's prompt files: the problem goes where ``{}`` is."""
     if template is None:
         return problem
-    if template.count("{}") != 1:
-        raise ValueError(
-            f"the prompt template must hold exactly one '{{}}' where the problem goes; "
-            f"it has {template.count('{}')}: {template[:80]!r}"
-        )
+    check_prompt_template(template)
     return template.replace("{}", problem)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +47,6 @@ from tempering.data.records import (
     require,
 )
 from tempering.errors import DataFileNotFoundError
-
-logger = logging.getLogger(__name__)
 
 
 def prompt_response_log(prompt: str, response: str, system: str | None = None) -> MessageLog:
@@ -230,7 +227,8 @@ def load_sft_splits(
     """``(train, val)`` message logs of a file-based dataset named by ``data.dataset_name``.
 
     With ``val_data_path`` the validation logs come from that file; otherwise ``num_val``
-    logs are held out of the training file by :func:`hold_out` (at most half, a cap logged) with ``seed``.
+    logs are held out of the training file by :func:`hold_out` with ``seed`` (at most half;
+    a cap is logged).
     """
     if name not in SFT_LOADERS:
         raise ValueError(
