@@ -602,6 +602,12 @@ class GRPOMasterConfig(_Master):
     def _rollout_batch(self) -> GRPOMasterConfig:
         _check_dataset(self.data, "GRPO", GRPO_DATASETS)
         _refuse_unread_keys(self, "GRPO")
+        if self.grpo.use_leave_one_out_baseline and self.grpo.num_generations_per_prompt < 2:
+            raise ValueError(
+                "grpo.use_leave_one_out_baseline=true compares each sample with the others of "
+                "its prompt, and grpo.num_generations_per_prompt=1 leaves none: raise "
+                "num_generations_per_prompt (GRPO learns from differences within a group)"
+            )
         n = self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
         gbs = self.policy.train_global_batch_size
         if n % gbs:

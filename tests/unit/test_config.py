@@ -130,6 +130,10 @@ def test_cross_field_checks():
             schema=GRPOMasterConfig,
         )
     assert "cannot both be set" in str(e.value) and "loss_fn.ratio_clip_c" in str(e.value)
+    with pytest.raises(ConfigError, match="num_generations_per_prompt=1 leaves none"):
+        load_config(REPO / "examples/configs/grpo_math_tiny.yaml",
+                    ["grpo.num_generations_per_prompt=1", "policy.train_global_batch_size=32",
+                     "policy.train_micro_batch_size=32"], schema=GRPOMasterConfig)  # fmt: skip
     # a decaying schedule whose warmup outlasts the run (rm.yaml warms up 10 steps)
     with pytest.raises(ConfigError, match=r"warmup_steps=10 is not below rm.max_num_steps=2"):
         load_config(
