@@ -110,14 +110,23 @@ def test_a_real_busy_loop_takes_a_thread_and_gives_it_back() -> None:
         finally:
             hog.kill()
             hog.wait()
+        import time
+        from tempering.utils.threads import _cores_busy_s, _own_cpu_s
+        cores = frozenset(os.sched_getaffinity(0))
+        t0, busy0, own0 = time.monotonic(), _cores_busy_s(cores), _own_cpu_s()
         calls(40)
-        print(busy, gov.threads, gov.changes)
+        others = (_cores_busy_s(cores) - busy0 - (_own_cpu_s() - own0)) / (time.monotonic() - t0)
+        print(busy, gov.threads, gov.changes, round(others, 2))
         """
     )
     out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True
-    ).stdout.split()
-    assert out == ["1", "2", "2"], out
+        [sys.executable, "-c", script.replace("import subprocess", "import os, subprocess")],
+        capture_output=True, text=True, timeout=300, check=True,
+    ).stdout.split()  # fmt: skip
+    if float(out[3]) >= 0.5:  # the governor rightly keeps one thread: nothing to assert
+        pytest.skip(f"after the busy loop ended, other processes or the host still took "
+                    f"{out[3]} of a core: the machine is not idle")  # fmt: skip
+    assert out[:3] == ["1", "2", "2"], out
 
 
 def test_a_long_call_decides_at_its_safe_points(monkeypatch: pytest.MonkeyPatch, two_cores) -> None:
