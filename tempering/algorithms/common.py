@@ -238,6 +238,21 @@ def build_checkpointer(ckpt_cfg: CheckpointingConfig) -> Any | None:
     )
 
 
+def check_resumable(ckpt_cfg: CheckpointingConfig, config: dict[str, Any]) -> None:
+    """Before Ray: a ``checkpoint_dir`` holding another model's run is refused now, in one
+    line, rather than after the workers have started (`maybe_resume` checks it again)."""
+    checkpointer = build_checkpointer(ckpt_cfg)
+    if checkpointer is None:
+        return
+    latest = checkpointer.latest_complete()
+    if latest is None:
+        return
+    step = int(checkpointer.load_training_info(latest)["step"])
+    diff = checkpointer.config_diff(latest, config)
+    lora_cfg = config.get("policy", {}).get("dtensor_cfg", {}).get("lora_cfg", {})
+    _refuse_another_model(checkpointer, step, diff, bool(lora_cfg.get("enabled")))
+
+
 def maybe_resume(
     checkpointer: Any | None, policy: Any, dataloader: Any, config: dict[str, Any]
 ) -> tuple[int, dict]:

@@ -133,6 +133,7 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any], plan: Any = None) -> 
 
     common.prepare_run(cfg.deadlines, cfg.logger.log_dir)
     plan = plan or common.plan_run(cfg)
+    common.check_resumable(cfg.checkpointing, resolved)
     model_path = resolve_model_path(cfg.policy.model_name)
     tokenizer = common.load_run_tokenizer(cfg.policy)
     train_problems, val_problems = _problems(cfg, tokenizer)

@@ -184,6 +184,7 @@ def prepare(cfg: Any, resolved: dict[str, Any], name: str) -> PreferenceRun:
     )
     common.prepare_run(cfg.deadlines, cfg.logger.log_dir)
     plan = common.plan_run(cfg)
+    common.check_resumable(cfg.checkpointing, resolved)
     tokenizer = common.load_run_tokenizer(pol)
     common.check_chat_template(tokenizer, cfg)
     data = load_preference_data(cfg.data)

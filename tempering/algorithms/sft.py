@@ -116,6 +116,7 @@ def setup(cfg: SFTMasterConfig, resolved: dict[str, Any]) -> SFTRun:
 
     common.prepare_run(cfg.deadlines, cfg.logger.log_dir)
     plan = common.plan_run(cfg)
+    common.check_resumable(cfg.checkpointing, resolved)
     tokenizer = common.load_run_tokenizer(cfg.policy)
     common.check_chat_template(tokenizer, cfg)
     data = load_sft_data(

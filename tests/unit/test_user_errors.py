@@ -170,6 +170,29 @@ def test_a_folder_another_run_is_using_is_refused_before_anything_starts(tmp_pat
         in proc.stderr, proc.stderr[-2000:]  # fmt: skip
 
 
+def test_a_folder_holding_another_models_run_is_refused_before_anything_starts(tmp_path):
+    """Reusing a checkpoint_dir for another model: the refusal (with the fix) used to come
+    only after Ray and the workers had started."""
+    import json
+
+    from tempering.models.registry import resolve_model_path
+    from tempering.utils.checkpoint import CheckpointManager
+
+    bigger = tmp_path / "bigger"  # a model folder of another size than tiny-arith
+    bigger.mkdir()
+    tiny = json.loads((Path(resolve_model_path("tiny-arith")) / "config.json").read_text())
+    (bigger / "config.json").write_text(json.dumps({**tiny, "hidden_size": 256}))
+    ckpt = CheckpointManager(tmp_path / "ckpt", save_period=1)
+    with ckpt.save(3, {}, config={"policy": {"model_name": str(bigger)}}) as folder:
+        (folder / "policy").mkdir()
+    proc = _run("run_grpo_math.py", f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    expected = f"holds step 3 of another model's run (policy.model_name: '{bigger}' there, "
+    assert expected in proc.stderr, proc.stderr[-2000:]
+    assert f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}_2" in proc.stderr
+
+
 def test_a_custom_reward_in_the_working_folder_is_found_as_its_actor_finds_it(
     tmp_path, monkeypatch
 ):
