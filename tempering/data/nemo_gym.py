@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tempering.data.records import DataFormatError, OnBadRow, RowError, RowIssues, iter_jsonl
+from tempering.data.records import DataFormatError, OnBadRow, RowError, RowIssues, iter_rows
 
 ROUTING_FIELDS = ("_ng_environment_server", "agent_ref", "task_source")
 
@@ -65,8 +65,8 @@ def load_gym_rows(
     """Every row of a NeMo Gym JSONL file, checked (see `check_row`)."""
     issues = RowIssues(str(path), on_bad_row)
     rows = []
-    for line, obj in iter_jsonl(path, issues):
-        row = issues.convert(str(line), obj, lambda r: check_row(r, default_route))
+    for where, obj in iter_rows(path, issues):
+        row = issues.convert(where, obj, lambda r: check_row(r, default_route))
         if row is not None:
             rows.append(row)
     if not rows:

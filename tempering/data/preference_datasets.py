@@ -2,7 +2,8 @@
 
 Every loader returns a :class:`~tempering.data.records.LoadedData` of :class:`PreferencePair`
 (``prompt``, ``chosen``, ``rejected``: message logs; chosen/rejected continue the prompt and
-end with an assistant message). Formats, one JSON object per line:
+end with an assistant message). Formats, one JSON object per row (of any data file
+`records.iter_rows` reads: JSON Lines, a JSON array, Parquet, CSV):
 
 - :func:`load_preference_jsonl`: ``{"prompt": str | messages, "chosen": str | messages,
   "rejected": str | messages}`` (keys configurable, e.g. NeMo RL's ``chosen_response`` /
@@ -49,7 +50,7 @@ from tempering.data.records import (
     RowError,
     check_message_log,
     hold_out,
-    load_jsonl,
+    load_rows,
     require,
     split_train_val,
     stable_hash,
@@ -123,7 +124,7 @@ def load_preference_jsonl(
         rejected = _as_response(require(row, rejected_key, keys, kinds), rejected_key)
         return _checked_pair(prompt, chosen, rejected)
 
-    return load_jsonl(path, on_bad_row, convert)
+    return load_rows(path, on_bad_row, convert)
 
 
 def load_helpsteer3_jsonl(path: str | Path, on_bad_row: OnBadRow = "error") -> LoadedData:
@@ -143,7 +144,7 @@ def load_helpsteer3_jsonl(path: str | Path, on_bad_row: OnBadRow = "error") -> L
         chosen, rejected = (r1, r2) if preference < 0 else (r2, r1)
         return _checked_pair(prompt, chosen, rejected)
 
-    return load_jsonl(path, on_bad_row, convert)
+    return load_rows(path, on_bad_row, convert)
 
 
 def load_messages_preference_jsonl(
@@ -172,7 +173,7 @@ def load_messages_preference_jsonl(
             _as_response(rejected[n:], rejected_key),
         )
 
-    return load_jsonl(path, on_bad_row, convert)
+    return load_rows(path, on_bad_row, convert)
 
 
 # ---------------------------------------------------------------- synthetic pairs

@@ -3,12 +3,12 @@
 
 Sources (``data.train_data_path`` / ``data.val_data_path``):
 
-- a JSONL file, one problem per line: ``{"<problem_key>": str, "<answer_key>": str | number}``
-  — the defaults, ``problem`` / ``expected_answer``, are OpenMathInstruct-2's (NeMo RL's math
-  example); errors name ``file:line`` and the field;
-- a Hugging Face dataset: a ``save_to_disk`` folder (a ``DatasetDict`` gives its split), a
-  ``.parquet`` / ``.json`` file, or a hub id already in the local HF cache (offline); errors
-  name ``row <index>``.
+- a data file (`records.iter_rows`): JSONL, one problem per line: ``{"<problem_key>": str,
+  "<answer_key>": str | number}`` — the defaults, ``problem`` / ``expected_answer``, are
+  OpenMathInstruct-2's (NeMo RL's math example) — or a JSON array, Parquet or CSV file of
+  such rows; errors name ``file:line`` (``row <index>``) and the field;
+- a Hugging Face dataset: a ``save_to_disk`` folder (a ``DatasetDict`` gives its split) or a
+  hub id already in the local HF cache (offline); errors name ``row <index>``.
 
 Prompt text as NeMo RL builds it: ``data.prompt_file`` is a template with one ``{}`` where the
 problem goes, ``data.system_prompt_file`` a system message; with ``data.use_chat_template``
@@ -20,7 +20,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tempering.data.records import DataFormatError, OnBadRow, RowError, RowIssues, iter_jsonl
+from tempering.data.records import (
+    DATA_FILE_SUFFIXES,
+    DataFormatError,
+    OnBadRow,
+    RowError,
+    RowIssues,
+    iter_rows,
+)
 from tempering.errors import DataFileNotFoundError, UserInputError
 
 __all__ = ["apply_prompt_template", "load_problem_rows", "read_prompt_file"]
@@ -58,9 +65,9 @@ def load_problem_rows(
     path = Path(source)
     issues = RowIssues(str(source), on_bad_row)
     rows: list[tuple[str, str]] = []
-    if path.suffix == ".jsonl":  # our reader: errors name file:line
-        for line, obj in iter_jsonl(path, issues):
-            if (row := issues.convert(str(line), obj, convert)) is not None:
+    if path.is_file() or path.suffix in DATA_FILE_SUFFIXES:  # errors name file:line (or row)
+        for where, obj in iter_rows(path, issues):
+            if (row := issues.convert(where, obj, convert)) is not None:
                 rows.append(row)
     else:
         for i, obj in enumerate(_hf_rows(source, split)):
@@ -83,13 +90,6 @@ def _hf_rows(source: str | Path, split: str) -> Any:
                 raise DataFormatError(f"{source}: no split {split!r}; it has {sorted(ds)}")
             ds = ds[split]
         return ds
-    if path.is_file():
-        kind = {".parquet": "parquet", ".json": "json", ".csv": "csv"}.get(path.suffix)
-        if kind is None:
-            raise DataFormatError(
-                f"{source}: use a .jsonl, .json, .parquet or .csv file, or a folder"
-            )
-        return datasets.load_dataset(kind, data_files=str(path), split="train")
     if str(source).startswith(("/", ".", "~")):
         raise DataFileNotFoundError(f"data file {str(source)!r} does not exist; check the path")
     from tempering.models.registry import hub_offline

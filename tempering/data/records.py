@@ -13,7 +13,9 @@ the returned :class:`LoadedData` and logged once per file with the first few rea
 
 from __future__ import annotations
 
+import csv
 import hashlib
+import io
 import json
 import logging
 from collections.abc import Callable, Iterator, Sequence
@@ -92,36 +94,101 @@ class RowIssues:
         return LoadedData(name, examples, len(self.reasons), list(self.reasons))
 
 
-def iter_jsonl(path: str | Path, issues: RowIssues) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Yield ``(line_number, object)`` for each non-blank line; bad JSON goes to ``issues``."""
+# the suffixes `iter_rows` reads as files (any other suffix is read as JSON Lines too)
+DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+
+
+def iter_rows(path: str | Path, issues: RowIssues) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Yield ``(where, object)`` for each row of a data file; a bad row goes to ``issues``.
+
+    JSON Lines (any suffix; ``where`` is the line number), a JSON array of objects (``.json``
+    files as Alpaca-style datasets ship them; ``"row <i>"``), Parquet (a Hugging Face dataset's
+    own files) and CSV with a header line. A column a Parquet row lacks (Arrow gives it
+    ``None``) is left out of that row, as in a JSON file."""
     path = Path(path)
     if not path.is_file():
         raise DataFileNotFoundError(f"data file {str(path)!r} does not exist; check the path")
-    with path.open(encoding="utf-8-sig") as f:  # drops the byte-order mark Windows tools write
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as err:
-                issues.bad(str(line_number), f"not valid JSON ({err.msg} at column {err.colno})")
-                continue
-            if not isinstance(obj, dict):
-                issues.bad(str(line_number), f"expected a JSON object, got {type(obj).__name__}")
-                continue
-            yield line_number, obj
+    if path.suffix == ".parquet":
+        yield from _parquet_rows(path)
+        return
+    text = _read_text(path)
+    if path.suffix == ".csv":
+        for i, row in enumerate(csv.DictReader(io.StringIO(text, newline=""))):
+            # a short row's missing cells (None) are missing fields; extra cells are dropped
+            yield f"row {i}", {k: v for k, v in row.items() if k is not None and v is not None}
+        return
+    if text.lstrip().startswith("["):
+        yield from _json_array_rows(path, text, issues)
+        return
+    # split at "\n" only: str.splitlines would also split inside a JSON string at U+2028
+    for line_number, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as err:
+            issues.bad(str(line_number), f"not valid JSON ({err.msg} at column {err.colno})")
+            continue
+        if not isinstance(obj, dict):
+            issues.bad(str(line_number), f"expected a JSON object, got {type(obj).__name__}")
+            continue
+        yield str(line_number), obj
 
 
-def load_jsonl(
+def _read_text(path: Path) -> str:
+    """The file as text, without the byte-order mark Windows tools write; a file that is not
+    UTF-8 (another encoding, or a binary format under a text suffix) is named."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise DataFormatError(
+            f"{path}: not UTF-8 text (byte {data[err.start]:#04x} at offset {err.start}). Data "
+            "files are JSON Lines, a JSON array, CSV (UTF-8) or Parquet (a .parquet suffix); "
+            "re-save it as UTF-8 or give a binary file its format's suffix"
+        ) from err
+
+
+def _json_array_rows(
+    path: Path, text: str, issues: RowIssues
+) -> Iterator[tuple[str, dict[str, Any]]]:
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise DataFormatError(
+            f"{path}:{err.lineno}: not valid JSON ({err.msg} at column {err.colno}); the file "
+            "starts with '[' so it is read as one JSON array of rows"
+        ) from err
+    for i, obj in enumerate(rows):
+        if not isinstance(obj, dict):
+            issues.bad(f"row {i}", f"expected a JSON object, got {type(obj).__name__}")
+            continue
+        yield f"row {i}", obj
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    import pyarrow.lib
+    import pyarrow.parquet as pq  # installed with datasets; only Parquet files need it
+
+    try:
+        table = pq.read_table(path)
+    except pyarrow.lib.ArrowException as err:
+        raise DataFormatError(f"{path}: not a readable Parquet file ({err})") from err
+    for i, row in enumerate(table.to_pylist()):
+        yield f"row {i}", {k: v for k, v in row.items() if v is not None}
+
+
+def load_rows(
     path: str | Path, on_bad_row: OnBadRow, convert: Callable[[dict[str, Any]], T]
 ) -> LoadedData:
-    """Every row of a JSONL file through ``convert``; a row it rejects (`RowError`) is handled
-    as ``on_bad_row`` says. Named after the file's stem."""
+    """Every row of a data file (`iter_rows`: JSONL, a JSON array, Parquet, CSV) through
+    ``convert``; a row it rejects (`RowError`) is handled as ``on_bad_row`` says. Named
+    after the file's stem."""
     issues = RowIssues(str(path), on_bad_row)
     rows = [
         converted
-        for line, row in iter_jsonl(path, issues)
-        if (converted := issues.convert(str(line), row, convert)) is not None
+        for where, row in iter_rows(path, issues)
+        if (converted := issues.convert(where, row, convert)) is not None
     ]
     return issues.finish(Path(path).stem, rows)
 

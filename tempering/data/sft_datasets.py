@@ -19,8 +19,9 @@ Formats (each loader returns a :class:`~tempering.data.records.LoadedData` of me
   with ``datasets.load_dataset("json", data_files=...)``; rows are mapped by the same keys
   (``messages_key`` or ``prompt_key``/``response_key``). Errors name ``row <index>``.
 
-Bad rows raise :class:`~tempering.data.records.DataFormatError` naming file, line and field,
-or are skipped and counted with ``on_bad_row="skip"``.
+The "JSONL" loaders read any data file `records.iter_rows` reads: JSON Lines, a JSON array,
+Parquet or CSV. Bad rows raise :class:`~tempering.data.records.DataFormatError` naming file,
+line (or row) and field, or are skipped and counted with ``on_bad_row="skip"``.
 
 :func:`load_sft_splits` is the one entry point a config uses: ``data.dataset_name`` picks the
 loader (:data:`SFT_LOADERS`), and without a validation file the last-resort validation split
@@ -43,7 +44,7 @@ from tempering.data.records import (
     RowIssues,
     check_message_log,
     hold_out,
-    load_jsonl,
+    load_rows,
     require,
 )
 from tempering.errors import DataFileNotFoundError
@@ -84,7 +85,7 @@ def load_messages_jsonl(
     path: str | Path, messages_key: str = "messages", on_bad_row: OnBadRow = "error"
 ) -> LoadedData:
     """OpenAI-messages JSONL: one ``{"messages": [...]}`` object per line."""
-    return load_jsonl(path, on_bad_row, _messages_converter(messages_key))
+    return load_rows(path, on_bad_row, _messages_converter(messages_key))
 
 
 def load_prompt_response_jsonl(
@@ -94,7 +95,7 @@ def load_prompt_response_jsonl(
     on_bad_row: OnBadRow = "error",
 ) -> LoadedData:
     """Prompt/response JSONL with configurable keys."""
-    return load_jsonl(path, on_bad_row, _prompt_response_converter(prompt_key, response_key))
+    return load_rows(path, on_bad_row, _prompt_response_converter(prompt_key, response_key))
 
 
 def _squad_log(qa: Any, context: str) -> MessageLog:

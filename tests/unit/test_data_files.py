@@ -1,0 +1,100 @@
+"""Every file-based loader (SFT, DPO/RM pairs, GRPO problems, NeMo Gym rows) reads the same
+rows from JSON Lines, a JSON array, Parquet and CSV (tempering/data/records.py `iter_rows`).
+SFT and preference files were JSONL only: a Parquet file (what a Hugging Face dataset is made
+of) died with a `UnicodeDecodeError` traceback, and an Alpaca-style JSON array was "line 1: not
+valid JSON" with advice to skip bad rows."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from tempering.data.preference_datasets import load_preference_jsonl
+from tempering.data.problems import load_problem_rows
+from tempering.data.records import DataFormatError
+from tempering.data.sft_datasets import load_prompt_response_jsonl
+
+ROWS = [
+    {"prompt": "What is 2+3?", "response": "5", "chosen": "5", "rejected": "6",
+     "problem": "What is 2+3?", "expected_answer": "5"},
+    {"prompt": "Name a colour.\u2028(one word)", "response": "blue", "chosen": "blue",
+     "rejected": "seven", "problem": "Compute 7*6.", "expected_answer": "42"},
+    {"prompt": "Café, «quoted», \"escaped\"", "response": "ok, done", "chosen": "ok",
+     "rejected": "no", "problem": "Half of 9?", "expected_answer": "\\frac{9}{2}"},
+]  # fmt: skip
+
+
+def _write(path, rows):
+    """``rows`` in the file format ``path``'s name asks for."""
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    elif path.suffix == ".csv":
+        with path.open("w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    elif path.suffix == ".json":
+        path.write_text(json.dumps(rows, indent=2, ensure_ascii=False), encoding="utf-8")
+    else:  # ensure_ascii=False writes U+2028 raw, as many tools do
+        path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    return path
+
+
+LOADERS = {
+    "sft": load_prompt_response_jsonl,
+    "preference": load_preference_jsonl,
+    "problems": lambda path: load_problem_rows(path),
+}
+
+
+@pytest.mark.parametrize("kind", list(LOADERS))
+@pytest.mark.parametrize("suffix", [".json", ".parquet", ".csv", ".txt"])
+def test_each_format_loads_the_rows_jsonl_gives(tmp_path, kind, suffix):
+    load = LOADERS[kind]
+    expected = load(_write(tmp_path / "rows.jsonl", ROWS))
+    got = load(_write(tmp_path / f"rows{suffix}", ROWS))
+    if kind != "problems":
+        expected, got = expected.examples, got.examples
+    assert len(expected) == 3 and got == expected
+    if kind == "sft":  # the line separator inside a string stayed in its row
+        assert expected[1][0]["content"] == "Name a colour.\u2028(one word)"
+
+
+def test_bad_rows_in_each_format_name_the_row_and_field(tmp_path):
+    rows = [ROWS[0], {"prompt": "x"}]  # the second lacks 'response'
+    for suffix, where in ((".jsonl", ":2: missing field"), (".json", ":row 1: missing field"),
+                          (".parquet", ":row 1: missing field"),
+                          (".csv", ":row 1: field"),  # a CSV cell is never absent, only empty
+                          ):  # fmt: skip
+        path = _write(tmp_path / f"bad{suffix}", rows)
+        with pytest.raises(DataFormatError, match=f"{where} 'response'"):
+            load_prompt_response_jsonl(path)
+        assert len(load_prompt_response_jsonl(path, on_bad_row="skip")) == 1
+    array = tmp_path / "mixed.json"
+    array.write_text(json.dumps([ROWS[0], ["not", "an", "object"]]))
+    with pytest.raises(DataFormatError, match=r"mixed\.json:row 1: expected a JSON object"):
+        load_prompt_response_jsonl(array)
+
+
+def test_unreadable_files_are_named_with_the_fix(tmp_path):
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes('{"prompt": "caf\xe9", "response": "x"}\n'.encode("latin-1"))
+    with pytest.raises(DataFormatError, match=r"latin\.jsonl: not UTF-8 text \(byte 0xe9 at"):
+        load_prompt_response_jsonl(latin)
+    parquet_named_jsonl = tmp_path / "data.jsonl"
+    parquet_named_jsonl.write_bytes(_write(tmp_path / "x.parquet", ROWS).read_bytes())
+    with pytest.raises(DataFormatError, match="give a binary file its format's suffix"):
+        load_prompt_response_jsonl(parquet_named_jsonl)
+    broken = tmp_path / "broken.parquet"
+    broken.write_bytes(b"PAR1 not really")
+    with pytest.raises(DataFormatError, match=r"broken\.parquet: not a readable Parquet file"):
+        load_prompt_response_jsonl(broken)
+    truncated = tmp_path / "cut.json"
+    truncated.write_text(json.dumps(ROWS)[:-40])
+    with pytest.raises(DataFormatError, match=r"cut\.json:1: not valid JSON .*one JSON array"):
+        load_prompt_response_jsonl(truncated)
