@@ -57,6 +57,32 @@ def data_source(data_cfg: Any) -> str:
     return f"data.dataset_name={data_cfg.dataset_name!r}"
 
 
+def check_validation_batch(
+    count: int, per_batch: int, section: str, val_period: int, data_cfg: Any, unit: str
+) -> None:
+    """Before Ray: validation data smaller than one validation batch would never validate
+    (SFT skipped it without a word, DPO/RM warned at every validation); refuse it with the
+    fix. Nothing to check when ``val_period`` is 0 (no validation)."""
+    from tempering.data.dataloader import DatasetTooSmallError
+
+    if not val_period or count >= per_batch:
+        return
+    source = (
+        f"data.val_data_path={data_cfg.val_data_path!r}"
+        if data_cfg.val_data_path
+        else f"data.dataset_name={data_cfg.dataset_name!r}, "
+        f"data.num_val_samples={data_cfg.num_val_samples}"
+    )
+    key = f"{section}.val_global_batch_size"
+    raise DatasetTooSmallError(
+        f"the validation data ({source}) has {count} {unit}, fewer than the {per_batch} one "
+        f"validation batch takes (set by {key}): validation would never run. Lower {key} "
+        f"(and {section}.val_micro_batch_size) to fit, hold out more {unit} "
+        f"(data.num_val_samples, data.val_data_path), or set {section}.val_period=0 to train "
+        "without validation."
+    )
+
+
 class GPUsMissingError(RuntimeError, UserInputError):
     """The config asks for GPUs this machine does not have (or torch cannot use)."""
 

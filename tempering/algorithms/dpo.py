@@ -122,33 +122,26 @@ def validate(run: PreferenceRun, step: int) -> dict[str, float]:
     (arithmetic), greedy accuracy."""
     cfg = run.cfg.dpo
     gbs = cfg.val_global_batch_size
+    # at least one batch: fewer pairs are refused at set-up (`common.check_validation_batch`)
     n_pairs = min(len(run.data.val), gbs // 2 * cfg.val_batches) // (gbs // 2) * (gbs // 2)
-    out: dict[str, float] = {}
-    if n_pairs:
-        batch = preference_batch(
-            run.data.val[:n_pairs], run.tokenizer, run.cfg.policy.max_total_sequence_length
-        )
-        m = dpo_step(
-            run.model,
-            batch,
-            make_loss(run.cfg),
-            eval_mode=True,
-            global_batch_size=gbs,
-            micro_batch_size=cfg.val_micro_batch_size,
-        )
-        out.update({k: m[k] for k in VAL_METRICS if k in m})
-        logprobs = run.model.get_logprobs(batch)["logprobs"]
-        out["logprob_accuracy"] = likelihood_preference_accuracy(
-            logprobs, batch, cfg.preference_average_log_probs
-        )
-        # what the reference already ranks right: the floor preference learning starts from
-        out["reference_logprob_accuracy"] = m["reference_logprob_accuracy"]
-    else:
-        log.warning(
-            "dpo validation skipped: %d held-out pairs < dpo.val_global_batch_size/2=%d",
-            len(run.data.val),
-            gbs // 2,
-        )
+    batch = preference_batch(
+        run.data.val[:n_pairs], run.tokenizer, run.cfg.policy.max_total_sequence_length
+    )
+    m = dpo_step(
+        run.model,
+        batch,
+        make_loss(run.cfg),
+        eval_mode=True,
+        global_batch_size=gbs,
+        micro_batch_size=cfg.val_micro_batch_size,
+    )
+    out = {k: m[k] for k in VAL_METRICS if k in m}
+    logprobs = run.model.get_logprobs(batch)["logprobs"]
+    out["logprob_accuracy"] = likelihood_preference_accuracy(
+        logprobs, batch, cfg.preference_average_log_probs
+    )
+    # what the reference already ranks right: the floor preference learning starts from
+    out["reference_logprob_accuracy"] = m["reference_logprob_accuracy"]
     if cfg.val_greedy_accuracy and run.data.val_problems:
         out.update(greedy_accuracy(run))
     run.logger.log_metrics(out, step, prefix="val")

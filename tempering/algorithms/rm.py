@@ -20,15 +20,12 @@ answer vs corrupted number).
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
 from tempering.algorithms import common, preference
 from tempering.algorithms.preference import PreferenceRun, preference_batch
 from tempering.config.schemas import RMMasterConfig
-
-log = logging.getLogger(__name__)
 
 TRAIN_METRICS = (
     "loss",
@@ -77,14 +74,8 @@ def validate(run: PreferenceRun, step: int) -> dict[str, float]:
     """Held-out pair accuracy (share of pairs scored chosen > rejected), loss and margin."""
     cfg = run.cfg.rm
     half = cfg.val_global_batch_size // 2
+    # at least one batch: fewer pairs are refused at set-up (`common.check_validation_batch`)
     n_pairs = min(len(run.data.val), half * cfg.val_batches) // half * half
-    if not n_pairs:
-        log.warning(
-            "rm validation skipped: %d held-out pairs < rm.val_global_batch_size/2=%d",
-            len(run.data.val),
-            half,
-        )
-        return {}
     batch = preference_batch(
         run.data.val[:n_pairs], run.tokenizer, run.cfg.policy.max_total_sequence_length
     )

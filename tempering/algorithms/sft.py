@@ -125,6 +125,10 @@ def setup(cfg: SFTMasterConfig, resolved: dict[str, Any]) -> SFTRun:
         cfg.policy.max_total_sequence_length,
         cfg.sft.arithmetic_problems_per_sample,
     )
+    common.check_validation_batch(
+        len(data.val), cfg.sft.val_global_batch_size, "sft", cfg.sft.val_period, cfg.data,
+        "examples",
+    )  # fmt: skip
     pad = pad_token_id_of(tokenizer)
     dataloader = StatefulDataLoader(
         data.train,
@@ -257,18 +261,17 @@ def validate(run: SFTRun, step: int) -> dict[str, float]:
     cfg = run.cfg.sft
     pad = pad_token_id_of(run.tokenizer)
     gbs = cfg.val_global_batch_size
+    # at least one batch: fewer examples are refused at set-up (`common.check_validation_batch`)
     n = min(len(run.data.val), gbs * cfg.val_batches) // gbs * gbs
-    out: dict[str, float] = {}
-    if n:
-        batch = collate_sft(run.data.val[:n], pad)
-        m = run.policy.train(
-            batch,
-            NLLLoss(),
-            eval_mode=True,
-            global_batch_size=gbs,
-            micro_batch_size=cfg.val_micro_batch_size,
-        )
-        out["loss"] = m["loss"]
+    batch = collate_sft(run.data.val[:n], pad)
+    m = run.policy.train(
+        batch,
+        NLLLoss(),
+        eval_mode=True,
+        global_batch_size=gbs,
+        micro_batch_size=cfg.val_micro_batch_size,
+    )
+    out = {"loss": m["loss"]}
     if run.generation is not None:
         run.generation.refit(run.policy)
         acc, samples = greedy_accuracy(

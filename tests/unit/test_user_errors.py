@@ -108,6 +108,17 @@ CASES = {
         "run_grpo_math.py", ["data.prompt_file={no_slot}"],
         ["data.prompt_file='", "prompt.txt' must hold exactly one '{}'", "it has 0"],
     ),
+    "SFT validation data smaller than one validation batch": (
+        "run_sft.py", ["data.num_val_samples=32"],
+        ["the validation data (data.dataset_name='arithmetic', data.num_val_samples=32) has 32 "
+         "examples, fewer than the 128 one validation batch takes (set by "
+         "sft.val_global_batch_size): validation would never run", "sft.val_period=0"],
+    ),
+    "DPO validation pairs fewer than one validation batch holds": (
+        "run_dpo.py", ["data.num_val_samples=16"],
+        ["has 16 pairs, fewer than the 64 one validation batch takes (set by "
+         "dpo.val_global_batch_size)"],
+    ),
     "file dataset without its file": (
         "run_rm.py", ["data.dataset_name=preference"], ["data.train_data_path"],
     ),
