@@ -15,9 +15,9 @@ Formats (each loader returns a :class:`~tempering.data.records.LoadedData` of me
 - **Prompt/response JSONL** (:func:`load_prompt_response_jsonl`): ``{"<prompt_key>": str,
   "<response_key>": str}`` per line -> user = prompt, assistant = response.
 - **Hugging Face datasets** (:func:`load_hf_sft`): a folder written by
-  ``Dataset.save_to_disk`` (read with ``datasets.load_from_disk``) or local data files read
-  with ``datasets.load_dataset("json", data_files=...)``; rows are mapped by the same keys
-  (``messages_key`` or ``prompt_key``/``response_key``). Errors name ``row <index>``.
+  ``Dataset.save_to_disk`` (read with ``datasets.load_from_disk``) or local data files (the
+  reader above, concatenated); rows are mapped by the same keys (``messages_key`` or
+  ``prompt_key``/``response_key``). Errors name ``row <index>`` (a line in JSONL).
 
 The "JSONL" loaders read any data file `records.iter_rows` reads: JSON Lines, a JSON array,
 Parquet or CSV. Bad rows raise :class:`~tempering.data.records.DataFormatError` naming file,
@@ -151,35 +151,35 @@ def load_hf_sft(
     messages_key: str | None = None,
     split: str = "train",
     on_bad_row: OnBadRow = "error",
-    cache_dir: str | None = None,
 ) -> LoadedData:
-    """A local Hugging Face dataset: a ``save_to_disk`` folder, or JSON/JSONL data files.
+    """A Hugging Face dataset folder written by ``save_to_disk``, or data files (any that
+    `records.iter_rows` reads: JSONL, JSON, Parquet, CSV), concatenated in order.
 
     Rows map by ``messages_key`` when given, else by ``prompt_key``/``response_key``.
-    ``split`` picks the split of a saved ``DatasetDict`` (ignored for a single ``Dataset``);
-    ``cache_dir`` is where ``load_dataset`` caches parsed data files (default: HF's cache).
+    ``split`` picks the split of a saved ``DatasetDict`` (ignored for a single ``Dataset``).
     """
-    import datasets  # heavy import; only this loader needs it
-
-    files = [str(f) for f in path_or_files] if isinstance(path_or_files, list) else None
-    source = str(path_or_files)
-    if files is None and Path(source).is_dir():
-        ds = datasets.load_from_disk(source)
-        if isinstance(ds, datasets.DatasetDict):
-            if split not in ds:
-                raise KeyError(f"{source}: no split {split!r}; it has {sorted(ds)}")
-            ds = ds[split]
-    else:
-        files = files or [source]
-        for f in files:
-            if not Path(f).is_file():
-                raise DataFileNotFoundError(f"data file {f!r} does not exist; check the path")
-        ds = datasets.load_dataset("json", data_files=files, split="train", cache_dir=cache_dir)
     convert = (
         _messages_converter(messages_key)
         if messages_key
         else _prompt_response_converter(prompt_key, response_key)
     )
+    if isinstance(path_or_files, list) or not Path(path_or_files).is_dir():
+        files = path_or_files if isinstance(path_or_files, list) else [path_or_files]
+        parts = [load_rows(f, on_bad_row, convert) for f in files]
+        return LoadedData(
+            Path(files[0]).stem,
+            [log for part in parts for log in part.examples],
+            sum(part.num_skipped for part in parts),
+            [reason for part in parts for reason in part.skipped_reasons],
+        )
+    import datasets  # heavy import; only a saved dataset folder needs it
+
+    source = str(path_or_files)
+    ds = datasets.load_from_disk(source)
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise KeyError(f"{source}: no split {split!r}; it has {sorted(ds)}")
+        ds = ds[split]
     issues = RowIssues(source, on_bad_row)
     logs = []
     for i, row in enumerate(ds):
@@ -187,7 +187,7 @@ def load_hf_sft(
         present = {k: v for k, v in row.items() if v is not None}
         if (log := issues.convert(f"row {i}", present, convert)) is not None:
             logs.append(log)
-    return issues.finish(Path(files[0] if files else source).stem, logs)
+    return issues.finish(Path(source).stem, logs)
 
 
 def _load_squad(path: str, prompt_key: str, response_key: str, on_bad_row: OnBadRow):

@@ -163,10 +163,15 @@ def test_hf_datasets_from_disk_and_data_files(tmp_path):
     f2 = write_jsonl(
         tmp_path / "b.jsonl", [{"messages": convo[:1] + [convo[1] | {"content": "hey"}]}]
     )
-    data = load_hf_sft(
-        [str(f1), str(f2)], messages_key="messages", cache_dir=str(tmp_path / "cache")
-    )
+    data = load_hf_sft([str(f1), str(f2)], messages_key="messages")
     assert [log[1]["content"] for log in data.examples] == ["yo", "hey"]
+    # one Parquet file: it was parsed as JSON ("JSON parse error: Invalid value. in row 0")
+    datasets.Dataset.from_dict(rows).to_parquet(str(tmp_path / "t.parquet"))
+    data = load_hf_sft(tmp_path / "t.parquet", prompt_key="q", response_key="a", on_bad_row="skip")
+    assert [log[1]["content"] for log in data.examples] == ["1", "2"]
+    assert data.num_skipped == 1 and "t.parquet:row 2: missing field 'a'" in data.skipped_reasons[0]
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_hf_sft(tmp_path / "nope.parquet")
 
 
 def test_gsm8k_split_is_deterministic_and_disjoint():
