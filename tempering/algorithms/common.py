@@ -186,6 +186,8 @@ def build_policy_from_config(
         name_prefix=name_prefix,
         head=head,
         pad_token_id=pad_token_id,
+        tokenizer_path=run_tokenizer_path(policy_cfg),
+        chat_template=policy_cfg.tokenizer.chat_template,
         gpu_share=gpu_share,
     )
 
@@ -503,10 +505,27 @@ def load_run_tokenizer(policy_cfg: PolicyConfig) -> Any:
     from tempering.models.hf import load_tokenizer
     from tempering.models.registry import resolve_model_path
 
-    model_path = resolve_model_path(policy_cfg.model_name)  # a bad name fails here, early
-    tokenizer = load_tokenizer(
-        resolve_model_path(policy_cfg.tokenizer.name) if policy_cfg.tokenizer.name else model_path
-    )
-    if policy_cfg.tokenizer.chat_template:
-        tokenizer.chat_template = policy_cfg.tokenizer.chat_template
-    return tokenizer
+    resolve_model_path(policy_cfg.model_name)  # a bad name fails here, early
+    path = run_tokenizer_path(policy_cfg)
+    try:
+        return load_tokenizer(path, policy_cfg.tokenizer.chat_template)
+    except (OSError, ValueError) as err:  # transformers says only what it could not build
+        key = "policy.tokenizer.name" if policy_cfg.tokenizer.name else "policy.model_name"
+        raise TokenizerMissingError(
+            f"{key}={policy_cfg.tokenizer.name or policy_cfg.model_name!r}: no tokenizer can be "
+            f"read from {path} (a folder of weights only? it needs tokenizer.json or "
+            f"tokenizer_config.json): {str(err).splitlines()[0]}. Fix: set "
+            "policy.tokenizer.name to the folder or hub id of the model's tokenizer."
+        ) from err
+
+
+class TokenizerMissingError(ValueError, UserInputError):
+    """The run's tokenizer cannot be read (a model folder holding weights only)."""
+
+
+def run_tokenizer_path(policy_cfg: PolicyConfig) -> str:
+    """Where the run's tokenizer is read from: `policy.tokenizer.name`, else the model's folder
+    (every worker that decodes, and every exported model, reads it from there)."""
+    from tempering.models.registry import resolve_model_path
+
+    return resolve_model_path(policy_cfg.tokenizer.name or policy_cfg.model_name)

@@ -51,9 +51,15 @@ def save_hf_folder(
     tokenizer_source: str | None,
     dtype: torch.dtype | None = None,
     head: str = "causal_lm",
+    *,
+    chat_template: str | None = None,
+    model_source: str | None = None,
 ) -> Path:
     """Write an HF folder atomically (replacing an existing one); returns its path.
-    ``head="score"``: a reward model that ``AutoModelForSequenceClassification`` loads."""
+    ``head="score"``: a reward model that ``AutoModelForSequenceClassification`` loads.
+    The tokenizer comes from ``tokenizer_source`` with ``chat_template`` replacing its own
+    (a run's `policy.tokenizer`), the generation config from ``model_source`` (default: the
+    tokenizer's folder)."""
     from transformers import (
         AutoModelForCausalLM,
         AutoModelForSequenceClassification,
@@ -82,12 +88,14 @@ def save_hf_folder(
         model.save_pretrained(tmp)
         if head != "score":  # a reward model generates nothing
             try:  # sampling defaults from the source model when it has them
-                GenerationConfig.from_pretrained(tokenizer_source).save_pretrained(tmp)
+                GenerationConfig.from_pretrained(model_source or tokenizer_source).save_pretrained(
+                    tmp
+                )
             except (OSError, TypeError, ValueError):
                 GenerationConfig.from_model_config(model.config).save_pretrained(tmp)
         if tokenizer_source is not None:
             try:
-                load_tokenizer(tokenizer_source).save_pretrained(tmp)
+                load_tokenizer(tokenizer_source, chat_template).save_pretrained(tmp)
             except (OSError, ValueError) as err:
                 log.warning(
                     "no tokenizer saved with %s (%s has none: %s)", path, tokenizer_source, err
@@ -179,7 +187,9 @@ def export_checkpoint(
     config = yaml.safe_load((step_dir / "config.yaml").read_text())
     policy_cfg = config.get("policy") or {}
     source = resolve_model_path(policy_cfg["model_name"])
-    tokenizer_source = resolve_model_path((policy_cfg.get("tokenizer") or {}).get("name") or source)
+    tokenizer_cfg = policy_cfg.get("tokenizer") or {}
+    tokenizer_source = resolve_model_path(tokenizer_cfg.get("name") or source)
+    files = {"chat_template": tokenizer_cfg.get("chat_template"), "model_source": source}
     hf_config = AutoConfig.from_pretrained(source)
     lora = _lora_of(policy_cfg)
     if adapter and lora is None:
@@ -191,7 +201,7 @@ def export_checkpoint(
     if lora is None:
         state = _read_dcp(_empty_model(hf_config).state_dict(), policy_dir)
         return save_hf_folder(
-            out, state, hf_config, tokenizer_source, getattr(torch, precision)
+            out, state, hf_config, tokenizer_source, getattr(torch, precision), **files
         ), made_from
     from tempering.models.hf import load_causal_lm
     from tempering.models.policy.lora import (
@@ -209,7 +219,7 @@ def export_checkpoint(
     if adapter:
         return save_peft_adapter(out, adapter_state(full), adapters.peft_config(source)), made_from
     return save_hf_folder(
-        out, adapters.merge(full), hf_config, tokenizer_source, getattr(torch, precision)
+        out, adapters.merge(full), hf_config, tokenizer_source, getattr(torch, precision), **files
     ), made_from
 
 

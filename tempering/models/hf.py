@@ -22,12 +22,17 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from tempering.models.registry import hub_offline, resolve_model_path
 
 
-def load_tokenizer(name_or_path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
-    """The tokenizer (with its chat template) of a model; pad token set to eos if missing."""
+def load_tokenizer(
+    name_or_path: str | os.PathLike[str], chat_template: str | None = None
+) -> PreTrainedTokenizerBase:
+    """The tokenizer (with its chat template, or ``chat_template`` in its place: a run's
+    ``policy.tokenizer.chat_template``) of a model; pad token set to eos if missing."""
     path = resolve_model_path(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=hub_offline())
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if chat_template:
+        tokenizer.chat_template = chat_template
     return tokenizer
 
 

@@ -261,10 +261,23 @@ def test_vllm_loads_final_hf_and_eval_agrees_across_engines(
     ]
 
 
+# a chat template of the run's own (`policy.tokenizer.chat_template`), told apart by its marker
+RUN_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}{# the run's #}"
+)
+
+
 def test_lora_grpo_leaves_merged_final_hf_a_peft_adapter_and_exports_either(ray_session, tmp_path):
     """The LoRA config end to end (colocated refit of merged weights, adapter-only step
     checkpoints): final_hf is the trained policy, final_adapter on the base model equals it,
-    and `tempering export` writes the merged model or the adapter from a step checkpoint."""
+    and `tempering export` writes the merged model or the adapter from a step checkpoint.
+
+    The model folder holds weights only, the tokenizer is `policy.tokenizer.name` and the chat
+    template `policy.tokenizer.chat_template`: the workers decoded with the model folder's
+    tokenizer (a folder without one failed in the worker) and final_hf shipped its template."""
+    import shutil
+
     from peft import PeftModel
 
     from tempering.algorithms import grpo
@@ -272,11 +285,15 @@ def test_lora_grpo_leaves_merged_final_hf_a_peft_adapter_and_exports_either(ray_
     from tempering.models.export import export_checkpoint
     from tempering.models.registry import resolve_model_path
 
+    weights_only = tmp_path / "weights_only"
+    shutil.copytree(resolve_model_path("tiny-arith"), weights_only,
+                    ignore=shutil.ignore_patterns("tokenizer*", "chat_template.jinja"))  # fmt: skip
     cfg, resolved = load_config(
         REPO / "examples/configs/grpo_math_tiny_lora.yaml",
         [*_common(tmp_path), "grpo.max_num_steps=2", "grpo.val_period=2",
          "data.num_val_samples=32", "grpo.max_val_samples=32", "checkpointing.save_period=1",
-         "policy.shared_prefix=false"],
+         "policy.shared_prefix=false", f"policy.model_name={weights_only}",
+         "policy.tokenizer.name=tiny-arith", f"policy.tokenizer.chat_template={RUN_TEMPLATE!r}"],
         schema=GRPOMasterConfig,
     )  # fmt: skip
     run = grpo.setup(cfg, resolved)
@@ -293,6 +310,8 @@ def test_lora_grpo_leaves_merged_final_hf_a_peft_adapter_and_exports_either(ray_
     merged, _ = export_checkpoint(tmp_path / "ckpt/step_2", tmp_path / "exported")
     adapter, info = export_checkpoint(tmp_path / "ckpt/step_2", tmp_path / "adapter", adapter=True)
     assert info["dtype"] == "float32" and (adapter / "adapter_config.json").is_file()
+    for folder in (tmp_path / "ckpt/final_hf", merged):  # the run's tokenizer and template
+        assert AutoTokenizer.from_pretrained(folder).chat_template == RUN_TEMPLATE, folder
     for folder in (tmp_path / "ckpt/final_hf", merged):
         lp = _hf_logprobs(folder, ids, lengths)[valid]
         assert (lp - trained).abs().max() < 1e-5, folder

@@ -656,3 +656,28 @@ def test_bf16_refits_round_without_bias_along_the_update(tokenizer):
     values = ties[: model.state_dict()[name].numel()] + step[: model.state_dict()[name].numel()]
     TorchGenerationEngine(model, tokenizer).update_weights({name: values})
     assert torch.equal(model.state_dict()[name], cast_for_sampling(values, torch.bfloat16, name))
+
+
+def test_a_generation_worker_decodes_with_the_runs_tokenizer(tmp_path):
+    """`policy.tokenizer.name` reaches the split torch workers: a model folder holding weights
+    only (no tokenizer) failed in the worker, which read the tokenizer from the model folder."""
+    import shutil
+
+    from tempering.models.generation.torch_worker import TorchGenerationWorker
+    from tempering.models.hf import load_tokenizer
+    from tempering.models.registry import resolve_model_path
+
+    weights_only = tmp_path / "weights_only"
+    shutil.copytree(resolve_model_path("tiny-arith"), weights_only,
+                    ignore=shutil.ignore_patterns("tokenizer*", "chat_template.jinja"))  # fmt: skip
+    with pytest.raises(ValueError):  # the folder alone has no tokenizer to decode with
+        load_tokenizer(weights_only)
+    sampling = {"max_new_tokens": 4}
+    worker = TorchGenerationWorker(str(weights_only), sampling, tokenizer_path="tiny-arith")
+    reference = TorchGenerationWorker("tiny-arith", sampling)
+    tokenizer = load_tokenizer("tiny-arith")
+    ids = tokenizer(["Q: 23+45=? A:"], return_tensors="pt")["input_ids"]
+    batch = {"input_ids": ids, "input_lengths": torch.tensor([ids.shape[1]])}
+    got, want = worker.generate(batch, greedy=True), reference.generate(batch, greedy=True)
+    assert torch.equal(got["output_ids"], want["output_ids"])
+    assert worker.tokenizer.eos_token_id == tokenizer.eos_token_id

@@ -44,6 +44,19 @@ def two_rows(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def weights_only(tmp_path_factory) -> Path:
+    """tiny-arith's folder without its tokenizer, as a weights-only checkpoint comes."""
+    import shutil
+
+    from tempering.models.registry import resolve_model_path
+
+    folder = tmp_path_factory.mktemp("models") / "weights_only"
+    shutil.copytree(resolve_model_path("tiny-arith"), folder,
+                    ignore=shutil.ignore_patterns("tokenizer*", "chat_template.jinja"))  # fmt: skip
+    return folder
+
+
+@pytest.fixture(scope="module")
 def no_slot(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "prompt.txt"
     path.write_text("Solve the problem and put the answer last.\n")  # no '{}' for the problem
@@ -119,6 +132,11 @@ CASES = {
         ["has 16 pairs, fewer than the 64 one validation batch takes (set by "
          "dpo.val_global_batch_size)"],
     ),
+    "a model folder without a tokenizer": (
+        "run_grpo_math.py", ["policy.model_name={weights_only}"],
+        ["policy.model_name='", "weights_only': no tokenizer can be read from",
+         "Fix: set policy.tokenizer.name to the folder or hub id of the model's tokenizer"],
+    ),
     "file dataset without its file": (
         "run_rm.py", ["data.dataset_name=preference"], ["data.train_data_path"],
     ),
@@ -127,11 +145,11 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_mistake_is_one_message_before_anything_starts(
-    case, bad_rows, two_rows, base_model, no_slot
+    case, bad_rows, two_rows, base_model, no_slot, weights_only
 ):
     script, overrides, expected = CASES[case]
     files = {"bad_rows": bad_rows, "two_rows": two_rows, "base_model": base_model,
-             "no_slot": no_slot}  # fmt: skip
+             "no_slot": no_slot, "weights_only": weights_only}  # fmt: skip
     proc = _run(script, *(o.format(**files) for o in overrides))
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -237,6 +237,7 @@ def build_generation(
     rest): refits reach workers while they generate."""
     gen = policy_cfg.generation
     sampling = sampling_from_config(gen, tokenizer)
+    tokenizer_path = tokenizer.name_or_path  # the run's (`policy.tokenizer.name`), resolved
     if gen.backend == "torch" and gen.colocated.enabled:
         return ColocatedGeneration(policy, sampling, gen.torch_dtype_name)
     from tempering.distributed.virtual_cluster import cluster_for_group
@@ -249,6 +250,7 @@ def build_generation(
         builder = RayWorkerBuilder(
             TORCH_WORKER_FQN, model_path, dataclasses.asdict(sampling),
             in_flight=in_flight_weight_updates, dtype=gen.torch_dtype_name,
+            tokenizer_path=tokenizer_path,
         )  # fmt: skip
         refit_dtype = gen.precision  # weights travel in the engine's dtype (null: as trained)
     else:
@@ -274,6 +276,7 @@ def build_generation(
             # CPU engines need an explicit KV-cache size (GPU ones size it from utilization).
             kv_cache_memory_bytes=None if on_gpus else 256 * 2**20,
             lora_rank=policy_cfg.dtensor_cfg.lora_cfg.dim if adapter_refit else None,
+            tokenizer_path=tokenizer_path,
         )
         refit_dtype = v.precision  # weights travel in the engine's dtype
     if group_plan.colocated_with:  # vLLM on the policy's GPUs (GPU only; not yet run on hardware)

@@ -31,14 +31,17 @@ class TorchGenerationWorker:
         num_threads: int | None = None,
         in_flight: bool = False,
         dtype: str = "float32",
+        tokenizer_path: str | None = None,
     ) -> None:
+        """``tokenizer_path``: the run's tokenizer (its EOS, pad and decoding), default the
+        model's."""
         from tempering.models.hf import load_causal_lm, load_tokenizer
 
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model = load_causal_lm(model_path, getattr(torch, dtype)).eval()  # refits cast
         optimize_for_cpu_inference(self.model)  # this copy only generates
-        self.tokenizer = load_tokenizer(model_path)
+        self.tokenizer = load_tokenizer(tokenizer_path or model_path)
         self.sampling = SamplingConfig(**sampling)
         self.engine = TorchGenerationEngine(self.model, self.tokenizer, self.sampling)
         self.engine.in_flight = in_flight  # outputs carry each token's weight version

@@ -78,6 +78,7 @@ class VllmGenerationWorker:
         enable_sleep_mode: bool = False,
         kv_cache_memory_bytes: int | None = None,
         lora_rank: int | None = None,
+        tokenizer_path: str | None = None,
         **sampling_args: Any,
     ) -> None:
         """`config`, or the `SamplingConfig` fields as keywords (temperature, top_p, top_k,
@@ -87,6 +88,7 @@ class VllmGenerationWorker:
         "bfloat16", "float16" or "float32". `enable_sleep_mode=True` (GPU only) lets
         `finish_generation` free the GPU for training in colocated mode. `lora_rank`: the
         adapters' rank, for `update_adapter` (None: merged weights only, `update_weights`).
+        `tokenizer_path`: the run's tokenizer (`policy.tokenizer.name`), default the model's.
         """
         self.config = sampling_config(config, sampling_args, "VllmGenerationWorker")
         _check_filters(self.config)
@@ -104,6 +106,7 @@ class VllmGenerationWorker:
         self._next_seed: int | None = None  # set by reseed()
         self.llm = vllm.LLM(
             model=self.model_path,
+            tokenizer=str(tokenizer_path or self.model_path),
             dtype=dtype,
             gpu_memory_utilization=gpu_memory_utilization,
             tensor_parallel_size=tensor_parallel_size,

@@ -124,8 +124,9 @@ class CheckpointIO:
 
             source = self.state.source
             save_hf_folder(
-                path, self.state.hf_weights(sd), self.state.model.config, source.model_path,
-                self.export_dtype, head=source.head,
+                path, self.state.hf_weights(sd), self.state.model.config,
+                source.tokenizer_path or source.model_path, self.export_dtype, head=source.head,
+                chat_template=source.chat_template, model_source=source.model_path,
             )  # fmt: skip
         dist.barrier()
 

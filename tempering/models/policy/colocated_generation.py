@@ -34,7 +34,7 @@ class ColocatedGenerationView:
         from tempering.models.generation.cpu_inference import optimize_for_cpu_inference
         from tempering.models.generation.interfaces import SamplingConfig
         from tempering.models.generation.torch_engine import TorchGenerationEngine
-        from tempering.models.hf import load_causal_lm, load_tokenizer
+        from tempering.models.hf import load_causal_lm
 
         source, topo = self.state.source, self.state.topo
         require_head(source.head, "causal_lm", "init_colocated_generation")
@@ -43,7 +43,7 @@ class ColocatedGenerationView:
             args["seed"] = int(torch.initial_seed()) + 1000 * topo.rank
         model = load_causal_lm(source.model_path, getattr(torch, dtype)).to(topo.device).eval()
         optimize_for_cpu_inference(model)  # this copy only generates
-        tokenizer = load_tokenizer(source.model_path)
+        tokenizer = source.tokenizer()
         self._engine = TorchGenerationEngine(model, tokenizer, SamplingConfig(**args))
         self.refit()
 

@@ -95,6 +95,8 @@ class FSDP2PolicyWorker:
         head: "causal_lm" (a policy) or "score" (a reward model: `forward` gives ``[B]``
             scores, pooled at the last non-pad token, so ``pad_token_id`` is required).
         pad_token_id: the tokenizer's pad id (for ``head="score"``).
+        tokenizer_path, chat_template: the run's tokenizer (default: the model's) and the
+            template replacing its own, for colocated generation and exported models.
         tensor_parallel_size: ranks that split each decoder layer (attention heads and MLP
             columns, torch's DTensor colwise/rowwise styles); consecutive ranks form a TP
             group, FSDP2 shards over the data-parallel groups (a 2-D ``dp x tp`` mesh).
@@ -140,6 +142,8 @@ class FSDP2PolicyWorker:
         max_consecutive_nonfinite: int = 3,
         head: str = "causal_lm",
         pad_token_id: int | None = None,
+        tokenizer_path: str | None = None,
+        chat_template: str | None = None,
         tensor_parallel_size: int = 1,
         lean_loading: bool = True,
         shared_prefix: bool = True,
@@ -151,7 +155,7 @@ class FSDP2PolicyWorker:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         torch.manual_seed(seed)
-        source = ModelSource(str(model_path), head, pad_token_id)
+        source = ModelSource(str(model_path), head, pad_token_id, tokenizer_path, chat_template)
         topo = init_topology(tensor_parallel_size)
         mp_policy = mixed_precision(precision)
         self.state = self._load_models(

@@ -261,11 +261,20 @@ def _free_port() -> int:
 # --------------------------------------------------------------- the model
 @dataclass(frozen=True)
 class ModelSource:
-    """Which model to build: a registry name or HF folder, and its head."""
+    """Which model to build: a registry name or HF folder, and its head; and the run's
+    tokenizer (``tokenizer_path``, default the model's; ``chat_template`` replacing its
+    template), which colocated generation decodes with and exports ship."""
 
     model_path: str
     head: str = "causal_lm"
     pad_token_id: int | None = None
+    tokenizer_path: str | None = None
+    chat_template: str | None = None
+
+    def tokenizer(self) -> Any:
+        from tempering.models.hf import load_tokenizer
+
+        return load_tokenizer(self.tokenizer_path or self.model_path, self.chat_template)
 
     def read(self) -> torch.nn.Module:
         """The model with its weights, read from disk (fp32)."""
