@@ -50,13 +50,6 @@ def prepare_run(deadlines_cfg: DeadlinesConfig | None = None, log_dir: str | Non
     check_container_fingerprint()
 
 
-def data_source(data_cfg: Any) -> str:
-    """Where a run's training data comes from, as the user set it: the key and its value."""
-    if data_cfg.train_data_path:
-        return f"data.train_data_path={data_cfg.train_data_path!r}"
-    return f"data.dataset_name={data_cfg.dataset_name!r}"
-
-
 def check_validation_batch(
     count: int, per_batch: int, section: str, val_period: int, data_cfg: Any, unit: str
 ) -> None:

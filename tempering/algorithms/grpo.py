@@ -33,6 +33,7 @@ from tempering.algorithms.dynamic_sampling import DynamicSampler, mask_overlong_
 from tempering.algorithms.signal_watch import SignalWatch, step_signal
 from tempering.config.schemas import GRPOMasterConfig
 from tempering.data.grpo_problems import Problem, load_problems, reasoning_gym_problems  # noqa: F401
+from tempering.data.records import data_source
 from tempering.distributed.batched_data_dict import BatchedDataDict
 from tempering.utils import faults
 from tempering.utils.timers import Timer
@@ -140,7 +141,7 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any], plan: Any = None) -> 
     dataloader = StatefulDataLoader(
         train_problems, cfg.grpo.num_prompts_per_step, seed=cfg.grpo.seed,
         batch_key="grpo.num_prompts_per_step",
-        source=f"the training problems ({common.data_source(cfg.data)})",
+        source=f"the training problems ({data_source(cfg.data.train_data_path, cfg.data.dataset_name)})",
     )  # fmt: skip
     common.start_ray(cfg.cluster)  # the inputs are good: now the workers
     environments = build_environments(cfg, {p.task_name for p in train_problems + val_problems})

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tempering.algorithms import common
-from tempering.config.schemas import DataConfig
+from tempering.config.schemas import GENERATED_TRAIN_SAMPLES, DataConfig
+from tempering.data.records import data_source, first_n
 
 
 # --------------------------------------------------------------------------- data
@@ -50,13 +51,14 @@ def load_preference_data(data_cfg: DataConfig) -> PreferenceData:
             pd.arithmetic_preference_pairs if name == "arithmetic" else pd.arithmetic_parity_pairs
         )
         return PreferenceData(
-            make(data_cfg.num_train_samples, data_cfg.seed).examples,
+            make(data_cfg.num_train_samples or GENERATED_TRAIN_SAMPLES, data_cfg.seed).examples,
             make(data_cfg.num_val_samples, data_cfg.seed, "test").examples,
             val_problems=make_problems(data_cfg.num_val_samples, data_cfg.seed, "test"),
         )
+    source = data_source(data_cfg.train_data_path, name)
     if name == "gsm8k":
         train, val = pd.load_preference_splits("gsm8k", num_val=data_cfg.num_val_samples)
-        return PreferenceData(train, val)
+        return PreferenceData(first_n(train, data_cfg.num_train_samples, source, "pairs"), val)
     if name not in pd.PREFERENCE_LOADERS:
         raise ValueError(
             f"data.dataset_name={name!r} is not a preference dataset; use arithmetic, "
@@ -71,7 +73,6 @@ def load_preference_data(data_cfg: DataConfig) -> PreferenceData:
         loaded.append(load(data_cfg.val_data_path, data_cfg.prompt_key, data_cfg.on_bad_row))
         train, val = loaded[0].examples, loaded[1].examples
     else:
-        source = f"data.train_data_path={data_cfg.train_data_path!r}"
         train, val = hold_out(
             loaded[0].examples, data_cfg.num_val_samples, data_cfg.seed, source, "pairs"
         )
@@ -81,6 +82,7 @@ def load_preference_data(data_cfg: DataConfig) -> PreferenceData:
             f"{data_cfg.train_data_path}: {len(train)} train / {len(val)} validation pairs left "
             f"after skipping {len(reasons)} bad row(s); DPO/RM need both"
         )
+    train = first_n(train, data_cfg.num_train_samples, source, "pairs")
     return PreferenceData(train, val, sum(d.num_skipped for d in loaded), reasons)
 
 
@@ -198,7 +200,7 @@ def prepare(cfg: Any, resolved: dict[str, Any], name: str) -> PreferenceRun:
         tokenizer,
         pol.max_total_sequence_length,
         seed=section.seed,
-        source=f"the training pairs ({common.data_source(cfg.data)})",
+        source=f"the training pairs ({data_source(cfg.data.train_data_path, cfg.data.dataset_name)})",
     )
     common.start_ray(cfg.cluster)
     cluster = common.build_cluster(plan.policy, cfg.cluster, name)

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tempering.algorithms import common
-from tempering.config.schemas import DataConfig, SFTMasterConfig
+from tempering.config.schemas import GENERATED_TRAIN_SAMPLES, DataConfig, SFTMasterConfig
+from tempering.data.records import data_source, first_n
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,9 @@ def load_sft_data(
         from tempering.data.arithmetic import arithmetic_message_log
         from tempering.models.tiny_arith import make_problems
 
-        train_p = make_problems(data_cfg.num_train_samples, seed=data_cfg.seed, split="train")
+        train_p = make_problems(
+            data_cfg.num_train_samples or GENERATED_TRAIN_SAMPLES, seed=data_cfg.seed, split="train"
+        )
         problems = make_problems(data_cfg.num_val_samples, seed=data_cfg.seed, split="test")
         train_logs = [arithmetic_message_log(p["prompt"], p["answer"]) for p in train_p]
         k = problems_per_sample  # k problems per conversation: [user, assistant] * k
@@ -75,6 +78,13 @@ def load_sft_data(
             on_bad_row=data_cfg.on_bad_row,
             num_val=data_cfg.num_val_samples,
             seed=data_cfg.seed,
+        )
+    if name != "arithmetic":  # generated to data.num_train_samples already
+        train_logs = first_n(
+            train_logs,
+            data_cfg.num_train_samples,
+            data_source(data_cfg.train_data_path, data_cfg.dataset_name),
+            "examples",
         )
     train, _ = tokenize_message_logs(train_logs, tokenizer, max_seq_len)
     val, _ = tokenize_message_logs(val_logs[: data_cfg.num_val_samples], tokenizer, max_seq_len)
@@ -137,7 +147,7 @@ def setup(cfg: SFTMasterConfig, resolved: dict[str, Any]) -> SFTRun:
         collate_fn=lambda ex: collate_sft(ex, pad),
         prefetch=True,  # tokenize the next batch while the workers train
         batch_key="policy.train_global_batch_size",
-        source=f"the training data ({common.data_source(cfg.data)})",
+        source=f"the training data ({data_source(cfg.data.train_data_path, cfg.data.dataset_name)})",
     )
     common.start_ray(cfg.cluster)  # the inputs are good: now the workers
     cluster = common.build_cluster(plan.policy, cfg.cluster, "sft")

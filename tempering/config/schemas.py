@@ -326,6 +326,11 @@ class CheckpointingConfig(Section):
     save_period: int = Field(10, ge=1)
 
 
+# how many training examples a generated dataset (arithmetic, ...) makes when
+# data.num_train_samples is null
+GENERATED_TRAIN_SAMPLES = 20000
+
+
 class DataConfig(Section):
     dataset_name: str = Field(
         "arithmetic",
@@ -340,13 +345,19 @@ class DataConfig(Section):
         "response", description="the response column (SFT prompt_response/hf)"
     )
     max_input_seq_length: int | None = Field(None, description="not read; only null")
-    num_train_samples: int = Field(20000, ge=1, description="generated datasets: how many")
+    num_train_samples: int | None = Field(
+        None,
+        ge=1,
+        description="training examples: the generated datasets make this many (null: 20000); "
+        "any other uses its first N (null: all), logged when that differs from what it holds",
+    )
     num_val_samples: int = Field(256, ge=1)
     use_chat_template: bool = Field(
         False, description="format prompts with the tokenizer's chat template"
     )
     on_bad_row: Literal["error", "skip"] = "error"
     seed: int = 0
+
     reasoning_gym_tasks: list[str] = Field(
         default_factory=list,
         description="GRPO: also train on these reasoning-gym generators (e.g. basic_arithmetic), "

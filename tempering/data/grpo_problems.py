@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tempering.config.schemas import DataConfig
+from tempering.config.schemas import GENERATED_TRAIN_SAMPLES, DataConfig
+from tempering.data.records import data_source, first_n
 
 
 @dataclass
@@ -31,6 +32,13 @@ def load_problems(
     from tempering.data.problems import apply_prompt_template, read_prompt_file
 
     train, val = _dataset_problems(data_cfg, gym_route)
+    if data_cfg.dataset_name != "arithmetic":  # generated to data.num_train_samples already
+        train = first_n(
+            train,
+            data_cfg.num_train_samples,
+            data_source(data_cfg.train_data_path, data_cfg.dataset_name),
+            "problems",
+        )
     for task in data_cfg.reasoning_gym_tasks:
         train += reasoning_gym_problems(task, data_cfg.reasoning_gym_samples, data_cfg.seed)
     template = read_prompt_file(data_cfg.prompt_file, "prompt_file")
@@ -94,7 +102,9 @@ def _dataset_problems(
             rows = make_problems(n, seed=data_cfg.seed, split=split)
             return [Problem(r["prompt"], r["answer"], "arithmetic") for r in rows]
 
-        return mk(data_cfg.num_train_samples, "train"), mk(data_cfg.num_val_samples, "test")
+        return mk(data_cfg.num_train_samples or GENERATED_TRAIN_SAMPLES, "train"), mk(
+            data_cfg.num_val_samples, "test"
+        )
     if name == "gsm8k":
         from tempering.data.gsm8k import gsm8k_rl_pairs, gsm8k_user_prompt
 

@@ -253,6 +253,26 @@ def hold_out(
     return split_off_val(items, held, seed)
 
 
+def data_source(train_data_path: str | None, dataset_name: str) -> str:
+    """Where a run's training data comes from, as the user set it: the key and its value
+    (the `data` section's fields, not the section: the config-key scan sees each read)."""
+    if train_data_path:
+        return f"data.train_data_path={train_data_path!r}"
+    return f"data.dataset_name={dataset_name!r}"
+
+
+def first_n(items: Sequence[T], n: int | None, source: str, unit: str) -> list[T]:
+    """The first ``n`` of ``items`` (``data.num_train_samples`` of a dataset read from a file;
+    None: all), logged when ``n`` cuts them or asks for more than there are."""
+    if n is not None and n != len(items):
+        logger.warning(
+            "data.num_train_samples=%d: %s holds %d %s; training on %s",
+            n, source, len(items), unit,
+            f"the first {n}" if n < len(items) else "all of them",
+        )  # fmt: skip
+    return list(items[:n])
+
+
 def split_off_val(items: Sequence[T], num_val: int, seed: int = 0) -> tuple[list[T], list[T]]:
     """Deterministic split: items ordered by sha256(f"{seed}:{index}"), the first ``num_val``
     go to val. Each split keeps the input order, so the split depends only on the item

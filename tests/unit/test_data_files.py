@@ -98,3 +98,45 @@ def test_unreadable_files_are_named_with_the_fix(tmp_path):
     truncated.write_text(json.dumps(ROWS)[:-40])
     with pytest.raises(DataFormatError, match=r"cut\.json:1: not valid JSON .*one JSON array"):
         load_prompt_response_jsonl(truncated)
+
+
+def test_num_train_samples_takes_the_first_rows_of_any_dataset_and_says_so(tmp_path, caplog):
+    """data.num_train_samples made only the generated datasets to size: set with a file (or
+    gsm8k) it was accepted and silently read nowhere."""
+    import logging
+
+    from tempering.algorithms.preference import load_preference_data
+    from tempering.algorithms.sft import load_sft_data
+    from tempering.config.schemas import DataConfig
+    from tempering.data.grpo_problems import load_problems
+    from tempering.models.hf import load_tokenizer
+
+    rows = [{**ROWS[i % 3], "problem": f"What is {i}+1?", "expected_answer": str(i + 1),
+             "response": str(i + 1)} for i in range(12)]  # fmt: skip
+    path = str(_write(tmp_path / "rows.parquet", rows))
+    tokenizer = load_tokenizer("tiny-arith")
+
+    def loaded(n):
+        common = {"train_data_path": path, "num_val_samples": 2, "num_train_samples": n}
+        problems = DataConfig(dataset_name="problems", reasoning_gym_tasks=[], **common)
+        sft = DataConfig(dataset_name="prompt_response", **common)
+        pairs = DataConfig(dataset_name="preference", **common)
+        return (load_problems(problems)[0], load_sft_data(sft, tokenizer, 64).train,
+                load_preference_data(pairs).train)  # fmt: skip
+
+    everything = loaded(None)
+    assert [len(x) for x in everything] == [10, 10, 10]  # 12 rows, 2 held out
+    with caplog.at_level(logging.WARNING, logger="tempering.data.records"):
+        four = loaded(4)
+    assert [len(x) for x in four] == [4, 4, 4]
+    assert [x[:4] for x in everything] == list(four)  # the first rows, in the file's order
+    assert f"data.num_train_samples=4: data.train_data_path={path!r} holds 10 problems; " \
+        "training on the first 4" in caplog.text  # fmt: skip
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tempering.data.records"):
+        assert [len(x) for x in loaded(50)] == [10, 10, 10]
+    assert "holds 10 examples; training on all of them" in caplog.text
+    # the generated datasets are made to that size, as before
+    made = load_problems(DataConfig(num_train_samples=7, reasoning_gym_tasks=[]))[0]
+    assert len(made) == 7
+    assert len(load_problems(DataConfig(reasoning_gym_tasks=[]))[0]) == 20000
