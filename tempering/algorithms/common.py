@@ -51,14 +51,30 @@ def prepare_run(deadlines_cfg: DeadlinesConfig | None = None, log_dir: str | Non
 
 
 def check_validation_batch(
-    count: int, per_batch: int, section: str, val_period: int, data_cfg: Any, unit: str
+    count: int,
+    per_batch: int,
+    val_batches: int,
+    section: str,
+    val_period: int,
+    data_cfg: Any,
+    unit: str,
 ) -> None:
     """Before Ray: validation data smaller than one validation batch would never validate
     (SFT skipped it without a word, DPO/RM warned at every validation); refuse it with the
-    fix. Nothing to check when ``val_period`` is 0 (no validation)."""
+    fix. A validation that reads only part of the data (``val_batches`` whole batches) says
+    so once. Nothing to check when ``val_period`` is 0 (no validation)."""
     from tempering.data.dataloader import DatasetTooSmallError
 
-    if not val_period or count >= per_batch:
+    if not val_period:
+        return
+    read = min(count, per_batch * val_batches) // per_batch * per_batch
+    if per_batch <= count != read:
+        log.warning(
+            "each validation reads %d of the %d held-out %s (%s.val_batches=%d whole batches "
+            "of %d); raise %s.val_batches or fit the batch size to read them all",
+            read, count, unit, section, val_batches, per_batch, section,
+        )  # fmt: skip
+    if count >= per_batch:
         return
     source = (
         f"data.val_data_path={data_cfg.val_data_path!r}"

@@ -191,8 +191,8 @@ def prepare(cfg: Any, resolved: dict[str, Any], name: str) -> PreferenceRun:
     common.check_chat_template(tokenizer, cfg)
     data = load_preference_data(cfg.data)
     common.check_validation_batch(  # a pair is two sequences of a batch
-        len(data.val), section.val_global_batch_size // 2, name, section.val_period, cfg.data,
-        "pairs",
+        len(data.val), section.val_global_batch_size // 2, section.val_batches, name,
+        section.val_period, cfg.data, "pairs",
     )  # fmt: skip
     dataloader = preference_loader(
         data.train,

@@ -17,7 +17,7 @@ from typing import Any
 
 from tempering.algorithms import common
 from tempering.config.schemas import GENERATED_TRAIN_SAMPLES, DataConfig, SFTMasterConfig
-from tempering.data.records import data_source, first_n
+from tempering.data.records import data_source, first_n, first_val
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,13 @@ def load_sft_data(
             "examples",
         )
     train, _ = tokenize_message_logs(train_logs, tokenizer, max_seq_len)
-    val, _ = tokenize_message_logs(val_logs[: data_cfg.num_val_samples], tokenizer, max_seq_len)
+    val_source = (
+        f"data.val_data_path={data_cfg.val_data_path!r}"
+        if data_cfg.val_data_path
+        else f"data.dataset_name={name!r}'s validation split"
+    )
+    val_logs = first_val(val_logs, data_cfg.num_val_samples, val_source, "examples")
+    val, _ = tokenize_message_logs(val_logs, tokenizer, max_seq_len)
     return SFTData(train, val, problems, checker)
 
 
@@ -136,8 +142,8 @@ def setup(cfg: SFTMasterConfig, resolved: dict[str, Any]) -> SFTRun:
         cfg.sft.arithmetic_problems_per_sample,
     )
     common.check_validation_batch(
-        len(data.val), cfg.sft.val_global_batch_size, "sft", cfg.sft.val_period, cfg.data,
-        "examples",
+        len(data.val), cfg.sft.val_global_batch_size, cfg.sft.val_batches, "sft",
+        cfg.sft.val_period, cfg.data, "examples",
     )  # fmt: skip
     pad = pad_token_id_of(tokenizer)
     dataloader = StatefulDataLoader(

@@ -545,12 +545,13 @@ def _check_dataset(data: DataConfig, algorithm: str, names: tuple[str, ...]) -> 
             f"data.dataset_name={data.dataset_name!r} is not a {algorithm} dataset; use one of "
             f"{list(names)}"
         )
-    if data.dataset_name in _BUILT_IN_DATASETS and data.train_data_path:
-        raise ValueError(
-            f"data.dataset_name={data.dataset_name!r} is built in and reads no file, so "
-            f"data.train_data_path={data.train_data_path!r} would be ignored; to train on the "
-            "file set data.dataset_name to its format (e.g. problems), or remove the path"
-        )
+    for key in ("train_data_path", "val_data_path"):
+        if data.dataset_name in _BUILT_IN_DATASETS and getattr(data, key):
+            raise ValueError(
+                f"data.dataset_name={data.dataset_name!r} is built in and reads no file, so "
+                f"data.{key}={getattr(data, key)!r} would be ignored; to read the file set "
+                "data.dataset_name to its format (e.g. problems), or remove the path"
+            )
     if data.dataset_name not in _BUILT_IN_DATASETS and not data.train_data_path:
         raise ValueError(
             f"data.dataset_name={data.dataset_name!r} reads your file: it needs "

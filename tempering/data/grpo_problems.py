@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tempering.config.schemas import GENERATED_TRAIN_SAMPLES, DataConfig
-from tempering.data.records import data_source, first_n
+from tempering.data.records import data_source, first_n, first_val
 
 
 @dataclass
@@ -111,13 +111,15 @@ def _dataset_problems(
         def gsm(split: str) -> list[Problem]:
             return [Problem(gsm8k_user_prompt(q), a, "math") for q, a in gsm8k_rl_pairs(split)]
 
-        return gsm("train"), gsm("test")[: data_cfg.num_val_samples]
+        val = first_val(gsm("test"), data_cfg.num_val_samples, "gsm8k's held-out split", "problems")
+        return gsm("train"), val
     if name == "problems":
         return _file_problems(data_cfg)
     if name == "nemo_gym":
         train = _gym_problems(data_cfg.train_data_path, "train_data_path", gym_route)
         val = _gym_problems(data_cfg.val_data_path, "val_data_path", gym_route)
-        return train, val[: data_cfg.num_val_samples]
+        source = f"data.val_data_path={data_cfg.val_data_path!r}"
+        return train, first_val(val, data_cfg.num_val_samples, source, "rows")
     raise ValueError(
         f"data.dataset_name={name!r} has no GRPO prompts; use 'arithmetic', 'gsm8k', 'problems' "
         "(your JSONL / Hugging Face dataset) or 'nemo_gym'"
@@ -142,8 +144,9 @@ def _file_problems(data_cfg: DataConfig) -> tuple[list[Problem], list[Problem]]:
 
     train = rows(data_cfg.train_data_path, data_cfg.train_split)
     if data_cfg.val_data_path:
-        val = rows(data_cfg.val_data_path, data_cfg.val_split)[: data_cfg.num_val_samples]
-        return train, val
+        val = rows(data_cfg.val_data_path, data_cfg.val_split)
+        source = f"data.val_data_path={data_cfg.val_data_path!r}"
+        return train, first_val(val, data_cfg.num_val_samples, source, "problems")
     source = f"data.train_data_path={data_cfg.train_data_path!r}"
     return hold_out(train, data_cfg.num_val_samples, data_cfg.seed, source, "problems")
 

@@ -262,13 +262,24 @@ def data_source(train_data_path: str | None, dataset_name: str) -> str:
 
 
 def first_n(items: Sequence[T], n: int | None, source: str, unit: str) -> list[T]:
-    """The first ``n`` of ``items`` (``data.num_train_samples`` of a dataset read from a file;
-    None: all), logged when ``n`` cuts them or asks for more than there are."""
+    """The first ``n`` training ``items`` (``data.num_train_samples`` of a dataset read from a
+    file; None: all), logged when ``n`` cuts them or asks for more than there are."""
     if n is not None and n != len(items):
         logger.warning(
             "data.num_train_samples=%d: %s holds %d %s; training on %s",
             n, source, len(items), unit,
             f"the first {n}" if n < len(items) else "all of them",
+        )  # fmt: skip
+    return list(items[:n])
+
+
+def first_val(items: Sequence[T], n: int, source: str, unit: str) -> list[T]:
+    """The first ``n`` validation ``items`` (``data.num_val_samples``), logged when that cuts
+    a validation set (a smaller one is validated whole: ``n`` is a cap)."""
+    if n < len(items):
+        logger.warning(
+            "data.num_val_samples=%d: %s holds %d %s; validating on the first %d",
+            n, source, len(items), unit, n,
         )  # fmt: skip
     return list(items[:n])
 

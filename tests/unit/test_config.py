@@ -295,5 +295,6 @@ def test_a_file_beside_a_built_in_dataset_is_refused(config, schema):
 
     path = REPO / "examples/configs" / config
     schema = schema or MASTER_CONFIGS[schema_for(path)]
-    with pytest.raises(ConfigError, match="is built in and reads no file"):
-        load_config(path, ["data.train_data_path=/no/such.jsonl"], schema=schema)
+    for key in ("train_data_path", "val_data_path"):  # a validation file was ignored too
+        with pytest.raises(ConfigError, match=f"reads no file, so data.{key}='/no/such.jsonl'"):
+            load_config(path, [f"data.{key}=/no/such.jsonl"], schema=schema)

@@ -140,3 +140,27 @@ def test_num_train_samples_takes_the_first_rows_of_any_dataset_and_says_so(tmp_p
     made = load_problems(DataConfig(num_train_samples=7, reasoning_gym_tasks=[]))[0]
     assert len(made) == 7
     assert len(load_problems(DataConfig(reasoning_gym_tasks=[]))[0]) == 20000
+
+
+def test_a_validation_that_reads_part_of_its_data_says_so(tmp_path, caplog):
+    """data.num_val_samples cut a validation file (or gsm8k's held-out split) without a word,
+    and SFT/DPO/RM validation read only val_batches whole batches of what was held out."""
+    import logging
+
+    from tempering.algorithms.common import check_validation_batch
+    from tempering.config.schemas import DataConfig
+    from tempering.data.grpo_problems import load_problems
+
+    rows = [{"problem": f"What is {i}+1?", "expected_answer": str(i + 1)} for i in range(12)]
+    train, val = _write(tmp_path / "train.jsonl", rows), _write(tmp_path / "val.csv", rows)
+    cfg = DataConfig(dataset_name="problems", train_data_path=str(train),
+                     val_data_path=str(val), num_val_samples=5, reasoning_gym_tasks=[])  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        assert [p.prompt for p in load_problems(cfg)[1]] == [r["problem"] for r in rows[:5]]
+        check_validation_batch(300, 128, 2, "sft", 10, cfg, "examples")
+        check_validation_batch(256, 128, 2, "sft", 10, cfg, "examples")  # reads them all
+    assert f"data.num_val_samples=5: data.val_data_path='{val}' holds 12 problems; " \
+        "validating on the first 5" in caplog.text  # fmt: skip
+    assert caplog.text.count("each validation reads") == 1
+    assert "each validation reads 256 of the 300 held-out examples (sft.val_batches=2 whole " \
+        "batches of 128)" in caplog.text  # fmt: skip
