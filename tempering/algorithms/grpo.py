@@ -102,6 +102,12 @@ def _problems(cfg: GRPOMasterConfig, tokenizer: Any) -> tuple[list[Problem], lis
         for p in train_problems + val_problems:
             p.task_name = cfg.env.task_name
     _check_chat_template(cfg, tokenizer, {p.task_name for p in train_problems + val_problems})
+    if len(val_problems) > cfg.grpo.max_val_samples:
+        log.warning(
+            "grpo.max_val_samples=%d: each validation reads the first %d of the %d held-out "
+            "problems; raise it (or lower data.num_val_samples) to read them all",
+            cfg.grpo.max_val_samples, cfg.grpo.max_val_samples, len(val_problems),
+        )  # fmt: skip
     return train_problems, val_problems
 
 

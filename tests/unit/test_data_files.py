@@ -164,3 +164,22 @@ def test_a_validation_that_reads_part_of_its_data_says_so(tmp_path, caplog):
     assert caplog.text.count("each validation reads") == 1
     assert "each validation reads 256 of the 300 held-out examples (sft.val_batches=2 whole " \
         "batches of 128)" in caplog.text  # fmt: skip
+
+
+def test_grpo_says_when_max_val_samples_reads_part_of_the_held_out_problems(caplog):
+    import logging
+    from pathlib import Path
+
+    from tempering.algorithms.grpo import _problems
+    from tempering.config import GRPOMasterConfig, load_config
+    from tempering.models.hf import load_tokenizer
+
+    config = Path(__file__).parents[2] / "examples/configs/grpo_math_tiny.yaml"
+    tokenizer = load_tokenizer("tiny-arith")
+    for num_val, warned in ((300, True), (256, False)):
+        cfg, _ = load_config(config, [f"data.num_val_samples={num_val}"], schema=GRPOMasterConfig)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            assert len(_problems(cfg, tokenizer)[1]) == num_val
+        said = "grpo.max_val_samples=256: each validation reads the first 256 of the 300"
+        assert (said in caplog.text) == warned
