@@ -174,7 +174,7 @@ def _run_eval(args: argparse.Namespace) -> int:
         "max_new_tokens": args.max_new_tokens, "max_turns": args.max_turns,
         "use_chat_template": args.chat_template,
     }  # fmt: skip
-    result = evaluate(args.model, **kwargs)
+    result = evaluate(args.model, tokenizer=args.tokenizer, **kwargs)
     baseline = None
     if args.baseline:  # the same problems and settings as the model's
         s = result.settings
@@ -212,6 +212,8 @@ def _add_eval(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--problem-key", default="problem")
     p.add_argument("--answer-key", default="expected_answer")
     p.add_argument("--report", default="eval_report.json", help="JSON report path")
+    p.add_argument("--tokenizer", default=None,
+                   help="MODEL's tokenizer, for a folder of weights only (not --baseline's)")  # fmt: skip
     p.set_defaults(func=_run_eval)
 
 

@@ -133,16 +133,16 @@ def resolve_model(model: str, scratch: Path) -> tuple[str, dict[str, Any] | None
     return model, None
 
 
-def _backend(model_path: str, backend: str, sampling: Any) -> tuple[Any, Any]:
+def _backend(model_path: str, backend: str, sampling: Any, tokenizer: Any) -> tuple[Any, Any]:
     """(generation backend, a close function) on the torch engine here or a vLLM worker."""
     from tempering.models.generation.cpu_inference import optimize_for_cpu_inference
     from tempering.models.generation.torch_engine import TorchGenerationEngine
-    from tempering.models.hf import load_causal_lm, load_tokenizer
+    from tempering.models.hf import load_causal_lm
 
     if backend == "torch":
         model = load_causal_lm(model_path)
         optimize_for_cpu_inference(model)  # as GRPO's generation workers do
-        return TorchGenerationEngine(model, load_tokenizer(model_path), sampling), lambda: None
+        return TorchGenerationEngine(model, tokenizer, sampling), lambda: None
     if backend != "vllm":
         raise ValueError(f"--backend {backend!r}: use torch or vllm")
     from tempering.distributed.virtual_cluster import cluster_from_config, init_ray
@@ -153,7 +153,7 @@ def _backend(model_path: str, backend: str, sampling: Any) -> tuple[Any, Any]:
     cluster = cluster_from_config(1, 0, workers_per_node=1, cpus_per_worker=1, name="eval")
     builder = RayWorkerBuilder(
         VLLM_WORKER_FQN, model_path, sampling, dtype="float32", enforce_eager=True,
-        kv_cache_memory_bytes=256 * 2**20,
+        kv_cache_memory_bytes=256 * 2**20, tokenizer_path=tokenizer.name_or_path,
     )  # fmt: skip
     generation = SplitGeneration(RayWorkerGroup(cluster, builder, name_prefix="eval-vllm"), cluster)
     return generation, generation.shutdown
@@ -178,6 +178,7 @@ def evaluate(
     problem_key: str = "problem",
     answer_key: str = "expected_answer",
     progress: bool | None = None,
+    tokenizer: str | None = None,
 ) -> EvalResult:
     """Score `model` on `task` as GRPO validation does (see the module docstring): the
     problems -> the model (a checkpoint exported) -> its settings -> a generation backend ->
@@ -191,13 +192,14 @@ def evaluate(
     threshold = 0.0 if multi_turn else 0.5  # solved (any turn) / correct
     with tempfile.TemporaryDirectory(prefix="tempering_eval_") as scratch:
         path, run_cfg = resolve_model(model, Path(scratch))
-        tokenizer = load_tokenizer(path)
+        named = ("--tokenizer " if tokenizer else "MODEL ") + repr(tokenizer or model)
+        tok = load_tokenizer(tokenizer or path, named=(named, "pass --tokenizer FOLDER_OR_ID"))
         settings = eval_settings(task, run_cfg or {}, max_new_tokens, use_chat_template, max_turns,
-                                 has_template=bool(getattr(tokenizer, "chat_template", None)))  # fmt: skip
+                                 has_template=bool(getattr(tok, "chat_template", None)))  # fmt: skip
         sampling = SamplingConfig(max_new_tokens=settings.max_new_tokens, temperature=temperature)
-        generation, close = _backend(path, backend, sampling)
+        generation, close = _backend(path, backend, sampling, tok)
         try:
-            rollouts = EvalRollouts(generation, tokenizer, sampling, settings)
+            rollouts = EvalRollouts(generation, tok, sampling, settings)
             chunks = [problems[i : i + batch_size] for i in range(0, len(problems), batch_size)]
             correct, examples = score_greedy(rollouts, chunks, threshold, f"eval {task}", progress)
             passk = None

@@ -516,20 +516,12 @@ def load_run_tokenizer(policy_cfg: PolicyConfig) -> Any:
 
     resolve_model_path(policy_cfg.model_name)  # a bad name fails here, early
     path = run_tokenizer_path(policy_cfg)
-    try:
-        return load_tokenizer(path, policy_cfg.tokenizer.chat_template)
-    except (OSError, ValueError) as err:  # transformers says only what it could not build
-        key = "policy.tokenizer.name" if policy_cfg.tokenizer.name else "policy.model_name"
-        raise TokenizerMissingError(
-            f"{key}={policy_cfg.tokenizer.name or policy_cfg.model_name!r}: no tokenizer can be "
-            f"read from {path} (a folder of weights only? it needs tokenizer.json or "
-            f"tokenizer_config.json): {str(err).splitlines()[0]}. Fix: set "
-            "policy.tokenizer.name to the folder or hub id of the model's tokenizer."
-        ) from err
-
-
-class TokenizerMissingError(ValueError, UserInputError):
-    """The run's tokenizer cannot be read (a model folder holding weights only)."""
+    key = "policy.tokenizer.name" if policy_cfg.tokenizer.name else "policy.model_name"
+    return load_tokenizer(
+        path, policy_cfg.tokenizer.chat_template,
+        named=(f"{key}={policy_cfg.tokenizer.name or policy_cfg.model_name!r}",
+               "set policy.tokenizer.name to the folder or hub id of the model's tokenizer"),
+    )  # fmt: skip
 
 
 def run_tokenizer_path(policy_cfg: PolicyConfig) -> str:

@@ -101,8 +101,8 @@ DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 def iter_rows(path: str | Path, issues: RowIssues) -> Iterator[tuple[str, dict[str, Any]]]:
     """Yield ``(where, object)`` for each row of a data file; a bad row goes to ``issues``.
 
-    JSON Lines (any suffix; ``where`` is the line number), a JSON array of objects (``.json``
-    files as Alpaca-style datasets ship them; ``"row <i>"``), Parquet (a Hugging Face dataset's
+    JSON Lines (``where`` is the line number), a JSON array of objects (a file that is not
+    ``.jsonl`` and starts with ``[``, as Alpaca-style ``.json`` datasets ship; ``"row <i>"``), Parquet (a Hugging Face dataset's
     own files) and CSV with a header line. A column a Parquet row lacks (Arrow gives it
     ``None``) is left out of that row, as in a JSON file."""
     path = Path(path)
@@ -117,7 +117,7 @@ def iter_rows(path: str | Path, issues: RowIssues) -> Iterator[tuple[str, dict[s
             # a short row's missing cells (None) are missing fields; extra cells are dropped
             yield f"row {i}", {k: v for k, v in row.items() if k is not None and v is not None}
         return
-    if text.lstrip().startswith("["):
+    if path.suffix != ".jsonl" and text.lstrip().startswith("["):  # a .jsonl is lines, always
         yield from _json_array_rows(path, text, issues)
         return
     # split at "\n" only: str.splitlines would also split inside a JSON string at U+2028

@@ -19,16 +19,34 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from tempering.errors import UserInputError
 from tempering.models.registry import hub_offline, resolve_model_path
 
 
+class TokenizerMissingError(ValueError, UserInputError):
+    """A model's tokenizer cannot be read (a folder holding weights only)."""
+
+
 def load_tokenizer(
-    name_or_path: str | os.PathLike[str], chat_template: str | None = None
+    name_or_path: str | os.PathLike[str],
+    chat_template: str | None = None,
+    named: tuple[str, str] | None = None,
 ) -> PreTrainedTokenizerBase:
     """The tokenizer (with its chat template, or ``chat_template`` in its place: a run's
-    ``policy.tokenizer.chat_template``) of a model; pad token set to eos if missing."""
+    ``policy.tokenizer.chat_template``) of a model; pad token set to eos if missing.
+    ``named``: (the setting that named the folder, the fix), for `TokenizerMissingError`
+    when the folder has no tokenizer (transformers says only what it could not build)."""
     path = resolve_model_path(name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=hub_offline())
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=hub_offline())
+    except (OSError, ValueError) as err:
+        if named is None:
+            raise
+        raise TokenizerMissingError(
+            f"{named[0]}: no tokenizer can be read from {path} (a folder of weights only? it "
+            f"needs tokenizer.json or tokenizer_config.json): {str(err).splitlines()[0]}. "
+            f"Fix: {named[1]}."
+        ) from err
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if chat_template:

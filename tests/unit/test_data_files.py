@@ -75,6 +75,11 @@ def test_bad_rows_in_each_format_name_the_row_and_field(tmp_path):
         with pytest.raises(DataFormatError, match=f"{where} 'response'"):
             load_prompt_response_jsonl(path)
         assert len(load_prompt_response_jsonl(path, on_bad_row="skip")) == 1
+    lines = tmp_path / "lines.jsonl"  # a .jsonl is read by lines even when one starts with '['
+    lines.write_text('[1, 2]\n{"prompt": "a", "response": "b"}\n')
+    with pytest.raises(DataFormatError, match=r"lines\.jsonl:1: expected a JSON object, got list"):
+        load_prompt_response_jsonl(lines)
+    assert len(load_prompt_response_jsonl(lines, on_bad_row="skip")) == 1
     array = tmp_path / "mixed.json"
     array.write_text(json.dumps([ROWS[0], ["not", "an", "object"]]))
     with pytest.raises(DataFormatError, match=r"mixed\.json:row 1: expected a JSON object"):

@@ -51,6 +51,25 @@ def test_eval_errors_name_the_problem(argv, needle, capsys):
     assert needle in capsys.readouterr().err
 
 
+def test_a_folder_of_weights_only_is_named_and_scored_with_tokenizer(tmp_path, capsys):
+    """It died in a transformers traceback ("Couldn't instantiate the backend tokenizer")."""
+    import shutil
+
+    from tempering.models.registry import resolve_model_path
+
+    weights = tmp_path / "weights_only"
+    shutil.copytree(resolve_model_path("tiny-arith"), weights,
+                    ignore=shutil.ignore_patterns("tokenizer*", "chat_template.jinja"))  # fmt: skip
+    base = ["eval", str(weights), "--task", "arithmetic", "--samples", "16"]
+    assert main([*base, "--report", str(tmp_path / "r.json")]) == 2
+    err = capsys.readouterr().err
+    assert f"MODEL '{weights}': no tokenizer can be read from {weights}" in err
+    assert "Fix: pass --tokenizer FOLDER_OR_ID" in err and "Traceback" not in err
+    assert main([*base, "--tokenizer", "tiny-arith", "--baseline", "tiny-arith",
+                 "--report", str(tmp_path / "r.json")]) == 0  # fmt: skip
+    assert "difference +0.0 points [+0.0, +0.0]" in capsys.readouterr().out  # the same model
+
+
 def test_a_base_models_prompts_are_raw_unless_the_template_is_asked_for():
     """A tokenizer without a chat template (a base model's) reads gsm8k's prompts raw, where
     an instruct model's go through its template; asking for the template is an error."""
