@@ -195,10 +195,11 @@ def tokenize_message_logs(
     examples = [tokenize_message_log(log, tokenizer, max_seq_len) for log in message_logs]
     num_truncated = sum(e["truncated"] for e in examples)
     if num_truncated:
+        # a prompt that fills the budget leaves no response token: that example teaches nothing
+        lost = sum(1 for e in examples if e["truncated"] and not any(e["token_mask"]))
         logger.warning(
-            "%d of %d examples were longer than max_seq_len=%d and were truncated",
-            num_truncated,
-            len(examples),
-            max_seq_len,
-        )
+            "%d of %d examples were longer than max_seq_len=%d and were truncated (%d of them "
+            "kept no response token to train on: raise policy.max_total_sequence_length)",
+            num_truncated, len(examples), max_seq_len, lost,
+        )  # fmt: skip
     return examples, num_truncated

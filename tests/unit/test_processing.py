@@ -147,6 +147,23 @@ def test_truncation_is_flagged_and_counted(tokenizer):
     assert num_truncated >= 1 and [e["truncated"] for e in examples][0]
 
 
+def test_truncation_that_leaves_no_response_token_is_said(tokenizer, caplog):
+    """An example whose prompt fills the budget trains on nothing; the warning counted it only
+    as truncated."""
+    import logging
+
+    budget = next(i for i, m in enumerate(tokenize_message_log(CONVERSATION, tokenizer, 512)
+                                          ["token_mask"]) if m)  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        examples, _ = tokenize_message_logs([CONVERSATION], tokenizer, budget)
+    assert not any(examples[0]["token_mask"])
+    assert "(1 of them kept no response token to train on" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        tokenize_message_logs([CONVERSATION], tokenizer, budget + 1)
+    assert "(0 of them kept no response token" in caplog.text
+
+
 def test_template_that_rewrites_history_is_rejected():
     # Renders the message count up front, so earlier turns change when a message is added.
     bad = "[{{ messages|length }}]" + CHATML
