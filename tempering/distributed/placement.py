@@ -169,7 +169,7 @@ class Plan:
             else f"{self.num_nodes} node(s), CPU workers"
         )
         size = (
-            f"{self.shape.params / 1e9:.2f} B parameters ({self.shape.source})"
+            f"{_count(self.shape.params)} parameters ({self.shape.source})"
             if self.shape
             else "size unknown"
         )
@@ -209,6 +209,14 @@ class Plan:
 
 
 # ---------------------------------------------------------------------------- planning
+def _count(n: float) -> str:
+    """A parameter count as people say it: 8.03 B, 135 M, 1.2 M, 540 k."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f}"
+
+
 def make_plan(cfg: Any, shape: ModelShape | None, teacher_shape: ModelShape | None = None) -> Plan:
     """The plan of a validated master config (GRPO, SFT, DPO, RM or distillation);
     `PlanError` on a misfit.

@@ -39,6 +39,17 @@ def test_every_shipped_config_plans_on_its_cluster(config):
     assert "policy" in p.table()
 
 
+def test_the_model_size_reads_in_its_own_unit():
+    """tiny-arith printed as "0.00 B parameters"."""
+    from tempering.distributed.placement import _count
+
+    assert (
+        "model tiny-arith: 559 k parameters"
+        in plan(REPO / "examples/configs/grpo_math_tiny.yaml").table()
+    )
+    assert [_count(n) for n in (8.03e9, 134.5e6, 999)] == ["8.03 B", "134 M", "999"]
+
+
 def test_gpu_configs_are_colocated_and_keep_vllm_engines_inside_a_node():
     p = plan("grpo_math_8B.yaml")
     assert (p.policy.workers, p.policy.dp) == (8, 8)
