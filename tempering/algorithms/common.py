@@ -282,12 +282,8 @@ def check_resumable(ckpt_cfg: CheckpointingConfig, config: dict[str, Any]) -> No
     if checkpointer is None:
         return
     latest = checkpointer.latest_complete()
-    if latest is None:
-        return
-    step = int(checkpointer.load_training_info(latest)["step"])
-    diff = checkpointer.config_diff(latest, config)
-    lora_cfg = config.get("policy", {}).get("dtensor_cfg", {}).get("lora_cfg", {})
-    _refuse_another_model(checkpointer, step, diff, bool(lora_cfg.get("enabled")))
+    if latest is not None:
+        _same_model_diff(checkpointer, int(checkpointer.load_training_info(latest)["step"]), config)
 
 
 def maybe_resume(
@@ -303,10 +299,7 @@ def maybe_resume(
     step, info = found
     from tempering.utils.checkpoint import change_lines
 
-    diff = checkpointer.config_diff(checkpointer.step_dir(step), config)
-    lora_cfg = config.get("policy", {}).get("dtensor_cfg", {}).get("lora_cfg", {})
-    _refuse_another_model(checkpointer, step, diff, bool(lora_cfg.get("enabled")))
-    changes = change_lines(diff)
+    changes = change_lines(_same_model_diff(checkpointer, step, config))
     if changes:
         log.warning(
             "resuming %s with a config that differs from the checkpoint's in %d key(s) "
@@ -322,6 +315,15 @@ def maybe_resume(
         restore_rng_state(info["rng_state"])
     log.info("resumed from %s", checkpointer.step_dir(step))
     return step, info
+
+
+def _same_model_diff(checkpointer: Any, step: int, config: dict[str, Any]) -> dict[str, tuple]:
+    """How ``config`` differs from checkpoint ``step``'s, after refusing a checkpoint of
+    another model (`_refuse_another_model`)."""
+    diff = checkpointer.config_diff(checkpointer.step_dir(step), config)
+    lora_cfg = config.get("policy", {}).get("dtensor_cfg", {}).get("lora_cfg", {})
+    _refuse_another_model(checkpointer, step, diff, bool(lora_cfg.get("enabled")))
+    return diff
 
 
 # lora_cfg keys that change which weights the policy has (alpha and dropout do not)

@@ -101,10 +101,10 @@ DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 def iter_rows(path: str | Path, issues: RowIssues) -> Iterator[tuple[str, dict[str, Any]]]:
     """Yield ``(where, object)`` for each row of a data file; a bad row goes to ``issues``.
 
-    JSON Lines (``where`` is the line number), a JSON array of objects (a file that is not
-    ``.jsonl`` and starts with ``[``, as Alpaca-style ``.json`` datasets ship; ``"row <i>"``), Parquet (a Hugging Face dataset's
-    own files) and CSV with a header line. A column a Parquet row lacks (Arrow gives it
-    ``None``) is left out of that row, as in a JSON file."""
+    JSON Lines (``where`` is the line number); a JSON array of objects (a file that is not
+    ``.jsonl`` and starts with ``[``, as Alpaca-style ``.json`` datasets ship; ``"row <i>"``);
+    Parquet (a Hugging Face dataset's own files); CSV with a header line. A column a Parquet
+    row lacks (Arrow gives it ``None``) is left out of that row, as in a JSON file."""
     path = Path(path)
     if not path.is_file():
         raise DataFileNotFoundError(f"data file {str(path)!r} does not exist; check the path")
