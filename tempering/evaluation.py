@@ -12,7 +12,7 @@ template or not), the same rollout loop and environments (`experience.rollouts`)
 
 Tasks: ``arithmetic`` (exact answer), ``arithmetic_retry`` (multi-turn, ``--max-turns``),
 ``gsm8k`` (math-verify), ``rg:<name>`` (a reasoning-gym generator, math-verify), ``problems``
-(your JSONL / Hugging Face file via ``--data``, keys ``--problem-key`` / ``--answer-key``).
+(your data file or Hugging Face dataset via ``--data``, keys ``--problem-key`` / ``--answer-key``).
 
 Printed and written to the JSON report: accuracy with a 95% Wilson interval; with
 ``--baseline``, the baseline's, and the paired difference on the same problems with its 95%
@@ -102,7 +102,9 @@ def task_problems(
         from tempering.data.problems import load_problem_rows
 
         if not data:
-            raise ValueError("--task problems needs --data FILE (JSONL or Hugging Face dataset)")
+            raise ValueError(
+                "--task problems needs --data FILE (JSONL, JSON, Parquet, CSV or a Hugging Face dataset)"
+            )
         rows = load_problem_rows(data, problem_key, answer_key, split)[:samples]
         return [Problem(q, a, "math") for q, a in rows]
     raise ValueError(f"--task {task!r} is unknown; use one of {', '.join(TASKS)}")

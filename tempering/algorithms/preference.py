@@ -66,7 +66,9 @@ def load_preference_data(data_cfg: DataConfig) -> PreferenceData:
             f"one of {sorted(pd.PREFERENCE_LOADERS)} with data.train_data_path"
         )
     if not data_cfg.train_data_path:
-        raise ValueError(f"data.dataset_name={name!r} needs data.train_data_path=<jsonl file>")
+        raise ValueError(
+            f"data.dataset_name={name!r} needs data.train_data_path=<data file: JSONL, JSON, Parquet or CSV>"
+        )
     load = pd.PREFERENCE_LOADERS[name]
     loaded = [load(data_cfg.train_data_path, data_cfg.prompt_key, data_cfg.on_bad_row)]
     if data_cfg.val_data_path:

@@ -1,5 +1,5 @@
 """GRPO's problems: prompts with ground-truth answers and the environment that scores them,
-from a built-in dataset (arithmetic, gsm8k), your file (JSONL / Hugging Face), NeMo Gym rows,
+from a built-in dataset (arithmetic, gsm8k), your file (JSONL, JSON, Parquet, CSV / Hugging Face), NeMo Gym rows,
 or reasoning-gym generators; `data.prompt_file` and `data.system_prompt_file` applied."""
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def _dataset_problems(
         return train, first_val(val, data_cfg.num_val_samples, source, "rows")
     raise ValueError(
         f"data.dataset_name={name!r} has no GRPO prompts; use 'arithmetic', 'gsm8k', 'problems' "
-        "(your JSONL / Hugging Face dataset) or 'nemo_gym'"
+        "(your data file / Hugging Face dataset) or 'nemo_gym'"
     )
 
 
@@ -134,7 +134,9 @@ def _file_problems(data_cfg: DataConfig) -> tuple[list[Problem], list[Problem]]:
     from tempering.data.records import hold_out
 
     if not data_cfg.train_data_path:
-        raise ValueError("data.dataset_name=problems needs data.train_data_path (JSONL or HF)")
+        raise ValueError(
+            "data.dataset_name=problems needs data.train_data_path (a data file or a Hugging Face dataset)"
+        )
 
     def rows(path: str, split: str) -> list[Problem]:
         pairs = load_problem_rows(
