@@ -60,6 +60,7 @@ class ModelShape:
     qkv_bias: bool = False
     head_dim: int | None = None
     source: str = "config.json"
+    max_positions: int | None = None  # max_position_embeddings: the longest trained sequence
 
     @property
     def params(self) -> int:
@@ -95,6 +96,7 @@ class ModelShape:
             qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
             head_dim=cfg.get("head_dim"),
             source=source,
+            max_positions=cfg.get("max_position_embeddings"),
         )
 
 
@@ -264,6 +266,15 @@ def make_plan(cfg: Any, shape: ModelShape | None, teacher_shape: ModelShape | No
         problems.append(
             f"policy.dtensor_cfg.tensor_parallel_size={tp} does not divide the model's "
             f"{shape.heads} attention heads / {shape.kv_heads} key-value heads"
+        )
+    seq = pol.max_total_sequence_length
+    if shape and shape.max_positions and seq > shape.max_positions:
+        problems.append(
+            f"policy.max_total_sequence_length={seq} is longer than the {shape.max_positions} "
+            f"positions {pol.model_name!r} was made for (max_position_embeddings, its "
+            f"{shape.source}): positions past them were never trained; use at most "
+            f"{shape.max_positions} (to extend the model's context on purpose, raise "
+            "max_position_embeddings in its config.json)"
         )
     dp = max(world // tp, 1)
     for key, value in _batch_sizes(cfg).items():

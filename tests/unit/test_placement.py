@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tempering.config.loader import load_config
-from tempering.config.schemas import MASTER_CONFIGS
+from tempering.config.schemas import MASTER_CONFIGS, GRPOMasterConfig
 from tempering.distributed.placement import PlanError, make_plan, schema_for
 from tempering.models.shapes import KNOWN_SHAPES, model_shape, run_shapes
 
@@ -48,6 +48,19 @@ def test_the_model_size_reads_in_its_own_unit():
         in plan(REPO / "examples/configs/grpo_math_tiny.yaml").table()
     )
     assert [_count(n) for n in (8.03e9, 134.5e6, 999)] == ["8.03 B", "134 M", "999"]
+
+
+def test_a_sequence_budget_past_the_models_positions_is_refused():
+    """tiny-arith was made for 128 positions; 256 trained and sampled past them silently."""
+    config = REPO / "examples/configs/grpo_math_tiny.yaml"
+    cfg, _ = load_config(config, ["policy.max_total_sequence_length=128"],
+                         schema=GRPOMasterConfig)  # fmt: skip
+    make_plan(cfg, *run_shapes(cfg))  # the model's whole context: fine
+    cfg, _ = load_config(config, ["policy.max_total_sequence_length=256"],
+                         schema=GRPOMasterConfig)  # fmt: skip
+    with pytest.raises(PlanError, match="max_total_sequence_length=256 is longer than the 128 "
+                       "positions 'tiny-arith' was made for"):  # fmt: skip
+        make_plan(cfg, *run_shapes(cfg))
 
 
 def test_gpu_configs_are_colocated_and_keep_vllm_engines_inside_a_node():
