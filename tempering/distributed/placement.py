@@ -267,15 +267,7 @@ def make_plan(cfg: Any, shape: ModelShape | None, teacher_shape: ModelShape | No
             f"policy.dtensor_cfg.tensor_parallel_size={tp} does not divide the model's "
             f"{shape.heads} attention heads / {shape.kv_heads} key-value heads"
         )
-    seq = pol.max_total_sequence_length
-    if shape and shape.max_positions and seq > shape.max_positions:
-        problems.append(
-            f"policy.max_total_sequence_length={seq} is longer than the {shape.max_positions} "
-            f"positions {pol.model_name!r} was made for (max_position_embeddings, its "
-            f"{shape.source}): positions past them were never trained; use at most "
-            f"{shape.max_positions} (to extend the model's context on purpose, raise "
-            "max_position_embeddings in its config.json)"
-        )
+    _check_positions(pol, shape, problems)
     dp = max(world // tp, 1)
     for key, value in _batch_sizes(cfg).items():
         if value % dp:
@@ -302,6 +294,19 @@ def make_plan(cfg: Any, shape: ModelShape | None, teacher_shape: ModelShape | No
         raise PlanError("the config does not fit its cluster:\n  - " + "\n  - ".join(problems))
     return Plan(cl.num_nodes, cl.gpus_per_node, cl.gpu_memory_gb, policy, generation,
                 pol.model_name, shape, memory, notes)  # fmt: skip
+
+
+def _check_positions(pol: Any, shape: ModelShape | None, problems: list[str]) -> None:
+    """The sequence budget fits the positions the model was made for."""
+    seq = pol.max_total_sequence_length
+    if shape and shape.max_positions and seq > shape.max_positions:
+        problems.append(
+            f"policy.max_total_sequence_length={seq} is longer than the {shape.max_positions} "
+            f"positions {pol.model_name!r} was made for (max_position_embeddings, its "
+            f"{shape.source}): positions past them were never trained; use at most "
+            f"{shape.max_positions} (to extend the model's context on purpose, raise "
+            "max_position_embeddings in its config.json)"
+        )
 
 
 def _with_teacher(
