@@ -103,7 +103,8 @@ def task_problems(
 
         if not data:
             raise ValueError(
-                "--task problems needs --data FILE (JSONL, JSON, Parquet, CSV or a Hugging Face dataset)"
+                "--task problems needs --data FILE (JSONL, JSON, Parquet, CSV or a Hugging Face "
+                "dataset)"
             )
         rows = load_problem_rows(data, problem_key, answer_key, split)[:samples]
         return [Problem(q, a, "math") for q, a in rows]

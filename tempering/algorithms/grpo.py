@@ -111,6 +111,17 @@ def _problems(cfg: GRPOMasterConfig, tokenizer: Any) -> tuple[list[Problem], lis
     return train_problems, val_problems
 
 
+def _loader(cfg: GRPOMasterConfig, train_problems: list[Problem]) -> Any:
+    """The resumable loader of each step's prompts (a set too small for one step is named)."""
+    from tempering.data.dataloader import StatefulDataLoader
+
+    where = data_source(cfg.data.train_data_path, cfg.data.dataset_name)
+    return StatefulDataLoader(
+        train_problems, cfg.grpo.num_prompts_per_step, seed=cfg.grpo.seed,
+        batch_key="grpo.num_prompts_per_step", source=f"the training problems ({where})",
+    )  # fmt: skip
+
+
 def _check_chat_template(cfg: GRPOMasterConfig, tokenizer: Any, tasks: set[str]) -> None:
     """What in a GRPO run renders chat messages, for `common.check_chat_template`."""
     chat_tasks = sorted(tasks & {"nemo_gym", *_TOOL_TASKS})
@@ -129,7 +140,6 @@ def _check_chat_template(cfg: GRPOMasterConfig, tokenizer: Any, tasks: set[str])
 def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any], plan: Any = None) -> GRPORun:
     """Everything a GRPO run needs, started; ``plan``: the placement plan when the caller made
     it (distillation's, which adds the teacher), else made here."""
-    from tempering.data.dataloader import StatefulDataLoader
     from tempering.experience.rollouts import HttpTurnClient, InProcessTurnClient
     from tempering.models.generation.builders import (
         build_chat_service,
@@ -144,11 +154,7 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any], plan: Any = None) -> 
     model_path = resolve_model_path(cfg.policy.model_name)
     tokenizer = common.load_run_tokenizer(cfg.policy)
     train_problems, val_problems = _problems(cfg, tokenizer)
-    dataloader = StatefulDataLoader(
-        train_problems, cfg.grpo.num_prompts_per_step, seed=cfg.grpo.seed,
-        batch_key="grpo.num_prompts_per_step",
-        source=f"the training problems ({data_source(cfg.data.train_data_path, cfg.data.dataset_name)})",
-    )  # fmt: skip
+    dataloader = _loader(cfg, train_problems)
     common.start_ray(cfg.cluster)  # the inputs are good: now the workers
     environments = build_environments(cfg, {p.task_name for p in train_problems + val_problems})
 

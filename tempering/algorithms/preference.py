@@ -67,7 +67,8 @@ def load_preference_data(data_cfg: DataConfig) -> PreferenceData:
         )
     if not data_cfg.train_data_path:
         raise ValueError(
-            f"data.dataset_name={name!r} needs data.train_data_path=<data file: JSONL, JSON, Parquet or CSV>"
+            f"data.dataset_name={name!r} needs data.train_data_path=<data file: JSONL, JSON, "
+            "Parquet or CSV>"
         )
     load = pd.PREFERENCE_LOADERS[name]
     loaded = [load(data_cfg.train_data_path, data_cfg.prompt_key, data_cfg.on_bad_row)]
@@ -202,7 +203,8 @@ def prepare(cfg: Any, resolved: dict[str, Any], name: str) -> PreferenceRun:
         tokenizer,
         pol.max_total_sequence_length,
         seed=section.seed,
-        source=f"the training pairs ({data_source(cfg.data.train_data_path, cfg.data.dataset_name)})",
+        source="the training pairs "
+        f"({data_source(cfg.data.train_data_path, cfg.data.dataset_name)})",
     )
     common.start_ray(cfg.cluster)
     cluster = common.build_cluster(plan.policy, cfg.cluster, name)

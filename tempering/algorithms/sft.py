@@ -153,7 +153,8 @@ def setup(cfg: SFTMasterConfig, resolved: dict[str, Any]) -> SFTRun:
         collate_fn=lambda ex: collate_sft(ex, pad),
         prefetch=True,  # tokenize the next batch while the workers train
         batch_key="policy.train_global_batch_size",
-        source=f"the training data ({data_source(cfg.data.train_data_path, cfg.data.dataset_name)})",
+        source="the training data "
+        f"({data_source(cfg.data.train_data_path, cfg.data.dataset_name)})",
     )
     common.start_ray(cfg.cluster)  # the inputs are good: now the workers
     cluster = common.build_cluster(plan.policy, cfg.cluster, "sft")

@@ -357,7 +357,6 @@ class DataConfig(Section):
     )
     on_bad_row: Literal["error", "skip"] = "error"
     seed: int = 0
-
     reasoning_gym_tasks: list[str] = Field(
         default_factory=list,
         description="GRPO: also train on these reasoning-gym generators (e.g. basic_arithmetic), "

@@ -1,6 +1,7 @@
 """GRPO's problems: prompts with ground-truth answers and the environment that scores them,
-from a built-in dataset (arithmetic, gsm8k), your file (JSONL, JSON, Parquet, CSV / Hugging Face), NeMo Gym rows,
-or reasoning-gym generators; `data.prompt_file` and `data.system_prompt_file` applied."""
+from a built-in dataset (arithmetic, gsm8k), your file (JSONL, JSON, Parquet, CSV / Hugging
+Face), NeMo Gym rows, or reasoning-gym generators; `data.prompt_file` and
+`data.system_prompt_file` applied."""
 
 from __future__ import annotations
 
@@ -135,7 +136,8 @@ def _file_problems(data_cfg: DataConfig) -> tuple[list[Problem], list[Problem]]:
 
     if not data_cfg.train_data_path:
         raise ValueError(
-            "data.dataset_name=problems needs data.train_data_path (a data file or a Hugging Face dataset)"
+            "data.dataset_name=problems needs data.train_data_path (a data file or a Hugging "
+            "Face dataset)"
         )
 
     def rows(path: str, split: str) -> list[Problem]:

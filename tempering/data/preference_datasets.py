@@ -335,7 +335,8 @@ def load_preference_splits(
         )
     if not train_data_path:
         raise ValueError(
-            f"data.dataset_name={name!r} needs data.train_data_path=<data file: JSONL, JSON, Parquet or CSV>"
+            f"data.dataset_name={name!r} needs data.train_data_path=<data file: JSONL, JSON, "
+            "Parquet or CSV>"
         )
     load = PREFERENCE_LOADERS[name]
     train = load(train_data_path, prompt_key, on_bad_row).examples
