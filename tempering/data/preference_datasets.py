@@ -43,12 +43,12 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
+from tempering.data.messages import check_message_log, check_tool_turns
 from tempering.data.records import (
     LoadedData,
     MessageLog,
     OnBadRow,
     RowError,
-    check_message_log,
     hold_out,
     load_rows,
     require,
@@ -93,7 +93,9 @@ def _as_response(value: Any, key: str) -> MessageLog:
         response = check_message_log(value, key)
     if response[-1]["role"] != "assistant":
         raise RowError(f"field {key!r} must end with an assistant message")
-    if not any(m["content"].strip() for m in response if m["role"] == "assistant"):
+    if not any(
+        m["content"].strip() or m.get("tool_calls") for m in response if m["role"] == "assistant"
+    ):
         raise RowError(f"field {key!r} is empty")
     return response
 
@@ -101,6 +103,8 @@ def _as_response(value: Any, key: str) -> MessageLog:
 def _checked_pair(prompt: MessageLog, chosen: MessageLog, rejected: MessageLog) -> PreferencePair:
     if chosen == rejected:
         raise RowError("'chosen' is identical to 'rejected' (no preference to learn)")
+    check_tool_turns(prompt + chosen, "prompt + chosen")
+    check_tool_turns(prompt + rejected, "prompt + rejected")
     return PreferencePair(prompt, chosen, rejected)
 
 

@@ -1,21 +1,26 @@
 """Message log -> token ids + loss mask, with the tokenizer's chat template.
 
-:func:`tokenize_message_log` renders a message log one message at a time so that each
-token is attributed to the message that added it:
+:func:`tokenize_message_log` renders a message log turn by turn so that each token is
+attributed to the message that added it:
 
-- **With a chat template** (``tokenizer.chat_template`` set): piece *i* is
-  ``render(messages[:i+1])`` minus ``render(messages[:i])`` (text). For an assistant
-  message, the part its generation prompt renders (``render(messages[:i],
-  add_generation_prompt=True)``, e.g. ``<|im_start|>assistant\\n``) is prompt, and the rest
-  — the content plus whatever the template appends after it (the end-of-turn token and its
-  newline, e.g. ``<|im_end|>\\n``) — is loss. The model thus learns to end its turn. Each
-  piece is tokenized with ``add_special_tokens=False`` and the concatenation is checked to
-  equal the tokenization of the whole rendered text; a template that re-renders earlier
-  turns or tokens that merge across a boundary raise :class:`ChatTemplateError`.
+- **With a chat template** (``tokenizer.chat_template`` set): the text is cut at each
+  assistant message *i*. Everything up to its generation prompt (``render(messages[:i],
+  add_generation_prompt=True)``, ending e.g. in ``<|im_start|>assistant\\n``) is prompt, and
+  the rest of ``render(messages[:i+1])`` — the content, its tool calls, and whatever the
+  template appends after it (the end-of-turn token and its newline, e.g.
+  ``<|im_end|>\\n``) — is loss. The model thus learns to end its turn. Messages are rendered
+  by `models/generation/chat.render_chat`, as the server and the multi-turn rollouts render
+  them: tool calls and tool results in the template's format, or in Hermes blocks where the
+  template does not know them, and a conversation's ``tools`` in the template's tool prompt
+  (else our default one). Each piece is tokenized with ``add_special_tokens=False`` and the
+  concatenation is checked to equal the tokenization of the whole rendered text; a template
+  that re-renders earlier turns or tokens that merge across a boundary raise
+  :class:`ChatTemplateError`.
 - **Without a chat template** (plain concatenation fallback): each message's content is
   tokenized on its own (``add_special_tokens=False``) and concatenated; after each
   assistant message the tokenizer's EOS token (if it has one) is appended as a loss token.
   Roles are not rendered. This is what tiny-arith uses (``"Q: 23+45=? A:"`` + ``" 68"``).
+  Tool calls cannot be rendered without a template: refused by name.
 
 ``token_mask`` is 1 only on loss tokens of assistant messages at index >= ``loss_from_message``
 (preference data sets it to the prompt length so only the response counts). Sequences
@@ -29,11 +34,14 @@ import logging
 from collections.abc import Sequence
 from typing import Any, TypedDict
 
+from tempering.data.messages import Conversation
 from tempering.data.records import MessageLog
 from tempering.errors import UserInputError
+from tempering.models.generation.chat import render_chat
 from tempering.models.hf import text_encoder
 
 logger = logging.getLogger(__name__)
+Tools = Sequence[dict[str, Any]] | None  # OpenAI function specs (data/messages.py)
 
 
 class ChatTemplateError(ValueError, UserInputError):
@@ -68,15 +76,19 @@ class TextMemo:
                 self._ids[text] = ids
         return ids
 
-    def render(self, messages: MessageLog, add_generation_prompt: bool) -> str:
-        if not messages and not add_generation_prompt:
+    def render(self, messages: MessageLog, add_generation_prompt: bool, tools: Tools = None) -> str:
+        if not messages and not add_generation_prompt and not tools:
             return ""
-        key = (repr(messages), add_generation_prompt)
+        key = (repr(messages), add_generation_prompt, repr(tools) if tools else "")
         text = self._renders.get(key)
         if text is None:
-            text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
-            )
+            try:
+                text = render_chat(
+                    self.tokenizer, self.tokenizer.chat_template, messages, tools,
+                    add_generation_prompt,
+                )  # fmt: skip
+            except ValueError as err:
+                raise ChatTemplateError(str(err)) from err
             if not isinstance(text, str):
                 raise ChatTemplateError(
                     f"apply_chat_template returned {type(text).__name__}, not str"
@@ -97,35 +109,34 @@ def _strip_prefix(text: str, prefix: str, what: str) -> str:
 
 
 def _templated_pieces(
-    messages: MessageLog, memo: TextMemo, add_generation_prompt: bool
+    messages: MessageLog, memo: TextMemo, add_generation_prompt: bool, tools: Tools
 ) -> list[tuple[str, bool, int]]:
-    """``(text, is_assistant_body, message_index)`` pieces whose concatenation is the render."""
+    """``(text, is_assistant_body, message_index)`` pieces whose concatenation is the render.
+    Split at assistant turns only: a template may render a run of other messages as one
+    block (Qwen's groups consecutive tool results under one user turn)."""
     pieces: list[tuple[str, bool, int]] = []
     rendered = ""
     for i, message in enumerate(messages):
-        full = memo.render(messages[: i + 1], False)
-        delta = _strip_prefix(full, rendered, f"message {i} ({message['role']})")
-        if message["role"] == "assistant":
-            header = _strip_prefix(
-                memo.render(messages[:i], True), rendered, "the generation prompt"
-            )
-            body = _strip_prefix(delta, header, f"assistant message {i} after its header")
-            pieces += [(header, False, i), (body, True, i)]
-        else:
-            pieces.append((delta, False, i))
+        if message["role"] != "assistant":
+            continue
+        before = memo.render(messages[:i], True, tools)
+        full = memo.render(messages[: i + 1], False, tools)
+        prompt = _strip_prefix(before, rendered, f"the messages before assistant message {i}")
+        body = _strip_prefix(full, before, f"assistant message {i} after its header")
+        pieces += [(prompt, False, i), (body, True, i)]
         rendered = full
-    if add_generation_prompt:
-        tail = _strip_prefix(memo.render(messages, True), rendered, "the generation prompt")
-        pieces.append((tail, False, len(messages)))
+    end = memo.render(messages, add_generation_prompt, tools)
+    tail = _strip_prefix(end, rendered, "the messages after the last assistant message")
+    pieces.append((tail, False, len(messages)))
     return pieces
 
 
 def _tokenize_templated(
-    messages: MessageLog, memo: TextMemo, add_generation_prompt: bool, loss_from: int
+    messages: MessageLog, memo: TextMemo, add_generation_prompt: bool, loss_from: int, tools: Tools
 ) -> tuple[list[int], list[int]]:
     ids: list[int] = []
     mask: list[int] = []
-    pieces = _templated_pieces(messages, memo, add_generation_prompt)
+    pieces = _templated_pieces(messages, memo, add_generation_prompt, tools)
     for text, is_body, index in pieces:
         piece_ids = memo.encode(text)
         ids += piece_ids
@@ -134,7 +145,7 @@ def _tokenize_templated(
     if whole != ids:
         first = next((k for k, (a, b) in enumerate(zip(whole, ids, strict=False)) if a != b), None)
         raise ChatTemplateError(
-            "tokenizing the chat-templated conversation message by message gives different "
+            "tokenizing the chat-templated conversation turn by turn gives different "
             f"tokens than tokenizing it whole (first difference at token {first}, lengths "
             f"{len(ids)} vs {len(whole)}): tokens merge across message boundaries; use a "
             "template whose turns end in a special token"
@@ -143,8 +154,16 @@ def _tokenize_templated(
 
 
 def _tokenize_plain(
-    messages: MessageLog, memo: TextMemo, add_generation_prompt: bool, loss_from: int
+    messages: MessageLog, memo: TextMemo, add_generation_prompt: bool, loss_from: int, tools: Tools
 ) -> tuple[list[int], list[int]]:
+    if tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+        name = getattr(memo.tokenizer, "name_or_path", "")
+        raise ChatTemplateError(
+            f"a conversation with tool calls or tools needs a chat template to render them, and "
+            f"tokenizer {name!r} has none (a base model?). Fix: set "
+            "policy.tokenizer.chat_template to a Jinja template, or use the model's instruct "
+            "version"
+        )
     ids: list[int] = []
     mask: list[int] = []
     eos = getattr(memo.tokenizer, "eos_token_id", None)
@@ -169,9 +188,11 @@ def tokenize_message_log(
     add_generation_prompt: bool = False,
     loss_from_message: int = 0,
     memo: TextMemo | None = None,
+    tools: Tools = None,
 ) -> TokenizedExample:
     """Token ids and assistant-only loss mask of one message log (see module docstring).
-    ``memo``: the batch's `TextMemo` (of the same tokenizer) where its rows share text."""
+    ``memo``: the batch's `TextMemo` (of the same tokenizer) where its rows share text.
+    ``tools``: the function specs the conversation's assistant may call."""
     if max_seq_len < 1:
         raise ValueError(f"max_seq_len={max_seq_len} must be >= 1")
     if has_chat_template(tokenizer):
@@ -179,7 +200,7 @@ def tokenize_message_log(
     else:
         tokenize = _tokenize_plain
     memo = memo if memo is not None else TextMemo(tokenizer)
-    ids, mask = tokenize(message_log, memo, add_generation_prompt, loss_from_message)
+    ids, mask = tokenize(message_log, memo, add_generation_prompt, loss_from_message, tools)
     truncated = len(ids) > max_seq_len
     return {
         "input_ids": ids[:max_seq_len],
@@ -189,10 +210,16 @@ def tokenize_message_log(
 
 
 def tokenize_message_logs(
-    message_logs: Sequence[MessageLog], tokenizer: Any, max_seq_len: int
+    message_logs: Sequence[MessageLog | Conversation], tokenizer: Any, max_seq_len: int
 ) -> tuple[list[TokenizedExample], int]:
-    """Tokenize many logs; returns the examples and how many were truncated (also logged)."""
-    examples = [tokenize_message_log(log, tokenizer, max_seq_len) for log in message_logs]
+    """Tokenize many logs (a `Conversation` with its tools); returns the examples and how many
+    were truncated (also logged)."""
+    examples = [
+        tokenize_message_log(log.messages, tokenizer, max_seq_len, tools=log.tools)
+        if isinstance(log, Conversation)
+        else tokenize_message_log(log, tokenizer, max_seq_len)
+        for log in message_logs
+    ]
     num_truncated = sum(e["truncated"] for e in examples)
     if num_truncated:
         # a prompt that fills the budget leaves no response token: that example teaches nothing

@@ -1,7 +1,8 @@
 """Shared pieces of every data loader: message logs, bad-row handling, JSONL reading, splits.
 
-A *message log* is a list of ``{"role": "system" | "user" | "assistant", "content": str}``
-dicts — the unit every SFT loader returns and every chat-template tokenizer consumes.
+A *message log* is a list of OpenAI chat messages (``{"role", "content"}`` dicts, tool calls
+included: `data/messages.py` checks them) — the unit every SFT loader returns and every
+chat-template tokenizer consumes.
 
 Bad input is never dropped silently. Each loader wraps its per-row conversion in a
 :class:`RowIssues` collector: with ``on_bad_row="error"`` (the default) the first bad row
@@ -27,10 +28,9 @@ from tempering.errors import DataFileNotFoundError, UserInputError
 
 logger = logging.getLogger(__name__)
 
-Message = dict[str, str]
+Message = dict[str, Any]  # checked by data/messages.py
 MessageLog = list[Message]
 OnBadRow = Literal["error", "skip"]
-ROLES = ("system", "user", "assistant")
 
 T = TypeVar("T")
 
@@ -202,25 +202,6 @@ def require(row: dict[str, Any], key: str, expected: Sequence[str], kind: type |
         names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
         raise RowError(f"field {key!r} must be {names}, got {type(value).__name__}")
     return value
-
-
-def check_message_log(value: Any, field_name: str) -> MessageLog:
-    """Validate a list of ``{"role", "content"}`` dicts; returns plain copies."""
-    if not isinstance(value, list) or not value:
-        raise RowError(f"field {field_name!r} must be a non-empty list of messages")
-    messages: MessageLog = []
-    for i, message in enumerate(value):
-        if not isinstance(message, dict):
-            raise RowError(f"field {field_name!r}[{i}] must be an object with role and content")
-        role, content = message.get("role"), message.get("content")
-        if role not in ROLES:
-            raise RowError(f"field {field_name!r}[{i}].role is {role!r}; expected one of {ROLES}")
-        if not isinstance(content, str):
-            raise RowError(
-                f"field {field_name!r}[{i}].content must be str, got {type(content).__name__}"
-            )
-        messages.append({"role": role, "content": content})
-    return messages
 
 
 def stable_hash(text: str) -> str:

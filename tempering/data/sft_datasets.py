@@ -11,7 +11,10 @@ Formats (each loader returns a :class:`~tempering.data.records.LoadedData` of me
   assistant = the first answer's text. A JSON document has no per-row line numbers, so
   errors name the JSON path instead (``squad.json:data[0].paragraphs[1].qas[2]: ...``).
 - **OpenAI-messages JSONL** (:func:`load_messages_jsonl`): ``{"messages": [{"role",
-  "content"}, ...]}`` per line; must contain at least one assistant message.
+  "content"}, ...]}`` per line; must contain at least one assistant message. Tool calls
+  (assistant ``tool_calls``, ``tool`` messages) and a row's ``tools`` specs are read as
+  `data/messages.py` describes (TRL's ``messages`` + ``tools`` columns); such a row is a
+  :class:`~tempering.data.messages.Conversation`, the loss on the assistant turns only.
 - **Prompt/response JSONL** (:func:`load_prompt_response_jsonl`): ``{"<prompt_key>": str,
   "<response_key>": str}`` per line -> user = prompt, assistant = response.
 - **Hugging Face datasets** (:func:`load_hf_sft`): a folder written by
@@ -35,6 +38,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tempering.data.messages import Conversation, check_message_log, check_tool_turns, check_tools
 from tempering.data.records import (
     DataFormatError,
     LoadedData,
@@ -42,7 +46,6 @@ from tempering.data.records import (
     OnBadRow,
     RowError,
     RowIssues,
-    check_message_log,
     hold_out,
     load_rows,
     require,
@@ -58,12 +61,14 @@ def prompt_response_log(prompt: str, response: str, system: str | None = None) -
 
 
 def _messages_converter(messages_key: str):
-    def convert(row: dict[str, Any]) -> MessageLog:
+    def convert(row: dict[str, Any]) -> MessageLog | Conversation:
         require(row, messages_key, [messages_key], list)
         log = check_message_log(row[messages_key], messages_key)
         if not any(m["role"] == "assistant" for m in log):
             raise RowError(f"field {messages_key!r} has no assistant message to train on")
-        return log
+        check_tool_turns(log, messages_key)
+        tools = check_tools(row["tools"], "tools") if row.get("tools") is not None else []
+        return Conversation(log, tools) if tools else log
 
     return convert
 

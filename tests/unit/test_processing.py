@@ -128,9 +128,9 @@ def test_a_batch_memo_shares_renders_and_pieces_without_changing_tokens(tokenize
     alone = [tokenize_message_log(r, tokenizer, 64, loss_from_message=2) for r in rows]
     assert shared == alone
     assert memo.encode("hello world") is memo.encode("hello world")
-    # the prompt's renders (system; system + user; that + generation prompt) happened once,
-    # then one whole render per row: 5, against 8 apart
-    assert len(memo._renders) == 3 + 2
+    # the prompt's render (system + user + generation prompt) happened once, then one whole
+    # render per row: 3, against 4 apart
+    assert len(memo._renders) == 1 + 2
 
 
 def test_truncation_is_flagged_and_counted(tokenizer):

@@ -63,6 +63,7 @@ __all__ = [
     "parse_llama3_json_tool_calls",
     "parse_mistral_tool_calls",
     "register_tool_call_parser",
+    "render_chat",
 ]
 
 OnNonContiguous = Literal["error", "truncate"]
@@ -283,7 +284,6 @@ class ChatPromptBuilder:
         self._fast = getattr(tokenizer, "backend_tokenizer", None)
         self._encode = text_encoder(tokenizer)
         self.template_renders_tools = "tools" in (self.chat_template or "")
-        self.template_renders_tool_calls = "tool_calls" in (self.chat_template or "")
         self.eot_token = eot_token or self._find_eot_token()
         eot_id = tokenizer.convert_tokens_to_ids(self.eot_token)
         if eot_id is None or eot_id == tokenizer.unk_token_id:
@@ -309,29 +309,10 @@ class ChatPromptBuilder:
         template does not render them)."""
         if self.chat_template is None:
             raise ValueError(no_chat_template(self.tokenizer, "messages cannot be rendered"))
-        msgs = [self._template_message(m) for m in messages]
-        kwargs = dict(chat_template_kwargs or {})
-        if tools and self.template_renders_tools:
-            kwargs["tools"] = list(tools)
-        elif tools and self.tool_parser not in _DEFAULT_PROMPT_PARSERS:
-            raise ValueError(
-                f"tools were given, but the chat template does not render `tools` and the default "
-                f"tool prompt teaches {_DEFAULT_PROMPT_PARSERS} calls, not tool_parser="
-                f"{self.tool_parser!r}. Fix: a chat template that renders `tools`, or tool_parser="
-                "'hermes'"
-            )
-        elif tools:
-            msgs = _with_tool_prompt(msgs, tools)
-        try:
-            return self.tokenizer.apply_chat_template(
-                msgs,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                chat_template=self.chat_template,
-                **kwargs,
-            )
-        except Exception as err:  # jinja raises its own exception types
-            raise ValueError(f"the chat template could not render these messages: {err}") from err
+        return render_chat(
+            self.tokenizer, self.chat_template, messages, tools, add_generation_prompt,
+            chat_template_kwargs, self.tool_parser,
+        )  # fmt: skip
 
     def encode_text(self, text: str) -> list[int]:
         return self._encode(text)
@@ -416,47 +397,13 @@ class ChatPromptBuilder:
         return base + self.encode_text(full[cut + len(self.eot_token) :])
 
     # ---- internals -----------------------------------------------------------------------
-    def _template_message(self, message: dict[str, Any]) -> dict[str, Any]:
-        role = message.get("role")
-        if role not in ("system", "developer", "user", "assistant", "tool", "environment"):
-            raise ValueError(f"message role {role!r} is not one of system/user/assistant/tool")
-        out: dict[str, Any] = {
-            "role": {"environment": "user", "developer": "system"}.get(role, role),
-            "content": message_text(message.get("content")),
-        }
-        calls = message.get("tool_calls") or []
-        if role == "assistant" and calls:
-            if self.template_renders_tool_calls:
-                out["tool_calls"] = [_template_tool_call(c) for c in calls]
-            else:
-                blocks = [
-                    "<tool_call>\n"
-                    + json.dumps(
-                        {
-                            "name": c["function"]["name"],
-                            "arguments": _template_tool_call(c)["function"]["arguments"],
-                        }
-                    )
-                    + "\n</tool_call>"
-                    for c in calls
-                ]
-                out["content"] = "\n".join(filter(None, [out["content"], *blocks]))
-        if role == "tool":
-            if message.get("tool_call_id"):
-                out["tool_call_id"] = message["tool_call_id"]
-            if not self.template_renders_tool_calls:
-                out["content"] = f"<tool_response>\n{out['content']}\n</tool_response>"
-        return out
-
     def _find_eot_token(self) -> str:
         if self.chat_template is None:  # a base model: a turn is everything up to its eos
             if not self.tokenizer.eos_token:
                 raise ValueError(no_chat_template(self.tokenizer, "and no eos token either"))
             return self.tokenizer.eos_token
-        text = self.render(
-            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}],
-            add_generation_prompt=False,
-        )
+        probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}]
+        text = render_chat(self.tokenizer, self.chat_template, probe, add_generation_prompt=False)
         after = text[text.rfind(_PROBE) + len(_PROBE) :]
         special = set(self.tokenizer.all_special_tokens) | {
             t.content for t in getattr(self.tokenizer, "added_tokens_decoder", {}).values()
@@ -470,6 +417,79 @@ class ChatPromptBuilder:
             "could not find the chat template's end-of-turn token (no special token follows an "
             f"assistant message: {after[:40]!r}); set the server's eot_token explicitly"
         )
+
+
+def render_chat(
+    tokenizer: Any,
+    chat_template: str,
+    messages: Sequence[dict[str, Any]],
+    tools: Sequence[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    tool_parser: str = "hermes",
+) -> str:
+    """The template's text for `messages`: tool-call and tool messages adapted for templates
+    that do not know them (Hermes ``<tool_call>`` / ``<tool_response>`` blocks), and a default
+    tool prompt when `tools` are given and the template does not render them. The server, the
+    multi-turn rollouts and SFT's tokenizer (`data/processing.py`) all render through it, so a
+    model is trained on the format it is later prompted with."""
+    renders_calls = "tool_calls" in chat_template
+    msgs = [_template_message(m, renders_calls) for m in messages]
+    kwargs = dict(chat_template_kwargs or {})
+    if tools and "tools" in chat_template:
+        kwargs["tools"] = list(tools)
+    elif tools and tool_parser not in _DEFAULT_PROMPT_PARSERS:
+        raise ValueError(
+            f"tools were given, but the chat template does not render `tools` and the default "
+            f"tool prompt teaches {_DEFAULT_PROMPT_PARSERS} calls, not tool_parser="
+            f"{tool_parser!r}. Fix: a chat template that renders `tools`, or tool_parser="
+            "'hermes'"
+        )
+    elif tools:
+        msgs = _with_tool_prompt(msgs, tools)
+    try:
+        return tokenizer.apply_chat_template(
+            msgs,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            **kwargs,
+        )
+    except Exception as err:  # jinja raises its own exception types
+        raise ValueError(f"the chat template could not render these messages: {err}") from err
+
+
+def _template_message(message: dict[str, Any], renders_tool_calls: bool) -> dict[str, Any]:
+    role = message.get("role")
+    if role not in ("system", "developer", "user", "assistant", "tool", "environment"):
+        raise ValueError(f"message role {role!r} is not one of system/user/assistant/tool")
+    out: dict[str, Any] = {
+        "role": {"environment": "user", "developer": "system"}.get(role, role),
+        "content": message_text(message.get("content")),
+    }
+    calls = message.get("tool_calls") or []
+    if role == "assistant" and calls:
+        if renders_tool_calls:
+            out["tool_calls"] = [_template_tool_call(c) for c in calls]
+        else:
+            blocks = [
+                "<tool_call>\n"
+                + json.dumps(
+                    {
+                        "name": c["function"]["name"],
+                        "arguments": _template_tool_call(c)["function"]["arguments"],
+                    }
+                )
+                + "\n</tool_call>"
+                for c in calls
+            ]
+            out["content"] = "\n".join(filter(None, [out["content"], *blocks]))
+    if role == "tool":
+        if message.get("tool_call_id"):
+            out["tool_call_id"] = message["tool_call_id"]
+        if not renders_tool_calls:
+            out["content"] = f"<tool_response>\n{out['content']}\n</tool_response>"
+    return out
 
 
 def no_chat_template(tokenizer: Any, consequence: str) -> str:
