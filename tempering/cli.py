@@ -196,14 +196,17 @@ def _add_eval(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("model", metavar="MODEL", help="HF folder, registered name or step_<N> folder")
     p.add_argument("--baseline", default=None, help="a second MODEL on the same problems")
     p.add_argument("--task", required=True,
-                   help="arithmetic | arithmetic_retry | gsm8k | problems | rg:<reasoning-gym task>")  # fmt: skip
+                   help="arithmetic | arithmetic_retry | calculator | gsm8k | problems | "
+                   "rg:<reasoning-gym task>")  # fmt: skip
     p.add_argument("--split", default="test", help="held-out split (default: %(default)s)")
     p.add_argument("--samples", type=int, default=256, help="problems (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="problem generator seed (GRPO's: 0)")
     p.add_argument("--pass-at-k", type=int, default=0, help="also pass@K with K samples")
     p.add_argument("--temperature", type=float, default=1.0, help="for pass@K sampling")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: the run's / task's")
-    p.add_argument("--max-turns", type=int, default=None, help="multi-turn tasks (default 3)")
+    p.add_argument(
+        "--max-turns", type=int, default=None, help="multi-turn tasks (default: 3, calculator 4)"
+    )
     p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
                    help="format prompts with the chat template (default: the run's / task's)")  # fmt: skip
     p.add_argument("--batch-size", type=int, default=256)

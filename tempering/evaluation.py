@@ -11,7 +11,9 @@ are exactly a run's validation set), the same prompt construction (`data.prompts
 template or not), the same rollout loop and environments (`experience.rollouts`), greedy.
 
 Tasks: ``arithmetic`` (exact answer), ``arithmetic_retry`` (multi-turn, ``--max-turns``),
-``gsm8k`` (math-verify), ``rg:<name>`` (a reasoning-gym generator, math-verify), ``problems``
+``calculator`` (the arithmetic problems with the calculator tool offered: calls are run, the
+final answer is scored; multi-turn, 4 turns by default; needs a chat template), ``gsm8k``
+(math-verify), ``rg:<name>`` (a reasoning-gym generator, math-verify), ``problems``
 (your data file or Hugging Face dataset via ``--data``, keys ``--problem-key`` / ``--answer-key``).
 
 Printed and written to the JSON report: accuracy with a 95% Wilson interval; with
@@ -32,7 +34,8 @@ from typing import Any, NamedTuple
 __all__ = ["EvalResult", "evaluate", "paired_difference", "wilson_interval"]
 
 Z95 = 1.959963984540054
-TASKS = ("arithmetic", "arithmetic_retry", "gsm8k", "problems", "rg:<name>")
+TASKS = ("arithmetic", "arithmetic_retry", "calculator", "gsm8k", "problems", "rg:<name>")
+MULTI_TURN = {"arithmetic_retry": 3, "calculator": 4}  # task -> default --max-turns
 
 
 def wilson_interval(k: int, n: int, z: float = Z95) -> tuple[float, float]:
@@ -83,7 +86,7 @@ def task_problems(
     """The task's problems (`tempering.data.grpo_problems.Problem`), as GRPO builds them."""
     from tempering.data.grpo_problems import Problem, reasoning_gym_problems
 
-    if task in ("arithmetic", "arithmetic_retry"):
+    if task in ("arithmetic", "arithmetic_retry", "calculator"):
         from tempering.models.tiny_arith import make_problems
 
         if split not in ("train", "test"):
@@ -191,14 +194,15 @@ def evaluate(
 
     problems = task_problems(task, split=split, samples=samples, seed=seed, data=data,
                              problem_key=problem_key, answer_key=answer_key)  # fmt: skip
-    multi_turn = task == "arithmetic_retry"
-    threshold = 0.0 if multi_turn else 0.5  # solved (any turn) / correct
+    multi_turn = task in MULTI_TURN
+    threshold = 0.0 if task == "arithmetic_retry" else 0.5  # solved (any turn) / correct
     with tempfile.TemporaryDirectory(prefix="tempering_eval_") as scratch:
         path, run_cfg = resolve_model(model, Path(scratch))
         named = ("--tokenizer " if tokenizer else "MODEL ") + repr(tokenizer or model)
         tok = load_tokenizer(tokenizer or path, named=(named, "pass --tokenizer FOLDER_OR_ID"))
         settings = eval_settings(task, run_cfg or {}, max_new_tokens, use_chat_template, max_turns,
-                                 has_template=bool(getattr(tok, "chat_template", None)))  # fmt: skip
+                                 has_template=bool(getattr(tok, "chat_template", None)),
+                                 max_positions=_max_positions(path))  # fmt: skip
         sampling = SamplingConfig(max_new_tokens=settings.max_new_tokens, temperature=temperature)
         generation, close = _backend(path, backend, sampling, tok)
         try:
@@ -248,13 +252,20 @@ def eval_settings(
     use_chat_template: bool | None,
     max_turns: int | None,
     has_template: bool = True,
+    max_positions: int | None = None,
 ) -> EvalSettings:
     """Each setting from its argument, else the run's config (a checkpoint's), else the
     task's default; a tokenizer without a chat template (a base model's) reads raw prompts
-    unless the template is asked for by name (an error naming the fix)."""
+    unless the template is asked for by name (an error naming the fix). The sequence budget
+    is the run's, else 4096, and never past the model's ``max_positions``."""
+    if task == "calculator" and not has_template:
+        raise ValueError(
+            "--task calculator offers the model a tool in chat messages, and the model's "
+            "tokenizer has no chat template (a base model?): pass --tokenizer FOLDER with one"
+        )
     policy_cfg = run_cfg.get("policy") or {}
     gen_cfg = policy_cfg.get("generation") or {}
-    turns = max_turns or (3 if task == "arithmetic_retry" else 1)
+    turns = max_turns or MULTI_TURN.get(task, 1)
     chat = use_chat_template
     if chat is None:
         chat = (run_cfg.get("data") or {}).get("use_chat_template")
@@ -269,6 +280,7 @@ def eval_settings(
     new_tokens = max_new_tokens or gen_cfg.get("max_new_tokens") or (
         6 if task.startswith("arithmetic") else 256)  # fmt: skip
     max_len = int(policy_cfg.get("max_total_sequence_length") or 4096)
+    max_len = min(max_len, max_positions or max_len)
     return EvalSettings(new_tokens, chat, turns, max_len)
 
 
@@ -291,24 +303,16 @@ class EvalRollouts:
 
     def __call__(self, chunk: list[Any], greedy: bool, repeat: int = 1) -> Any:
         """``repeat`` episodes per problem of ``chunk``, scored (a rollout batch)."""
-        from tempering.data.prompts import prompt_token_ids
         from tempering.environments.registry import create_environment
-        from tempering.experience.rollouts import RolloutSample, run_rollouts
+        from tempering.experience.rollouts import problem_samples, run_rollouts
 
         for p in chunk:
             if p.task_name not in self.envs:
                 self.envs[p.task_name] = create_environment(
                     p.task_name, **self.env_kwargs.get(p.task_name, {})
                 )
-        samples = [
-            RolloutSample(
-                [{"role": "user", "content": p.prompt}],
-                {"ground_truth": p.answer, "prompt": p.prompt},
-                p.task_name,
-                prompt_token_ids(p.prompt, self.tokenizer, self.settings.use_chat_template),
-            )
-            for p in chunk for _ in range(repeat)
-        ]  # fmt: skip
+        once = problem_samples(chunk, self.tokenizer, self.settings.use_chat_template, True)
+        samples = [sample for sample in once for _ in range(repeat)]
         return run_rollouts(self.client, samples, self.envs, sampling=self.sampling,
                             max_turns=self.settings.max_turns, max_seq_len=self.settings.max_len,
                             greedy=greedy)  # fmt: skip
@@ -336,10 +340,27 @@ def score_greedy(
             for p, reward, log in zip(chunk, batch["rewards"].tolist(),
                                       batch["message_logs"], strict=True):  # fmt: skip
                 correct.append(reward > threshold)
-                said = [m.get("content") for m in log if m["role"] == "assistant"]
+                said = [_said(m) for m in log if m["role"] == "assistant"]
                 examples.append({"prompt": p.prompt, "answer": p.answer,
                                  "completions": said, "reward": reward})  # fmt: skip
     return correct, examples
+
+
+def _said(message: dict[str, Any]) -> str:
+    """An assistant turn as the report shows it: its text, then its tool calls."""
+    calls = [f"{c['function']['name']}({c['function']['arguments']})"
+             for c in message.get("tool_calls") or []]  # fmt: skip
+    return " ".join(filter(None, [message.get("content"), *calls]))
+
+
+def _max_positions(model_path: str) -> int | None:
+    """The model's ``max_position_embeddings`` (None where its config does not say)."""
+    from tempering.models.registry import resolve_model_path
+
+    config = Path(resolve_model_path(model_path)) / "config.json"
+    if not config.is_file():
+        return None
+    return json.loads(config.read_text()).get("max_position_embeddings")
 
 
 def score_pass_at_k(

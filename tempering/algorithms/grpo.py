@@ -124,7 +124,10 @@ def _loader(cfg: GRPOMasterConfig, train_problems: list[Problem]) -> Any:
 
 def _check_chat_template(cfg: GRPOMasterConfig, tokenizer: Any, tasks: set[str]) -> None:
     """What in a GRPO run renders chat messages, for `common.check_chat_template`."""
-    chat_tasks = sorted(tasks & {"nemo_gym", *_TOOL_TASKS})
+    from tempering.environments.registry import ENVIRONMENT_REGISTRY
+
+    chat_tasks = sorted(t for t in tasks if t == "nemo_gym" or (
+        t in ENVIRONMENT_REGISTRY and ENVIRONMENT_REGISTRY[t].tools))  # fmt: skip
     needs = [
         why for why, need in (
             ("policy.generation.http_server.enabled=true (clients send messages)",
@@ -654,9 +657,7 @@ def rollouts(
     single- or multi-turn, in-process or over HTTP (tempering/experience/rollouts.py), with
     the loop's ``deadline_s`` (NeMo Gym runs its episodes itself: async GRPO refuses a
     deadline there)."""
-    from tempering.data.prompts import prompt_token_ids
-    from tempering.environments.registry import get_environment_class
-    from tempering.experience.rollouts import InProcessTurnClient, RolloutSample, run_rollouts
+    from tempering.experience.rollouts import InProcessTurnClient, problem_samples, run_rollouts
 
     cfg = run.cfg
     sampling = run.chat.settings.default_sampling
@@ -669,19 +670,8 @@ def rollouts(
         gym = run.environments["nemo_gym"]
         return gym.rollouts(rows, sampling=sampling, greedy=greedy, repeat=repeat)
     in_process = isinstance(run.turns, InProcessTurnClient)
-    samples = []
-    for p in problems:
-        ids = prompt_token_ids(p.prompt, run.tokenizer, cfg.data.use_chat_template, p.system)
-        tools = get_environment_class(p.task_name).tools if p.task_name in _TOOL_TASKS else None
-        system = [{"role": "system", "content": p.system}] if p.system else []
-        sample = RolloutSample(
-            messages=[*system, {"role": "user", "content": p.prompt}],
-            metadata={"ground_truth": p.answer, "prompt": p.prompt},
-            task_name=p.task_name,
-            prompt_ids=ids if in_process else None,
-            tools=tools,
-        )
-        samples += [sample] * repeat
+    once = problem_samples(problems, run.tokenizer, cfg.data.use_chat_template, in_process)
+    samples = [sample for sample in once for _ in range(repeat)]
     return run_rollouts(
         run.turns,
         samples,
@@ -692,9 +682,6 @@ def rollouts(
         greedy=greedy,
         deadline_s=deadline_s,
     )
-
-
-_TOOL_TASKS = {"calculator"}  # environments whose `tools` the model is offered
 
 
 def rollout_batch(

@@ -58,6 +58,17 @@ def load_sft_data(
             got = first_integer(completion)
             return got is not None and str(got) == answer
 
+    elif name == "arithmetic_calculator":  # tool-call demonstrations (data/arithmetic.py)
+        from tempering.data.arithmetic import calculator_conversation
+        from tempering.environments.calculator import CALCULATOR_TOOL
+        from tempering.models.tiny_arith import make_problems
+
+        n = data_cfg.num_train_samples or GENERATED_TRAIN_SAMPLES
+        train_logs, val_logs = (
+            [calculator_conversation(p["prompt"], p["answer"], CALCULATOR_TOOL)
+             for p in make_problems(count, seed=data_cfg.seed, split=split)]
+            for count, split in ((n, "train"), (data_cfg.num_val_samples, "test"))
+        )  # fmt: skip
     elif name == "gsm8k":
         from tempering.data.gsm8k import gsm8k_rl_pairs, gsm8k_sft_message_logs
 
@@ -79,7 +90,7 @@ def load_sft_data(
             num_val=data_cfg.num_val_samples,
             seed=data_cfg.seed,
         )
-    if name != "arithmetic":  # generated to data.num_train_samples already
+    if name not in ("arithmetic", "arithmetic_calculator"):  # made to num_train_samples
         train_logs = first_n(
             train_logs,
             data_cfg.num_train_samples,

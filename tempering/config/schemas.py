@@ -530,11 +530,13 @@ def _refuse_unread_keys(cfg: _Master, algorithm: str) -> None:
 
 # data.dataset_name values each algorithm reads (a test keeps them equal to the loaders').
 GRPO_DATASETS = ("arithmetic", "gsm8k", "problems", "nemo_gym")
-SFT_DATASETS = ("arithmetic", "gsm8k", "squad", "messages", "prompt_response", "hf")
+SFT_DATASETS = (
+    "arithmetic", "arithmetic_calculator", "gsm8k", "squad", "messages", "prompt_response", "hf",
+)  # fmt: skip
 PREFERENCE_DATASETS = (
     "arithmetic", "arithmetic_parity", "gsm8k", "preference", "helpsteer3", "messages_preference",
 )  # fmt: skip
-_BUILT_IN_DATASETS = ("arithmetic", "arithmetic_parity", "gsm8k")  # need no file
+_BUILT_IN_DATASETS = ("arithmetic", "arithmetic_calculator", "arithmetic_parity", "gsm8k")
 
 
 def _check_dataset(data: DataConfig, algorithm: str, names: tuple[str, ...]) -> None:

@@ -12,8 +12,9 @@ whether the chat template or the plain-concatenation path is used.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
+from tempering.data.messages import Conversation
 from tempering.data.records import LoadedData, MessageLog
 
 
@@ -40,3 +41,22 @@ def arithmetic_sft_message_logs(
     problems = arithmetic_problems(n, seed, split, ops)
     logs = [arithmetic_message_log(p["prompt"], p["answer"]) for p in problems]
     return LoadedData(f"arithmetic_{split}_seed{seed}", logs)
+
+
+def calculator_conversation(prompt: str, answer: str, tool: dict[str, Any]) -> Conversation:
+    """A demonstration of the calculator tool on one problem: the user asks ``"Q: 23+45=? A:"``,
+    the assistant calls ``tool`` (the calculator's spec) with ``{"expression": "23+45"}``, the
+    tool answers ``"68"``, and the assistant answers ``" 68"``."""
+    if not (prompt.startswith("Q: ") and prompt.endswith("=? A:")):
+        raise ValueError(f"not a tiny-arith prompt: {prompt!r}")
+    call = {"type": "function", "function": {
+        "name": tool["function"]["name"], "arguments": {"expression": prompt[3:-5]}}}  # fmt: skip
+    return Conversation(
+        [
+            {"role": "user", "content": prompt},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": answer},
+            {"role": "assistant", "content": " " + answer},
+        ],
+        [tool],
+    )

@@ -47,6 +47,7 @@ __all__ = [
     "InProcessTurnClient",
     "RolloutSample",
     "TurnClient",
+    "problem_samples",
     "run_rollouts",
 ]
 
@@ -60,6 +61,34 @@ class RolloutSample:
     task_name: str  # which environment scores it
     prompt_ids: list[int] | None = None  # first-turn ids, when the caller encoded the prompt
     tools: list[dict[str, Any]] | None = None  # OpenAI tool specs offered to the model
+
+
+def problem_samples(
+    problems: Sequence[Any], tokenizer: Any, use_chat_template: bool, in_process: bool
+) -> list[RolloutSample]:
+    """One episode per problem (`data.grpo_problems.Problem`), as GRPO and ``tempering eval``
+    start them: the problem's system and user messages, the tools its environment offers
+    (the class attribute ``tools``), and in process the first prompt's ids encoded once here.
+    A problem offered tools gets no ids: the chat service renders the tools into its prompt,
+    as it does for an HTTP client (encoding the bare prompt here hid them from the model)."""
+    from tempering.data.prompts import prompt_token_ids
+    from tempering.environments.registry import get_environment_class
+
+    samples = []
+    for p in problems:
+        tools = get_environment_class(p.task_name).tools
+        system = [{"role": "system", "content": p.system}] if p.system else []
+        ids = None
+        if in_process and not tools:
+            ids = prompt_token_ids(p.prompt, tokenizer, use_chat_template, p.system)
+        samples.append(RolloutSample(
+            messages=[*system, {"role": "user", "content": p.prompt}],
+            metadata={"ground_truth": p.answer, "prompt": p.prompt},
+            task_name=p.task_name,
+            prompt_ids=ids,
+            tools=list(tools) if tools else None,
+        ))  # fmt: skip
+    return samples
 
 
 class TurnClient(Protocol):

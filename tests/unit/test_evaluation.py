@@ -80,3 +80,15 @@ def test_a_base_models_prompts_are_raw_unless_the_template_is_asked_for():
     run = {"data": {"use_chat_template": True}}
     with pytest.raises(ValueError, match="its run set data.use_chat_template"):
         eval_settings("arithmetic", run, None, None, None, has_template=False)
+
+
+def test_the_calculator_task_needs_a_template_and_its_budget_fits_the_model():
+    """Offering a tool takes chat messages; a budget past the model's positions (4096 for a
+    folder without a run config, tiny-arith's 128) would run off its position table."""
+    from tempering.evaluation import eval_settings
+
+    with pytest.raises(ValueError, match="--task calculator offers .* --tokenizer FOLDER"):
+        eval_settings("calculator", {}, None, None, None, has_template=False)
+    settings = eval_settings("calculator", {}, None, None, None, max_positions=128)
+    assert (settings.max_turns, settings.max_len, settings.use_chat_template) == (4, 128, True)
+    assert eval_settings("arithmetic", {}, None, None, None, has_template=False).max_len == 4096

@@ -5,6 +5,8 @@ same rollouts over HTTP, and episodes cut by the sequence budget or the turn lim
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -23,6 +25,7 @@ from tempering.models.hf import load_causal_lm, load_tokenizer
 from tempering.models.tiny_arith import make_problems
 
 SAMPLING = SamplingConfig(max_new_tokens=6)
+REPO = Path(__file__).parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -211,3 +214,33 @@ def test_in_flight_versions_follow_every_generated_token_across_turns(model, tok
         for turn, m in enumerate(a for a in log if a["role"] == "assistant"):
             start, n = len(m["prompt_token_ids"]), len(m["generation_token_ids"])
             assert versions[b, start : start + n].tolist() == [0 if turn == 0 else 5] * n
+
+
+def test_in_process_episodes_see_the_offered_tools_as_http_ones_do(model):
+    """A calculator problem offers the model its tool. In process, GRPO encoded the bare
+    prompt once, so the first turn never showed the tools (the tool prompt, or a template's
+    rendering of them); over HTTP the server rendered them. `problem_samples` leaves such a
+    prompt to the service, so both see the same tokens."""
+    import yaml
+
+    from tempering.data.grpo_problems import Problem
+    from tempering.environments.calculator import CalculatorEnvironment
+    from tempering.experience.rollouts import problem_samples
+
+    config = yaml.safe_load((REPO / "examples/configs/sft_tiny_arith_calculator.yaml").read_text())
+    tok = load_tokenizer("tiny-arith-chat", config["policy"]["tokenizer"]["chat_template"])
+    engine = TorchGenerationEngine(model, tok, max_new_tokens=8, seed=0)
+    settings = ServerSettings(model_name="tiny", max_model_len=128, default_sampling=SAMPLING)
+    service = ChatCompletionService(engine, tok, settings)
+    problems = [Problem(p["prompt"], p["answer"], "calculator")
+                for p in make_problems(4, seed=1, split="test")]  # fmt: skip
+    kwargs = {"sampling": SAMPLING, "max_turns": 2, "max_seq_len": 128, "greedy": True}
+    envs = {"calculator": CalculatorEnvironment()}
+    local = run_rollouts(InProcessTurnClient(service), problem_samples(problems, tok, True, True),
+                         envs, **kwargs)  # fmt: skip
+    with OpenAIServer(service) as srv:
+        remote = run_rollouts(HttpTurnClient(srv.base_url, "tiny"),
+                              problem_samples(problems, tok, True, False), envs, **kwargs)  # fmt: skip
+    assert torch.equal(local["input_ids"], remote["input_ids"])
+    first = tok.decode(local["input_ids"][0, : local["input_lengths"][0]])
+    assert first.startswith(f"[calculator] {problems[0].prompt}"), first

@@ -163,7 +163,7 @@ def test_dataset_names_in_the_schema_are_the_loaders_names():
     from tempering.data.preference_datasets import PREFERENCE_LOADERS
     from tempering.data.sft_datasets import SFT_LOADERS
 
-    assert set(SFT_DATASETS) == {"arithmetic", "gsm8k", *SFT_LOADERS}
+    assert set(SFT_DATASETS) == {"arithmetic", "arithmetic_calculator", "gsm8k", *SFT_LOADERS}
     assert set(PREFERENCE_DATASETS) == {"arithmetic", "arithmetic_parity", "gsm8k",
                                         *PREFERENCE_LOADERS}  # fmt: skip
     from tempering.config.schemas import DataConfig
