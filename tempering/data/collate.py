@@ -80,6 +80,7 @@ def collate_preference(
                     max_seq_len,
                     loss_from_message=start,
                     memo=memo,
+                    tools=pair.tools,
                 )
             )
     batch = collate_sft(examples, pad_token_id_of(tokenizer))

@@ -43,7 +43,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
-from tempering.data.messages import check_message_log, check_tool_turns
+from tempering.data.messages import check_message_log, check_tool_turns, check_tools
 from tempering.data.records import (
     LoadedData,
     MessageLog,
@@ -75,6 +75,7 @@ class PreferencePair:
     prompt: MessageLog
     chosen: MessageLog
     rejected: MessageLog
+    tools: list[dict[str, Any]] | None = None  # function specs the assistant may call
 
 
 # ---------------------------------------------------------------- validation helpers
@@ -100,12 +101,16 @@ def _as_response(value: Any, key: str) -> MessageLog:
     return response
 
 
-def _checked_pair(prompt: MessageLog, chosen: MessageLog, rejected: MessageLog) -> PreferencePair:
+def _checked_pair(
+    prompt: MessageLog, chosen: MessageLog, rejected: MessageLog, row: dict[str, Any]
+) -> PreferencePair:
+    """The pair, with the row's ``tools`` (data/messages.py) when it has them."""
     if chosen == rejected:
         raise RowError("'chosen' is identical to 'rejected' (no preference to learn)")
     check_tool_turns(prompt + chosen, "prompt + chosen")
     check_tool_turns(prompt + rejected, "prompt + rejected")
-    return PreferencePair(prompt, chosen, rejected)
+    tools = check_tools(row["tools"], "tools") if row.get("tools") is not None else None
+    return PreferencePair(prompt, chosen, rejected, tools or None)
 
 
 # ---------------------------------------------------------------- loaders
@@ -126,7 +131,7 @@ def load_preference_jsonl(
         prompt = _as_prompt(require(row, prompt_key, keys, kinds), prompt_key)
         chosen = _as_response(require(row, chosen_key, keys, kinds), chosen_key)
         rejected = _as_response(require(row, rejected_key, keys, kinds), rejected_key)
-        return _checked_pair(prompt, chosen, rejected)
+        return _checked_pair(prompt, chosen, rejected, row)
 
     return load_rows(path, on_bad_row, convert)
 
@@ -146,7 +151,7 @@ def load_helpsteer3_jsonl(path: str | Path, on_bad_row: OnBadRow = "error") -> L
         if preference == 0:
             raise RowError("field 'overall_preference' is 0, a tie (no preferred response)")
         chosen, rejected = (r1, r2) if preference < 0 else (r2, r1)
-        return _checked_pair(prompt, chosen, rejected)
+        return _checked_pair(prompt, chosen, rejected, row)
 
     return load_rows(path, on_bad_row, convert)
 
@@ -175,6 +180,7 @@ def load_messages_preference_jsonl(
             prompt,
             _as_response(chosen[n:], chosen_key),
             _as_response(rejected[n:], rejected_key),
+            row,
         )
 
     return load_rows(path, on_bad_row, convert)

@@ -166,3 +166,23 @@ def test_a_tokenizer_without_a_template_refuses_tool_calls_by_name():
     with pytest.raises(ChatTemplateError, match="needs a chat template to render them.*Fix: set "
                        "policy.tokenizer.chat_template"):  # fmt: skip
         tokenize_message_log(MESSAGES, make_tokenizer(None), 512)
+
+
+def test_preference_pairs_carry_their_tools(tmp_path):
+    """DPO/RM rows read ``tools`` too: a pair whose chosen response calls the tool is scored
+    on the call, with the tool specs in its prompt (they were dropped without a word)."""
+    from tempering.data.collate import collate_preference
+    from tempering.data.preference_datasets import load_preference_jsonl
+
+    row = {"prompt": MESSAGES[:1], "chosen": [MESSAGES[1]],
+           "rejected": [{"role": "assistant", "content": "no idea"}],
+           "tools": [CALCULATOR_TOOL]}  # fmt: skip
+    (pair,) = load_preference_jsonl(_write_jsonl(tmp_path / "p.jsonl", [row])).examples
+    assert pair.tools == [CALCULATOR_TOOL]
+    tokenizer = make_tokenizer()
+    batch = collate_preference([pair], tokenizer, 4096)
+    ids, mask = batch["input_ids"][0].tolist(), batch["token_mask"][0].tolist()
+    (call,) = _spans(tokenizer, {"input_ids": ids, "token_mask": mask})
+    assert parse_hermes_tool_calls(call).tool_calls[0]["function"]["name"] == "calculator"
+    prompt = tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if not m])
+    assert '"name": "calculator"' in prompt  # the tool prompt, before the response
