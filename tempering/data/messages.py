@@ -6,6 +6,10 @@ A message is ``{"role": "system" | "user" | "assistant" | "tool", "content": str
   ``{"id"?, "type": "function", "function": {"name": str, "arguments": ...}}``; its
   ``content`` may then be null, empty or absent. The arguments are a JSON object, given as one
   or as its JSON text (the OpenAI API sends text); they are kept as the object.
+- an **assistant** message may carry ``reasoning_content`` (str: its thinking, as vLLM and
+  reasoning datasets give it). A template that renders ``reasoning_content`` gets it; any other
+  gets it inside ``<think>...</think>`` before the content (Qwen3's and DeepSeek-R1's form), so
+  the thinking is trained on either way, never dropped.
 - a **tool** message is a tool's result: ``content`` (str), and optionally ``tool_call_id``
   (one of the calls before it) and ``name``. It follows the assistant message whose calls it
   answers, or another tool message (:func:`check_tool_turns`).
@@ -87,6 +91,11 @@ def _check_message(message: Any, where: str) -> Message:
         out["tool_calls"] = [
             _check_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)
         ]
+    reasoning = message.get("reasoning_content")
+    if reasoning is not None and (role != "assistant" or not isinstance(reasoning, str)):
+        raise RowError(f"{where}.reasoning_content must be a str on an assistant message")
+    if reasoning:
+        out["reasoning_content"] = reasoning
     if role == "tool":
         for key in ("tool_call_id", "name"):
             if message.get(key) is not None:

@@ -186,3 +186,28 @@ def test_preference_pairs_carry_their_tools(tmp_path):
     assert parse_hermes_tool_calls(call).tool_calls[0]["function"]["name"] == "calculator"
     prompt = tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if not m])
     assert '"name": "calculator"' in prompt  # the tool prompt, before the response
+
+
+REASONING = [{"role": "user", "content": "What is 23*45?"},
+             {"role": "assistant", "reasoning_content": "20*45 is 900, 3*45 is 135.",
+              "content": "1035"}]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("template", "trained"),
+    [(CHATML, "<think>\n20*45 is 900, 3*45 is 135.\n</think>\n\n1035<|im_end|>\n"),
+     (CHATML.replace("{{ m['content'] }}", "{% if m.reasoning_content %}[{{ m.reasoning_content }}]"
+                     "{% endif %}{{ m['content'] }}"),
+      "[20*45 is 900, 3*45 is 135.]1035<|im_end|>\n")],
+    ids=["think-tags", "the-template's-own"],
+)  # fmt: skip
+def test_an_assistants_reasoning_is_trained_on_not_dropped(tmp_path, template, trained):
+    """A reasoning dataset's ``reasoning_content`` was dropped without a word when the log was
+    copied; now the template renders it, or it goes in <think> tags before the answer."""
+    path = _write_jsonl(tmp_path / "r.jsonl", [{"messages": REASONING}])
+    (log,) = load_messages_jsonl(path).examples
+    tokenizer = make_tokenizer(template)
+    assert _spans(tokenizer, tokenize_message_log(log, tokenizer, 4096)) == [trained]
+    bad = [{**REASONING[0], "reasoning_content": "hmm"}, REASONING[1]]
+    with pytest.raises(DataFormatError, match=r"\[0\]\.reasoning_content must be a str on an "):
+        load_messages_jsonl(_write_jsonl(tmp_path / "bad.jsonl", [{"messages": bad}]))

@@ -429,12 +429,13 @@ def render_chat(
     tool_parser: str = "hermes",
 ) -> str:
     """The template's text for `messages`: tool-call and tool messages adapted for templates
-    that do not know them (Hermes ``<tool_call>`` / ``<tool_response>`` blocks), and a default
+    that do not know them (Hermes ``<tool_call>`` / ``<tool_response>`` blocks), an assistant's
+    ``reasoning_content`` in ``<think>`` tags where the template does not render it, a default
     tool prompt when `tools` are given and the template does not render them. The server, the
     multi-turn rollouts and SFT's tokenizer (`data/processing.py`) all render through it, so a
     model is trained on the format it is later prompted with."""
-    renders_calls = "tool_calls" in chat_template
-    msgs = [_template_message(m, renders_calls) for m in messages]
+    renders = ("tool_calls" in chat_template, "reasoning_content" in chat_template)
+    msgs = [_template_message(m, *renders) for m in messages]
     kwargs = dict(chat_template_kwargs or {})
     if tools and "tools" in chat_template:
         kwargs["tools"] = list(tools)
@@ -459,7 +460,9 @@ def render_chat(
         raise ValueError(f"the chat template could not render these messages: {err}") from err
 
 
-def _template_message(message: dict[str, Any], renders_tool_calls: bool) -> dict[str, Any]:
+def _template_message(
+    message: dict[str, Any], renders_tool_calls: bool, renders_reasoning: bool = False
+) -> dict[str, Any]:
     role = message.get("role")
     if role not in ("system", "developer", "user", "assistant", "tool", "environment"):
         raise ValueError(f"message role {role!r} is not one of system/user/assistant/tool")
@@ -467,6 +470,11 @@ def _template_message(message: dict[str, Any], renders_tool_calls: bool) -> dict
         "role": {"environment": "user", "developer": "system"}.get(role, role),
         "content": message_text(message.get("content")),
     }
+    reasoning = message.get("reasoning_content") if role == "assistant" else None
+    if reasoning and renders_reasoning:
+        out["reasoning_content"] = reasoning
+    elif reasoning:  # Qwen3's and DeepSeek-R1's form, for templates that do not know it
+        out["content"] = f"<think>\n{reasoning}\n</think>\n\n{out['content']}"
     calls = message.get("tool_calls") or []
     if role == "assistant" and calls:
         if renders_tool_calls:
