@@ -19,8 +19,9 @@ or the bare ``{"name", "description", "parameters"}``; a list, or its JSON text 
 datasets store it) makes the example a :class:`Conversation`, rendered with the specs
 (`data/processing.py`: the template's own tool prompt, else our default one).
 
-Parquet and saved datasets unify nested fields across rows, so a field a message lacks reads
-back as null: null is read as absent throughout.
+Any other key in a message is a bad row, named (a per-turn loss ``weight`` read as absent would
+train on turns the data excludes). Parquet and saved datasets unify nested fields across
+rows, so a field a message lacks reads back as null: null is read as absent throughout.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 from tempering.data.records import Message, MessageLog, RowError
 
 ROLES = ("system", "user", "assistant", "tool")
+KEYS = ("role", "content", "tool_calls", "reasoning_content", "tool_call_id", "name")
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,14 @@ def _check_message(message: Any, where: str) -> Message:
     role, content = message.get("role"), message.get("content")
     if role not in ROLES:
         raise RowError(f"{where}.role is {role!r}; expected one of {ROLES}")
+    unread = sorted(k for k, v in message.items() if v is not None and (
+        k not in KEYS or (k in ("tool_call_id", "name") and role != "tool")))  # fmt: skip
+    if unread:  # e.g. a per-turn loss weight: training as if it were absent would be wrong
+        raise RowError(
+            f"{where} ({role}) has {', '.join(map(repr, unread))}, which is not read (a message "
+            f"reads {', '.join(KEYS[:4])}; a tool message also tool_call_id and name): remove "
+            "it from the data"
+        )
     calls = message.get("tool_calls")
     if calls is not None and role != "assistant":
         raise RowError(f"{where} is a {role} message with tool_calls; only assistants call tools")

@@ -112,6 +112,8 @@ def test_tool_rows_load_alike_from_jsonl_and_parquet(tmp_path):
         (lambda m: m[1].update(tool_calls=[{"function": {"arguments": "{}"}}]),
          "tool_calls[0].function.name must be a non-empty string"),
         (lambda m: m[2].update(content=None), "[2].content must be str, got NoneType"),
+        (lambda m: m[3].update(weight=0), "[3] (assistant) has 'weight', which is not read"),
+        (lambda m: m[0].update(name="ann"), "[0] (user) has 'name', which is not read"),
     ],
 )  # fmt: skip
 def test_a_bad_tool_row_is_named(tmp_path, edit, said):
