@@ -38,10 +38,12 @@ KEYS = ("role", "content", "tool_calls", "reasoning_content", "tool_call_id", "n
 
 @dataclass(frozen=True)
 class Conversation:
-    """A message log with the tools its assistant may call (a row with ``tools``)."""
+    """A message log with the tools its assistant may call (a row with ``tools``), trained on
+    its assistant messages from ``loss_from`` on (a prompt/completion row: the completion)."""
 
     messages: MessageLog
     tools: list[dict[str, Any]]
+    loss_from: int = 0
 
 
 def _json_object(value: Any, where: str) -> dict[str, Any]:
@@ -121,6 +123,29 @@ def check_message_log(value: Any, field_name: str) -> MessageLog:
     return [_check_message(m, f"field {field_name!r}[{i}]") for i, m in enumerate(value)]
 
 
+def as_prompt(value: Any, key: str) -> MessageLog:
+    """A prompt given as text (one user message) or as messages."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    return check_message_log(value, key)
+
+
+def as_response(value: Any, key: str) -> MessageLog:
+    """A response given as text (one assistant message) or as messages ending with the
+    assistant's; an empty one is a bad row."""
+    if isinstance(value, str):
+        response = [{"role": "assistant", "content": value}]
+    else:
+        response = check_message_log(value, key)
+    if response[-1]["role"] != "assistant":
+        raise RowError(f"field {key!r} must end with an assistant message")
+    if not any(
+        m["content"].strip() or m.get("tool_calls") for m in response if m["role"] == "assistant"
+    ):
+        raise RowError(f"field {key!r} is empty")
+    return response
+
+
 def check_tool_turns(log: MessageLog, field_name: str) -> None:
     """Each tool message follows an assistant message with tool calls (or another tool
     message), and a ``tool_call_id`` names one of those calls."""
@@ -143,6 +168,11 @@ def check_tool_turns(log: MessageLog, field_name: str) -> None:
                     f"field {field_name!r}[{i}].tool_call_id is {call_id!r}; the calls before it "
                     f"have ids {ids}"
                 )
+
+
+def row_tools(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """A row's ``tools`` column, checked ([] when it has none)."""
+    return check_tools(row["tools"], "tools") if row.get("tools") is not None else []
 
 
 def check_tools(value: Any, field_name: str) -> list[dict[str, Any]]:

@@ -43,7 +43,13 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
-from tempering.data.messages import check_message_log, check_tool_turns, check_tools
+from tempering.data.messages import (
+    as_prompt,
+    as_response,
+    check_message_log,
+    check_tool_turns,
+    row_tools,
+)
 from tempering.data.records import (
     LoadedData,
     MessageLog,
@@ -81,26 +87,6 @@ class PreferencePair:
 # ---------------------------------------------------------------- validation helpers
 
 
-def _as_prompt(value: Any, key: str) -> MessageLog:
-    if isinstance(value, str):
-        return [{"role": "user", "content": value}]
-    return check_message_log(value, key)
-
-
-def _as_response(value: Any, key: str) -> MessageLog:
-    if isinstance(value, str):
-        response = [{"role": "assistant", "content": value}]
-    else:
-        response = check_message_log(value, key)
-    if response[-1]["role"] != "assistant":
-        raise RowError(f"field {key!r} must end with an assistant message")
-    if not any(
-        m["content"].strip() or m.get("tool_calls") for m in response if m["role"] == "assistant"
-    ):
-        raise RowError(f"field {key!r} is empty")
-    return response
-
-
 def _checked_pair(
     prompt: MessageLog, chosen: MessageLog, rejected: MessageLog, row: dict[str, Any]
 ) -> PreferencePair:
@@ -109,8 +95,7 @@ def _checked_pair(
         raise RowError("'chosen' is identical to 'rejected' (no preference to learn)")
     check_tool_turns(prompt + chosen, "prompt + chosen")
     check_tool_turns(prompt + rejected, "prompt + rejected")
-    tools = check_tools(row["tools"], "tools") if row.get("tools") is not None else None
-    return PreferencePair(prompt, chosen, rejected, tools or None)
+    return PreferencePair(prompt, chosen, rejected, row_tools(row) or None)
 
 
 # ---------------------------------------------------------------- loaders
@@ -128,9 +113,9 @@ def load_preference_jsonl(
     kinds = (str, list)
 
     def convert(row: dict[str, Any]) -> PreferencePair:
-        prompt = _as_prompt(require(row, prompt_key, keys, kinds), prompt_key)
-        chosen = _as_response(require(row, chosen_key, keys, kinds), chosen_key)
-        rejected = _as_response(require(row, rejected_key, keys, kinds), rejected_key)
+        prompt = as_prompt(require(row, prompt_key, keys, kinds), prompt_key)
+        chosen = as_response(require(row, chosen_key, keys, kinds), chosen_key)
+        rejected = as_response(require(row, rejected_key, keys, kinds), rejected_key)
         return _checked_pair(prompt, chosen, rejected, row)
 
     return load_rows(path, on_bad_row, convert)
@@ -142,9 +127,9 @@ def load_helpsteer3_jsonl(path: str | Path, on_bad_row: OnBadRow = "error") -> L
     keys = ["context", "response1", "response2", "overall_preference"]
 
     def convert(row: dict[str, Any]) -> PreferencePair:
-        prompt = _as_prompt(require(row, "context", keys, (str, list)), "context")
-        r1 = _as_response(require(row, "response1", keys, str), "response1")
-        r2 = _as_response(require(row, "response2", keys, str), "response2")
+        prompt = as_prompt(require(row, "context", keys, (str, list)), "context")
+        r1 = as_response(require(row, "response1", keys, str), "response1")
+        r2 = as_response(require(row, "response2", keys, str), "response2")
         preference = require(row, "overall_preference", keys, int)
         if isinstance(preference, bool):
             raise RowError("field 'overall_preference' must be int, got bool")
@@ -178,8 +163,8 @@ def load_messages_preference_jsonl(
         prompt = chosen[:n]
         return _checked_pair(
             prompt,
-            _as_response(chosen[n:], chosen_key),
-            _as_response(rejected[n:], rejected_key),
+            as_response(chosen[n:], chosen_key),
+            as_response(rejected[n:], rejected_key),
             row,
         )
 

@@ -215,7 +215,9 @@ def tokenize_message_logs(
     """Tokenize many logs (a `Conversation` with its tools); returns the examples and how many
     were truncated (also logged)."""
     examples = [
-        tokenize_message_log(log.messages, tokenizer, max_seq_len, tools=log.tools)
+        tokenize_message_log(
+            log.messages, tokenizer, max_seq_len, loss_from_message=log.loss_from, tools=log.tools
+        )
         if isinstance(log, Conversation)
         else tokenize_message_log(log, tokenizer, max_seq_len)
         for log in message_logs

@@ -16,7 +16,10 @@ Formats (each loader returns a :class:`~tempering.data.records.LoadedData` of me
   `data/messages.py` describes (TRL's ``messages`` + ``tools`` columns); such a row is a
   :class:`~tempering.data.messages.Conversation`, the loss on the assistant turns only.
 - **Prompt/response JSONL** (:func:`load_prompt_response_jsonl`): ``{"<prompt_key>": str,
-  "<response_key>": str}`` per line -> user = prompt, assistant = response.
+  "<response_key>": str}`` per line -> user = prompt, assistant = response. Either may be a
+  list of messages instead (TRL's conversational prompt-completion rows: ``response_key=
+  completion``); the loss is then on the response's assistant turns only, not on assistant
+  turns inside the prompt (few-shot examples). A row's ``tools`` are read as above.
 - **Hugging Face datasets** (:func:`load_hf_sft`): a folder written by
   ``Dataset.save_to_disk`` (read with ``datasets.load_from_disk``) or local data files (the
   reader above, concatenated); rows are mapped by the same keys (``messages_key`` or
@@ -38,7 +41,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tempering.data.messages import Conversation, check_message_log, check_tool_turns, check_tools
+from tempering.data.messages import (
+    Conversation,
+    as_prompt,
+    as_response,
+    check_message_log,
+    check_tool_turns,
+    row_tools,
+)
 from tempering.data.records import (
     DataFormatError,
     LoadedData,
@@ -67,7 +77,7 @@ def _messages_converter(messages_key: str):
         if not any(m["role"] == "assistant" for m in log):
             raise RowError(f"field {messages_key!r} has no assistant message to train on")
         check_tool_turns(log, messages_key)
-        tools = check_tools(row["tools"], "tools") if row.get("tools") is not None else []
+        tools = row_tools(row)
         return Conversation(log, tools) if tools else log
 
     return convert
@@ -76,12 +86,15 @@ def _messages_converter(messages_key: str):
 def _prompt_response_converter(prompt_key: str, response_key: str):
     keys = [prompt_key, response_key]
 
-    def convert(row: dict[str, Any]) -> MessageLog:
-        prompt = require(row, prompt_key, keys, str)
-        response = require(row, response_key, keys, str)
-        if not response.strip():
-            raise RowError(f"field {response_key!r} is empty")
-        return prompt_response_log(prompt, response)
+    def convert(row: dict[str, Any]) -> MessageLog | Conversation:
+        prompt = as_prompt(require(row, prompt_key, keys, (str, list)), prompt_key)
+        response = as_response(require(row, response_key, keys, (str, list)), response_key)
+        log = prompt + response
+        check_tool_turns(log, f"{prompt_key} + {response_key}")
+        tools = row_tools(row)
+        if tools or any(m["role"] == "assistant" for m in prompt):  # train on the response only
+            return Conversation(log, tools, loss_from=len(prompt))
+        return log
 
     return convert
 

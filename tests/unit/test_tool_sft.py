@@ -213,3 +213,27 @@ def test_an_assistants_reasoning_is_trained_on_not_dropped(tmp_path, template, t
     bad = [{**REASONING[0], "reasoning_content": "hmm"}, REASONING[1]]
     with pytest.raises(DataFormatError, match=r"\[0\]\.reasoning_content must be a str on an "):
         load_messages_jsonl(_write_jsonl(tmp_path / "bad.jsonl", [{"messages": bad}]))
+
+
+def test_conversational_prompt_completion_rows_train_on_the_completion_only(tmp_path):
+    """TRL's prompt-completion rows with message lists (`data.response_key=completion`): a
+    few-shot assistant turn inside the prompt is context, not a target. Before, a list
+    prompt was refused ("field 'prompt' must be str")."""
+    from tempering.data.sft_datasets import load_prompt_response_jsonl
+
+    few_shot = [{"role": "user", "content": "What is 1+1?"}, {"role": "assistant", "content": "2"},
+                MESSAGES[0]]  # fmt: skip
+    rows = [{"prompt": few_shot, "completion": MESSAGES[1:], "tools": [CALCULATOR_TOOL]},
+            {"prompt": few_shot, "completion": "1035"},
+            {"prompt": "What is 23*45?", "completion": "1035"}]  # fmt: skip
+    path = _write_jsonl(tmp_path / "pc.jsonl", rows)
+    tool_row, text_row, plain = load_prompt_response_jsonl(path, response_key="completion").examples
+    assert (tool_row.loss_from, text_row.loss_from) == (3, 3) and text_row.tools == []
+    assert plain == [{"role": "user", "content": "What is 23*45?"},
+                     {"role": "assistant", "content": "1035"}]  # fmt: skip
+    tokenizer = make_tokenizer()
+    examples, _ = tokenize_message_logs([tool_row, text_row], tokenizer, 4096)
+    spans = [_spans(tokenizer, e) for e in examples]
+    assert spans[1] == ["1035<|im_end|>\n"]  # not the few-shot "2"
+    assert spans[0][-1] == "The answer is 1035.<|im_end|>\n" and len(spans[0]) == 2
+    assert parse_hermes_tool_calls(spans[0][0]).tool_calls[0]["function"]["name"] == "calculator"
