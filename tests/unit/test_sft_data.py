@@ -136,7 +136,9 @@ def test_bad_rows_name_file_line_and_field(tmp_path):
     assert [log[0]["content"] for log in data.examples] == ["a", "e"]
     assert data.num_skipped == 3
     assert any(":4: not valid JSON" in r for r in data.skipped_reasons)
-    assert any(":5: field 'response' must be str or list, got int" in r for r in data.skipped_reasons)
+    assert any(
+        ":5: field 'response' must be str or list, got int" in r for r in data.skipped_reasons
+    )
 
 
 def test_skipped_rows_are_logged(tmp_path, caplog):
