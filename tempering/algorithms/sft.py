@@ -63,12 +63,14 @@ def load_sft_data(
         from tempering.environments.calculator import CALCULATOR_TOOL
         from tempering.models.tiny_arith import make_problems
 
-        n = data_cfg.num_train_samples or GENERATED_TRAIN_SAMPLES
-        train_logs, val_logs = (
-            [calculator_conversation(p["prompt"], p["answer"], CALCULATOR_TOOL)
-             for p in make_problems(count, seed=data_cfg.seed, split=split)]
-            for count, split in ((n, "train"), (data_cfg.num_val_samples, "test"))
-        )  # fmt: skip
+        def demos(count: int, split: str) -> list[Any]:
+            problems = make_problems(count, seed=data_cfg.seed, split=split)
+            return [
+                calculator_conversation(p["prompt"], p["answer"], CALCULATOR_TOOL) for p in problems
+            ]
+
+        train_logs = demos(data_cfg.num_train_samples or GENERATED_TRAIN_SAMPLES, "train")
+        val_logs = demos(data_cfg.num_val_samples, "test")
     elif name == "gsm8k":
         from tempering.data.gsm8k import gsm8k_rl_pairs, gsm8k_sft_message_logs
 
