@@ -124,10 +124,9 @@ def _loader(cfg: GRPOMasterConfig, train_problems: list[Problem]) -> Any:
 
 def _check_chat_template(cfg: GRPOMasterConfig, tokenizer: Any, tasks: set[str]) -> None:
     """What in a GRPO run renders chat messages, for `common.check_chat_template`."""
-    from tempering.environments.registry import ENVIRONMENT_REGISTRY
+    from tempering.environments.registry import offered_tools
 
-    chat_tasks = sorted(t for t in tasks if t == "nemo_gym" or (
-        t in ENVIRONMENT_REGISTRY and ENVIRONMENT_REGISTRY[t].tools))  # fmt: skip
+    chat_tasks = sorted(t for t in tasks if t == "nemo_gym" or offered_tools(t))
     needs = [
         why for why, need in (
             ("policy.generation.http_server.enabled=true (clients send messages)",

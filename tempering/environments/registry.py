@@ -26,6 +26,7 @@ __all__ = [
     "create_environment",
     "create_environment_actor",
     "get_environment_class",
+    "offered_tools",
     "register_environment",
     "route_step",
 ]
@@ -64,6 +65,14 @@ def get_environment_class(name: str) -> type[EnvironmentInterface]:
             f"No environment registered for task '{name}'; known: {sorted(ENVIRONMENT_REGISTRY)}. "
             f"Add one with tempering.environments.registry.register_environment()."
         ) from None
+
+
+def offered_tools(name: str) -> list[dict[str, Any]] | None:
+    """The OpenAI tool specs a task's environment offers the model (its class attribute
+    ``tools``), or None when it offers none or no environment is registered as ``name``."""
+    cls = ENVIRONMENT_REGISTRY.get(name)
+    tools = getattr(cls, "tools", None) if cls is not None else None
+    return list(tools) if tools else None
 
 
 def create_environment(name: str, **kwargs: Any) -> EnvironmentInterface:

@@ -72,11 +72,12 @@ def problem_samples(
     A problem offered tools gets no ids: the chat service renders the tools into its prompt,
     as it does for an HTTP client (encoding the bare prompt here hid them from the model)."""
     from tempering.data.prompts import prompt_token_ids
-    from tempering.environments.registry import get_environment_class
+    from tempering.environments.registry import get_environment_class, offered_tools
 
     samples = []
     for p in problems:
-        tools = get_environment_class(p.task_name).tools
+        get_environment_class(p.task_name)  # an unknown task is named here
+        tools = offered_tools(p.task_name)
         system = [{"role": "system", "content": p.system}] if p.system else []
         ids = None
         if in_process and not tools:
@@ -86,7 +87,7 @@ def problem_samples(
             metadata={"ground_truth": p.answer, "prompt": p.prompt},
             task_name=p.task_name,
             prompt_ids=ids,
-            tools=list(tools) if tools else None,
+            tools=tools,
         ))  # fmt: skip
     return samples
 

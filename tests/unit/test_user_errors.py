@@ -113,6 +113,11 @@ CASES = {
         ["its tokenizer has no chat template (a base model?), and data.use_chat_template=true "
          "needs one", "data.use_chat_template=false for raw prompts"],
     ),
+    "a base model offered a tool": (
+        "run_grpo_math.py", ["policy.model_name={base_model}", "env.task_name=calculator"],
+        ["its tokenizer has no chat template (a base model?), and the tasks ['calculator'] "
+         "(messages, tools) needs one", "policy.tokenizer.chat_template"],
+    ),
     "a base model's DPO pairs through a chat template": (
         "run_dpo.py", ["policy.model_name={base_model}", "data.use_chat_template=true"],
         ["its tokenizer has no chat template (a base model?)"],
