@@ -13,9 +13,13 @@ attributed to the message that added it:
   them: tool calls and tool results in the template's format, or in Hermes blocks where the
   template does not know them, and a conversation's ``tools`` in the template's tool prompt
   (else our default one). Each piece is tokenized with ``add_special_tokens=False`` and the
-  concatenation is checked to equal the tokenization of the whole rendered text; a template
-  that re-renders earlier turns or tokens that merge across a boundary raise
-  :class:`ChatTemplateError`.
+  concatenation is checked to equal the tokenization of the whole rendered text; tokens that
+  merge across a boundary raise :class:`ChatTemplateError`. Cuts are made at the trained
+  turns only (from ``loss_from_message`` on): the context before them is one piece. A template
+  that renders earlier turns differently once later ones follow (Qwen3's drops the reasoning
+  of turns before the last user message) raises :class:`HistoryRewrittenError`;
+  :func:`tokenize_message_logs` then trains each assistant turn as its own example, after its
+  history as the template renders it when that turn is generated.
 - **Without a chat template** (plain concatenation fallback): each message's content is
   tokenized on its own (``add_special_tokens=False``) and concatenated; after each
   assistant message the tokenizer's EOS token (if it has one) is appended as a loss token.
@@ -46,6 +50,12 @@ Tools = Sequence[dict[str, Any]] | None  # OpenAI function specs (data/messages.
 
 class ChatTemplateError(ValueError, UserInputError):
     """A chat template cannot be split into per-message pieces."""
+
+
+class HistoryRewrittenError(ChatTemplateError):
+    """The template renders earlier messages differently once later ones follow (Qwen3's
+    drops the reasoning of turns before the last user message): the whole conversation has no
+    per-message cut, each of its assistant turns still has one (`tokenize_message_logs`)."""
 
 
 class TokenizedExample(TypedDict):
@@ -97,9 +107,9 @@ class TextMemo:
         return text
 
 
-def _strip_prefix(text: str, prefix: str, what: str) -> str:
+def _strip_prefix(text: str, prefix: str, what: str, error: type = ChatTemplateError) -> str:
     if not text.startswith(prefix):
-        raise ChatTemplateError(
+        raise error(
             f"the chat template does not render {what} as an extension of the messages before "
             f"it (rendered {prefix[-60:]!r}, then {text[max(0, len(prefix) - 60) : len(prefix)]!r}); "
             "per-message loss masks need a template that renders earlier turns unchanged "
@@ -109,24 +119,27 @@ def _strip_prefix(text: str, prefix: str, what: str) -> str:
 
 
 def _templated_pieces(
-    messages: MessageLog, memo: TextMemo, add_generation_prompt: bool, tools: Tools
+    messages: MessageLog, memo: TextMemo, add_generation_prompt: bool, loss_from: int, tools: Tools
 ) -> list[tuple[str, bool, int]]:
     """``(text, is_assistant_body, message_index)`` pieces whose concatenation is the render.
-    Split at assistant turns only: a template may render a run of other messages as one
-    block (Qwen's groups consecutive tool results under one user turn)."""
+    Split at the trained assistant turns only (index >= ``loss_from``): a template may render
+    a run of other messages as one block (Qwen's groups consecutive tool results under one
+    user turn), and the context before the first trained turn is one piece."""
     pieces: list[tuple[str, bool, int]] = []
     rendered = ""
     for i, message in enumerate(messages):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or i < loss_from:
             continue
         before = memo.render(messages[:i], True, tools)
         full = memo.render(messages[: i + 1], False, tools)
-        prompt = _strip_prefix(before, rendered, f"the messages before assistant message {i}")
+        prompt = _strip_prefix(before, rendered, f"the messages before assistant message {i}",
+                               HistoryRewrittenError)  # fmt: skip
         body = _strip_prefix(full, before, f"assistant message {i} after its header")
         pieces += [(prompt, False, i), (body, True, i)]
         rendered = full
     end = memo.render(messages, add_generation_prompt, tools)
-    tail = _strip_prefix(end, rendered, "the messages after the last assistant message")
+    tail = _strip_prefix(end, rendered, "the messages after the last assistant message",
+                         HistoryRewrittenError)  # fmt: skip
     pieces.append((tail, False, len(messages)))
     return pieces
 
@@ -136,7 +149,7 @@ def _tokenize_templated(
 ) -> tuple[list[int], list[int]]:
     ids: list[int] = []
     mask: list[int] = []
-    pieces = _templated_pieces(messages, memo, add_generation_prompt, tools)
+    pieces = _templated_pieces(messages, memo, add_generation_prompt, loss_from, tools)
     for text, is_body, index in pieces:
         piece_ids = memo.encode(text)
         ids += piece_ids
@@ -209,19 +222,42 @@ def tokenize_message_log(
     }
 
 
+def _tokenize_conversation(
+    conv: Conversation, tokenizer: Any, max_seq_len: int, memo: TextMemo | None = None
+) -> TokenizedExample:
+    return tokenize_message_log(conv.messages, tokenizer, max_seq_len, memo=memo,
+                                loss_from_message=conv.loss_from, tools=conv.tools or None)  # fmt: skip
+
+
 def tokenize_message_logs(
     message_logs: Sequence[MessageLog | Conversation], tokenizer: Any, max_seq_len: int
 ) -> tuple[list[TokenizedExample], int]:
     """Tokenize many logs (a `Conversation` with its tools); returns the examples and how many
-    were truncated (also logged)."""
-    examples = [
-        tokenize_message_log(
-            log.messages, tokenizer, max_seq_len, loss_from_message=log.loss_from, tools=log.tools
-        )
-        if isinstance(log, Conversation)
-        else tokenize_message_log(log, tokenizer, max_seq_len)
-        for log in message_logs
-    ]
+    were truncated (also logged). A conversation whose template rewrites earlier turns once
+    later ones follow (`HistoryRewrittenError`) becomes one example per trained assistant
+    turn, each after its history as the template renders it when the model writes that turn
+    (what inference shows it); counted and logged."""
+    examples: list[TokenizedExample] = []
+    split: list[int] = []  # examples made from each conversation split by turn
+    for log in message_logs:
+        conv = log if isinstance(log, Conversation) else Conversation(log, [])
+        try:
+            examples.append(_tokenize_conversation(conv, tokenizer, max_seq_len))
+        except HistoryRewrittenError:
+            turns = [Conversation(conv.messages[: i + 1], conv.tools, loss_from=i)
+                     for i, m in enumerate(conv.messages)
+                     if m["role"] == "assistant" and i >= conv.loss_from]  # fmt: skip
+            memo = TextMemo(tokenizer)
+            examples += [_tokenize_conversation(t, tokenizer, max_seq_len, memo) for t in turns]
+            split.append(len(turns))
+    if split:
+        logger.warning(
+            "%d of %d conversations became %d examples, one per assistant turn: the chat "
+            "template renders their earlier turns differently once later ones follow (e.g. it "
+            "drops earlier reasoning), so each turn is trained after its history as the "
+            "template renders it when that turn is generated",
+            len(split), len(message_logs), sum(split),
+        )  # fmt: skip
     num_truncated = sum(e["truncated"] for e in examples)
     if num_truncated:
         # a prompt that fills the budget leaves no response token: that example teaches nothing

@@ -237,3 +237,51 @@ def test_conversational_prompt_completion_rows_train_on_the_completion_only(tmp_
     assert spans[1] == ["1035<|im_end|>\n"]  # not the few-shot "2"
     assert spans[0][-1] == "The answer is 1035.<|im_end|>\n" and len(spans[0]) == 2
     assert parse_hermes_tool_calls(spans[0][0]).tool_calls[0]["function"]["name"] == "calculator"
+
+
+# Qwen3's rule (our own Jinja): an assistant turn's reasoning is rendered only after the last
+# user message, so a turn's thinking disappears from the text once the user speaks again.
+DROPS_OLD_REASONING = (
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for m in messages %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}"
+    "{% endif %}{% endfor %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}{{ '\\n' }}"
+    "{%- if m.role == 'assistant' and m.reasoning_content and loop.index0 > ns.last_user %}"
+    "<think>{{ '\\n' }}{{ m.reasoning_content }}{{ '\\n' }}</think>{{ '\\n\\n' }}{% endif %}"
+    "{{ m.content }}<|im_end|>{{ '\\n' }}{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant{{ '\\n' }}{% endif %}"
+)
+TWO_QUESTIONS = [
+    {"role": "user", "content": "What is 23*45?"},
+    {"role": "assistant", "reasoning_content": "20*45 is 900, 3*45 is 135.", "content": "1035"},
+    {"role": "user", "content": "And 2*3?"},
+    {"role": "assistant", "reasoning_content": "two threes.", "content": "6"},
+]
+
+
+def test_a_template_that_drops_earlier_reasoning_trains_each_turn_as_generated(caplog):
+    """Multi-turn reasoning rows under a Qwen3-style template used to fail ("does not render
+    the messages before assistant message 3 as an extension"): the first turn's thinking is
+    in the text only until the user speaks again. Now each assistant turn is its own example,
+    after the history exactly as the template renders it when that turn is generated, with
+    its own thinking in the loss; counted in a warning."""
+    from tempering.models.generation.chat import render_chat
+
+    tokenizer = make_tokenizer(DROPS_OLD_REASONING)
+    with pytest.raises(ChatTemplateError, match="assistant message 3"):
+        tokenize_message_log(TWO_QUESTIONS, tokenizer, 4096)  # one example: no cut exists
+    with caplog.at_level("WARNING", logger="tempering.data.processing"):
+        examples, _ = tokenize_message_logs([TWO_QUESTIONS, MESSAGES], tokenizer, 4096)
+    assert "1 of 2 conversations became 2 examples, one per assistant turn" in caplog.text
+    first, second, tools = examples
+    assert _spans(tokenizer, first) == ["<think>\n20*45 is 900, 3*45 is 135.\n</think>\n\n1035"
+                                        "<|im_end|>\n"]  # fmt: skip
+    assert _spans(tokenizer, second) == ["<think>\ntwo threes.\n</think>\n\n6<|im_end|>\n"]
+    context = [t for t, m in zip(second["input_ids"], second["token_mask"], strict=True) if not m]
+    served = render_chat(tokenizer, tokenizer.chat_template, TWO_QUESTIONS[:3], None, True)
+    assert context == tokenizer.encode(served, add_special_tokens=False)  # what inference shows
+    assert "20*45" not in tokenizer.decode(context) and len(_spans(tokenizer, tools)) == 2
+    # a row trained from its last turn on (a prompt/completion row) needs no split
+    (only,), _ = tokenize_message_logs([Conversation(TWO_QUESTIONS, [], loss_from=3)],
+                                       tokenizer, 4096)  # fmt: skip
+    assert only == second
