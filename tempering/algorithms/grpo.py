@@ -30,6 +30,7 @@ import torch
 
 from tempering.algorithms import common
 from tempering.algorithms.dynamic_sampling import DynamicSampler, mask_overlong_samples
+from tempering.algorithms.reward_shaping import shape_rewards, shaping_metrics
 from tempering.algorithms.signal_watch import SignalWatch, step_signal
 from tempering.config.schemas import GRPOMasterConfig
 from tempering.data.grpo_problems import Problem, load_problems, reasoning_gym_problems  # noqa: F401
@@ -631,6 +632,7 @@ def step_metrics(
     )
     if "prompt_too_long" in batch:  # masked out, no turn generated (logged by the rollouts)
         metrics["train/prompt_too_long"] = float(batch["prompt_too_long"].sum())
+    metrics.update(shaping_metrics(batch))
     metrics.update(timing)
     return metrics
 
@@ -688,20 +690,28 @@ def rollout_batch(
 ) -> Any:
     """Sample `group_size` episodes per problem and score them. Returns one flat per-sample
     BatchedDataDict: the train keys plus rewards, turns, truncated, generation_lengths,
-    finish_reasons and message logs (and ``deadline_cut`` with a ``deadline_s``)."""
+    finish_reasons and message logs (and ``deadline_cut`` with a ``deadline_s``; with
+    ``grpo.reward_scaling`` or ``grpo.reward_shaping``, the ``shaped_rewards`` the advantages
+    read, `reward_shaping.shape_rewards`)."""
     from tempering.algorithms.advantages import leave_one_out_advantages, mean_baseline_advantages
+    from tempering.config.schemas import overlong_limit
 
     cfg = run.cfg
     batch = rollouts(run, problems, greedy=False, repeat=group_size, deadline_s=deadline_s)
+    rewards = batch["rewards"]
+    if cfg.grpo.reward_scaling.enabled or cfg.grpo.reward_shaping.enabled:
+        batch.update(shape_rewards(
+            rewards, batch["generation_lengths"], batch["truncated"], cfg.grpo.reward_scaling,
+            cfg.grpo.reward_shaping, overlong_limit(cfg),
+        ))  # fmt: skip
+        rewards = batch["shaped_rewards"]
     baseline = (
         leave_one_out_advantages
         if cfg.grpo.use_leave_one_out_baseline
         else mean_baseline_advantages
     )
     valid = batch["sample_mask"] > 0  # e.g. NeMo Gym's mask_sample: out of every baseline
-    adv = baseline(
-        batch["rewards"], group_size, normalize_std=cfg.grpo.normalize_rewards, valid=valid
-    )
+    adv = baseline(rewards, group_size, normalize_std=cfg.grpo.normalize_rewards, valid=valid)
     # [B, S]: one advantage per episode, on its generated tokens
     batch["advantages"] = adv.advantages[:, None] * batch["token_mask"]
     return batch

@@ -48,6 +48,92 @@ class AsyncGRPOConfig(Section):
     )
 
 
+def _refuse_unread_when_off(section: Section, where: str) -> None:
+    """A key of a section that is off is never read: refused unless left at its default."""
+    set_keys = [k for k, f in type(section).model_fields.items()
+                if k != "enabled" and getattr(section, k) != f.default]  # fmt: skip
+    if set_keys:
+        raise ValueError(
+            f"{where}.{set_keys[0]}={getattr(section, set_keys[0])!r} is read only with "
+            f"{where}.enabled=true: set enabled=true, or remove the key"
+        )
+
+
+class RewardScalingConfig(Section):
+    """A linear map of each episode's reward before advantages (NeMo RL's keys): clamped to
+    [source_min, source_max] (clamped rewards counted: train/rewards_clamped), then mapped onto
+    [target_min, target_max]."""
+
+    enabled: bool = False
+    source_min: float = 0.0
+    source_max: float = 1.0
+    target_min: float = 0.0
+    target_max: float = 1.0
+
+    @model_validator(mode="after")
+    def _range(self) -> RewardScalingConfig:
+        if not self.enabled:
+            _refuse_unread_when_off(self, "grpo.reward_scaling")
+        elif self.source_max <= self.source_min:
+            raise ValueError(
+                f"grpo.reward_scaling.source_max={self.source_max} must be greater than "
+                f"source_min={self.source_min} (the rewards' range before the map)"
+            )
+        return self
+
+
+class RewardShapingConfig(Section):
+    """Length penalties added to the reward before advantages (NeMo RL's keys; DAPO's soft
+    overlong punishment): an episode whose generated tokens L pass
+    ``max_response_length - overlong_buffer_length`` loses ``overlong_buffer_penalty`` times
+    the share of the buffer it used, ``-(L - (max - buffer)) / buffer * penalty``; or, with
+    ``stop_properly_penalty_coef``, a truncated episode's reward is multiplied by it. The
+    environment's own rewards stay in train/reward_mean, accuracy and dynamic sampling."""
+
+    enabled: bool = False
+    overlong_buffer_length: int | None = Field(
+        None, ge=1, description="tokens before max_response_length where the penalty grows"
+    )
+    overlong_buffer_penalty: float = Field(1.0, ge=0, description="the penalty at the limit")
+    max_response_length: int | None = Field(
+        None,
+        ge=1,
+        description="generated tokens per episode the penalty ends at (null: "
+        "policy.generation.max_new_tokens, single-turn only)",
+    )
+    stop_properly_penalty_coef: float | None = Field(
+        None, ge=0, le=1, description="instead: a truncated episode's reward times this"
+    )
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> RewardShapingConfig:
+        if not self.enabled:
+            _refuse_unread_when_off(self, "grpo.reward_shaping")
+            return self
+        overlong = self.overlong_buffer_length is not None
+        if overlong == (self.stop_properly_penalty_coef is not None):
+            raise ValueError(
+                "grpo.reward_shaping.enabled=true needs exactly one of overlong_buffer_length "
+                "(DAPO's overlong penalty) and stop_properly_penalty_coef (scale truncated "
+                f"episodes' rewards); got overlong_buffer_length={self.overlong_buffer_length}, "
+                f"stop_properly_penalty_coef={self.stop_properly_penalty_coef}"
+            )
+        if not overlong and (self.max_response_length is not None
+                             or self.overlong_buffer_penalty != 1.0):  # fmt: skip
+            raise ValueError(
+                "grpo.reward_shaping.max_response_length and overlong_buffer_penalty are read "
+                "only with overlong_buffer_length; stop_properly_penalty_coef needs neither"
+            )
+        limit = self.max_response_length
+        if overlong and limit is not None and self.overlong_buffer_length > limit:
+            raise ValueError(
+                f"grpo.reward_shaping.overlong_buffer_length={self.overlong_buffer_length} is "
+                f"longer than max_response_length={limit}: the buffer is the last "
+                "overlong_buffer_length tokens before the limit"
+            )
+        return self
+
+
 class GRPOConfig(Section):
     num_prompts_per_step: int = Field(16, ge=1)
     num_generations_per_prompt: int = Field(8, ge=1)
@@ -74,6 +160,8 @@ class GRPOConfig(Section):
     max_wall_time_s: float | None = Field(None, description="stop after this many seconds")
     seed: int = 42
     async_grpo: AsyncGRPOConfig = AsyncGRPOConfig()
+    reward_scaling: RewardScalingConfig = RewardScalingConfig()
+    reward_shaping: RewardShapingConfig = RewardShapingConfig()
 
 
 TRUNCATED_IS_TYPES = ("tis", "icepop", "seq-mask-tis")

@@ -638,6 +638,7 @@ class GRPOMasterConfig(_Master):
                 "grpo.rollout_transport=http needs policy.generation.http_server.enabled=true"
             )
         _check_async(self)
+        _check_reward_shaping(self)
         if self.data.dataset_name == "nemo_gym" or self.env.task_name == "nemo_gym":
             gym = self.env.nemo_gym
             if bool(gym.head_server_url) == bool(gym.config_paths):
@@ -662,6 +663,37 @@ class GRPOMasterConfig(_Master):
                     "episodes); set data.reasoning_gym_tasks=[]"
                 )
         return self
+
+
+def overlong_limit(cfg: GRPOMasterConfig) -> int:
+    """The generated tokens per episode DAPO's overlong penalty ends at:
+    ``grpo.reward_shaping.max_response_length``, else one turn's ``max_new_tokens``."""
+    return cfg.grpo.reward_shaping.max_response_length or cfg.policy.generation.max_new_tokens
+
+
+def _check_reward_shaping(cfg: GRPOMasterConfig) -> None:
+    """The overlong penalty's limit, where null or where no episode can reach its buffer."""
+    rs = cfg.grpo.reward_shaping
+    if not (rs.enabled and rs.overlong_buffer_length):
+        return
+    if rs.max_response_length is None and cfg.grpo.max_rollout_turns > 1:
+        raise ValueError(
+            f"grpo.reward_shaping.max_response_length=null stands for one turn's "
+            f"policy.generation.max_new_tokens, and grpo.max_rollout_turns="
+            f"{cfg.grpo.max_rollout_turns} episodes generate over several turns: set "
+            "max_response_length to the episode's generated-token budget"
+        )
+    reachable = min(cfg.policy.max_total_sequence_length,
+                    cfg.policy.generation.max_new_tokens * cfg.grpo.max_rollout_turns)  # fmt: skip
+    start = overlong_limit(cfg) - rs.overlong_buffer_length
+    if start >= reachable:
+        raise ValueError(
+            f"grpo.reward_shaping penalizes episodes longer than max_response_length - "
+            f"overlong_buffer_length = {start} generated tokens, and no episode can generate "
+            f"more than {reachable} (policy.generation.max_new_tokens x grpo.max_rollout_turns, "
+            "at most policy.max_total_sequence_length): the penalty would never apply; lower "
+            "max_response_length or raise overlong_buffer_length"
+        )
 
 
 def _check_async(cfg: GRPOMasterConfig) -> None:

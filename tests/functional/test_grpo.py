@@ -263,3 +263,45 @@ def test_resource_metrics_cover_every_role(grpo_run):
     # the policy trained (and, colocated, generated) in the interval: its workers were busy
     assert m["resources/policy/cpu_cores"] > 0.05
     assert m["resources/policy/threads"] >= 1  # torch's threads in the policy's workers
+
+
+def test_the_advantages_read_the_scaled_and_shaped_rewards(grpo_run):
+    """``grpo.reward_scaling`` ([0, 1] -> [-1, 1]) and ``grpo.reward_shaping`` (DAPO's overlong
+    penalty from the first generated token on) on a real batch: the shaped rewards equal the
+    environment's, mapped and penalized by each episode's own length, the advantages are
+    those of the shaped rewards, and the environment's rewards stay under ``rewards``."""
+    from tempering.algorithms.advantages import leave_one_out_advantages
+    from tempering.algorithms.grpo import rollout_batch
+    from tempering.algorithms.reward_shaping import shaping_metrics
+    from tempering.config.rl_sections import RewardScalingConfig, RewardShapingConfig
+
+    _, run, _ = grpo_run
+    g, limit = run.cfg.grpo, run.cfg.policy.generation.max_new_tokens
+    saved = g.reward_scaling, g.reward_shaping, g.normalize_rewards
+    g.reward_scaling = RewardScalingConfig(enabled=True, target_min=-1.0, target_max=1.0)
+    g.reward_shaping = RewardShapingConfig(enabled=True, overlong_buffer_length=limit - 1,
+                                           overlong_buffer_penalty=0.5)  # fmt: skip
+    g.normalize_rewards = False  # the group std would undo the scaling's factor 2
+    try:
+        batch = rollout_batch(run, run.val_problems[:8], group_size=GROUP)
+    finally:
+        g.reward_scaling, g.reward_shaping, g.normalize_rewards = saved
+    env = batch["rewards"].float()
+    assert set(env.tolist()) <= {0.0, 1.0}
+    lengths = batch["token_mask"].sum(1).float()
+    penalty = (-(lengths - 1) / (limit - 1) * 0.5).clamp(max=0.0)
+    expected = 2 * env - 1 + penalty
+    torch.testing.assert_close(batch["shaped_rewards"], expected)
+
+    def advantages(rewards):
+        adv = leave_one_out_advantages(rewards, GROUP, normalize_std=False,
+                                       valid=batch["sample_mask"] > 0)  # fmt: skip
+        return adv.advantages[:, None] * batch["token_mask"]
+
+    torch.testing.assert_close(batch["advantages"], advantages(expected))
+    # some group has mixed rewards (all 8 uniform: odds ~1e-6 at ~40% accuracy), where the
+    # scaling doubles the advantages the environment's rewards would give
+    assert not torch.allclose(batch["advantages"], advantages(env))
+    metrics = shaping_metrics(batch)
+    assert metrics["train/reward_penalized_fraction"] == float((penalty < 0).float().mean()) > 0
+    assert metrics["train/rewards_clamped"] == 0
