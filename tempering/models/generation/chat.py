@@ -283,7 +283,6 @@ class ChatPromptBuilder:
         # wrapper costs ~3x the work it forwards.
         self._fast = getattr(tokenizer, "backend_tokenizer", None)
         self._encode = text_encoder(tokenizer)
-        self.template_renders_tools = "tools" in (self.chat_template or "")
         self.eot_token = eot_token or self._find_eot_token()
         eot_id = tokenizer.convert_tokens_to_ids(self.eot_token)
         if eot_id is None or eot_id == tokenizer.unk_token_id:
