@@ -91,6 +91,7 @@ def load_sft_data(
             on_bad_row=data_cfg.on_bad_row,
             num_val=data_cfg.num_val_samples,
             seed=data_cfg.seed,
+            text_key=data_cfg.text_key,
         )
     if name not in ("arithmetic", "arithmetic_calculator"):  # made to num_train_samples
         train_logs = first_n(

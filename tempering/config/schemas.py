@@ -334,7 +334,7 @@ GENERATED_TRAIN_SAMPLES = 20000
 class DataConfig(Section):
     dataset_name: str = Field(
         "arithmetic",
-        description="arithmetic | gsm8k | problems | nemo_gym (GRPO) | squad | messages | prompt_response | hf | preference | helpsteer3",
+        description="arithmetic | gsm8k | problems | nemo_gym (GRPO) | squad | messages | prompt_response | text | hf | preference | helpsteer3",
     )
     train_data_path: str | None = None
     val_data_path: str | None = None
@@ -344,6 +344,10 @@ class DataConfig(Section):
     response_key: str = Field(
         "response", description="the response column (SFT prompt_response/hf)"
     )
+    text_key: str = Field(
+        "text", description="the plain-text column (SFT text/hf: language modelling, every "
+        "token trained on)"
+    )  # fmt: skip
     max_input_seq_length: int | None = Field(None, description="not read; only null")
     num_train_samples: int | None = Field(
         None,
@@ -485,9 +489,14 @@ _UNREAD_KEYS: dict[str, dict[str, str]] = {
         **{f"data.{k}": _GRPO_ONLY for k in _GRPO_DATA_KEYS},
         "data.response_key": "a preference row has two responses, read from its 'chosen' and "
         "'rejected' columns",
+        "data.text_key": "a preference row is a prompt and two responses, not plain text",
         "logger.num_val_samples_to_print": _NO_SAMPLES + " (greedy accuracy is a metric)",
     },
-    "GRPO": {"data.prompt_key": _PROBLEMS_COLUMNS, "data.response_key": _PROBLEMS_COLUMNS},
+    "GRPO": {
+        "data.prompt_key": _PROBLEMS_COLUMNS,
+        "data.response_key": _PROBLEMS_COLUMNS,
+        "data.text_key": _PROBLEMS_COLUMNS,
+    },  # fmt: skip
 }
 _UNREAD_KEYS["RM"] = {
     **_UNREAD_KEYS["DPO"],
@@ -498,6 +507,7 @@ _UNREAD_KEYS["RM"] = {
 _COLUMN_KEYS: dict[str, tuple[str, ...]] = {
     "prompt_key": ("prompt_response", "hf", "preference"),
     "response_key": ("prompt_response", "hf"),
+    "text_key": ("text", "hf"),
     "problem_key": ("problems",),
     "answer_key": ("problems",),
     "train_split": ("problems",),
@@ -531,7 +541,8 @@ def _refuse_unread_keys(cfg: _Master, algorithm: str) -> None:
 # data.dataset_name values each algorithm reads (a test keeps them equal to the loaders').
 GRPO_DATASETS = ("arithmetic", "gsm8k", "problems", "nemo_gym")
 SFT_DATASETS = (
-    "arithmetic", "arithmetic_calculator", "gsm8k", "squad", "messages", "prompt_response", "hf",
+    "arithmetic", "arithmetic_calculator", "gsm8k", "squad", "messages", "prompt_response", "text",
+    "hf",
 )  # fmt: skip
 PREFERENCE_DATASETS = (
     "arithmetic", "arithmetic_parity", "gsm8k", "preference", "helpsteer3", "messages_preference",

@@ -46,6 +46,15 @@ class Conversation:
     loss_from: int = 0
 
 
+@dataclass(frozen=True)
+class Text:
+    """A language-modelling example (TRL's ``text`` rows, continued pretraining): no roles,
+    no template; every token after the first is trained on, and the tokenizer's end-of-text
+    token closes it (`data/processing.py`)."""
+
+    text: str
+
+
 def _json_object(value: Any, where: str) -> dict[str, Any]:
     if isinstance(value, str):
         try:

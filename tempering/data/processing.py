@@ -38,7 +38,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any, TypedDict
 
-from tempering.data.messages import Conversation
+from tempering.data.messages import Conversation, Text
 from tempering.data.records import MessageLog
 from tempering.errors import UserInputError
 from tempering.models.generation.chat import render_chat
@@ -229,17 +229,33 @@ def _tokenize_conversation(
                                 loss_from_message=conv.loss_from, tools=conv.tools or None)  # fmt: skip
 
 
+def tokenize_text(text: str, tokenizer: Any, max_seq_len: int) -> TokenizedExample:
+    """A `Text` example: the tokenizer's own special tokens (a BOS where it adds one), then the
+    end-of-text token unless the text ends in it; the loss on every token but the first
+    (which nothing predicts)."""
+    ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is not None and (not ids or ids[-1] != eos):
+        ids.append(eos)
+    mask = [0] + [1] * (len(ids) - 1)
+    return {"input_ids": ids[:max_seq_len], "token_mask": mask[:max_seq_len],
+            "truncated": len(ids) > max_seq_len}  # fmt: skip
+
+
 def tokenize_message_logs(
-    message_logs: Sequence[MessageLog | Conversation], tokenizer: Any, max_seq_len: int
+    message_logs: Sequence[MessageLog | Conversation | Text], tokenizer: Any, max_seq_len: int
 ) -> tuple[list[TokenizedExample], int]:
-    """Tokenize many logs (a `Conversation` with its tools); returns the examples and how many
-    were truncated (also logged). A conversation whose template rewrites earlier turns once
+    """Tokenize many logs (a `Conversation` with its tools, a `Text` whole); returns the
+    examples and how many were truncated (also logged). A conversation whose template rewrites earlier turns once
     later ones follow (`HistoryRewrittenError`) becomes one example per trained assistant
     turn, each after its history as the template renders it when the model writes that turn
     (what inference shows it); counted and logged."""
     examples: list[TokenizedExample] = []
     split: list[int] = []  # examples made from each conversation split by turn
     for log in message_logs:
+        if isinstance(log, Text):
+            examples.append(tokenize_text(log.text, tokenizer, max_seq_len))
+            continue
         conv = log if isinstance(log, Conversation) else Conversation(log, [])
         try:
             examples.append(_tokenize_conversation(conv, tokenizer, max_seq_len))

@@ -20,10 +20,13 @@ Formats (each loader returns a :class:`~tempering.data.records.LoadedData` of me
   list of messages instead (TRL's conversational prompt-completion rows: ``response_key=
   completion``); the loss is then on the response's assistant turns only, not on assistant
   turns inside the prompt (few-shot examples). A row's ``tools`` are read as above.
+- **Plain text** (:func:`load_text_rows`): ``{"<text_key>": str}`` per line, TRL's
+  language-modelling rows: a :class:`~tempering.data.messages.Text`, every token trained on.
 - **Hugging Face datasets** (:func:`load_hf_sft`): a folder written by
   ``Dataset.save_to_disk`` (read with ``datasets.load_from_disk``) or local data files (the
-  reader above, concatenated); rows are mapped by the same keys (``messages_key`` or
-  ``prompt_key``/``response_key``). Errors name ``row <index>`` (a line in JSONL).
+  reader above, concatenated); each row is read by its columns as TRL reads them
+  (``messages``, else ``prompt_key``/``response_key``, else ``text_key``). Errors name
+  ``row <index>`` (a line in JSONL).
 
 The "JSONL" loaders read any data file `records.iter_rows` reads: JSON Lines, a JSON array,
 Parquet or CSV. Bad rows raise :class:`~tempering.data.records.DataFormatError` naming file,
@@ -39,10 +42,11 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from tempering.data.messages import (
     Conversation,
+    Text,
     as_prompt,
     as_response,
     check_message_log,
@@ -97,6 +101,45 @@ def _prompt_response_converter(prompt_key: str, response_key: str):
         return log
 
     return convert
+
+
+def _text_converter(text_key: str):
+    def convert(row: dict[str, Any]) -> Text:
+        text = require(row, text_key, [text_key], str)
+        if not text.strip():
+            raise RowError(f"field {text_key!r} is empty: nothing to train on")
+        return Text(text)
+
+    return convert
+
+
+def _any_converter(prompt_key: str, response_key: str, text_key: str):
+    """A Hugging Face dataset's rows by their columns, as TRL reads them: ``messages`` (a
+    conversation; UltraChat's rows also carry its first turn as ``prompt``), else
+    ``prompt_key``/``response_key`` (prompt-completion), else ``text_key`` (language
+    modelling)."""
+    pairs = _prompt_response_converter(prompt_key, response_key)
+    messages, text = _messages_converter("messages"), _text_converter(text_key)
+
+    def convert(row: dict[str, Any]) -> MessageLog | Conversation | Text:
+        if "messages" in row and response_key not in row:
+            return messages(row)
+        if prompt_key in row or response_key in row:
+            return pairs(row)
+        if text_key in row:
+            return text(row)
+        raise RowError(
+            f"no columns to train on: expected 'messages' (a conversation), {prompt_key!r} and "
+            f"{response_key!r} (data.prompt_key, data.response_key) or {text_key!r} "
+            f"(data.text_key, plain text); the row has {sorted(row)}"
+        )
+
+    return convert
+
+
+def load_text_rows(path: str | Path, text_key: str = "text", on_bad_row: OnBadRow = "error"):
+    """Plain-text rows (``{"text": ...}``, TRL's language-modelling format): each a `Text`."""
+    return load_rows(path, on_bad_row, _text_converter(text_key))
 
 
 def load_messages_jsonl(
@@ -169,17 +212,19 @@ def load_hf_sft(
     messages_key: str | None = None,
     split: str = "train",
     on_bad_row: OnBadRow = "error",
+    text_key: str = "text",
 ) -> LoadedData:
     """A Hugging Face dataset folder written by ``save_to_disk``, or data files (any that
     `records.iter_rows` reads: JSONL, JSON, Parquet, CSV), concatenated in order.
 
-    Rows map by ``messages_key`` when given, else by ``prompt_key``/``response_key``.
-    ``split`` picks the split of a saved ``DatasetDict`` (ignored for a single ``Dataset``).
+    Rows map by ``messages_key`` when given, else by their columns (`_any_converter`:
+    ``prompt_key``/``response_key``, ``messages`` or ``text_key``). ``split`` picks the split
+    of a saved ``DatasetDict`` (ignored for a single ``Dataset``).
     """
     convert = (
         _messages_converter(messages_key)
         if messages_key
-        else _prompt_response_converter(prompt_key, response_key)
+        else _any_converter(prompt_key, response_key, text_key)
     )
     if isinstance(path_or_files, list) or not Path(path_or_files).is_dir():
         files = path_or_files if isinstance(path_or_files, list) else [path_or_files]
@@ -208,27 +253,41 @@ def load_hf_sft(
     return issues.finish(Path(source).stem, logs)
 
 
-def _load_squad(path: str, prompt_key: str, response_key: str, on_bad_row: OnBadRow):
+def _load_squad(path: str, keys: RowKeys, on_bad_row: OnBadRow):
     return load_squad_json(path, on_bad_row)
 
 
-def _load_messages(path: str, prompt_key: str, response_key: str, on_bad_row: OnBadRow):
+def _load_messages(path: str, keys: RowKeys, on_bad_row: OnBadRow):
     return load_messages_jsonl(path, on_bad_row=on_bad_row)
 
 
-def _load_prompt_response(path: str, prompt_key: str, response_key: str, on_bad_row: OnBadRow):
-    return load_prompt_response_jsonl(path, prompt_key, response_key, on_bad_row)
+def _load_prompt_response(path: str, keys: RowKeys, on_bad_row: OnBadRow):
+    return load_prompt_response_jsonl(path, keys.prompt, keys.response, on_bad_row)
 
 
-def _load_hf(path: str, prompt_key: str, response_key: str, on_bad_row: OnBadRow):
-    return load_hf_sft(path, prompt_key, response_key, on_bad_row=on_bad_row)
+def _load_text(path: str, keys: RowKeys, on_bad_row: OnBadRow):
+    return load_text_rows(path, keys.text, on_bad_row)
 
 
-# data.dataset_name -> loader(path, prompt_key, response_key, on_bad_row) for local files.
+def _load_hf(path: str, keys: RowKeys, on_bad_row: OnBadRow):
+    return load_hf_sft(path, keys.prompt, keys.response, on_bad_row=on_bad_row, text_key=keys.text)
+
+
+class RowKeys(NamedTuple):
+    """The columns a data file's rows are read by (``data.prompt_key``, ``data.response_key``,
+    ``data.text_key``)."""
+
+    prompt: str = "prompt"
+    response: str = "response"
+    text: str = "text"
+
+
+# data.dataset_name -> loader(path, keys, on_bad_row) for local files.
 SFT_LOADERS = {
     "squad": _load_squad,
     "messages": _load_messages,
     "prompt_response": _load_prompt_response,
+    "text": _load_text,
     "hf": _load_hf,
 }
 
@@ -242,7 +301,8 @@ def load_sft_splits(
     on_bad_row: OnBadRow = "error",
     num_val: int = 256,
     seed: int = 0,
-) -> tuple[list[MessageLog], list[MessageLog]]:
+    text_key: str = "text",
+) -> tuple[list[Any], list[Any]]:
     """``(train, val)`` message logs of a file-based dataset named by ``data.dataset_name``.
 
     With ``val_data_path`` the validation logs come from that file; otherwise ``num_val``
@@ -256,8 +316,8 @@ def load_sft_splits(
         )
     if not train_data_path:
         raise ValueError(f"data.dataset_name={name!r} needs data.train_data_path=<file or folder>")
-    load = SFT_LOADERS[name]
-    train = load(train_data_path, prompt_key, response_key, on_bad_row).examples
+    load, keys = SFT_LOADERS[name], RowKeys(prompt_key, response_key, text_key)
+    train = load(train_data_path, keys, on_bad_row).examples
     if val_data_path:
-        return train, load(val_data_path, prompt_key, response_key, on_bad_row).examples
+        return train, load(val_data_path, keys, on_bad_row).examples
     return hold_out(train, num_val, seed, f"data.train_data_path={train_data_path!r}")

@@ -271,3 +271,45 @@ def test_load_sft_splits_by_dataset_name(tmp_path, caplog):
         load_sft_splits("csv", str(train_file))
     with pytest.raises(ValueError, match="needs data.train_data_path"):
         load_sft_splits("squad", None)
+
+
+def test_plain_text_rows_train_every_token_and_hf_datasets_pick_their_format(tmp_path):
+    """TRL's language-modelling rows (``{"text": ...}``, continued pretraining) were refused
+    ("missing field 'prompt'"); now ``data.dataset_name=text`` reads them, and ``hf`` reads a
+    dataset's rows by their columns as TRL does: ``messages``, prompt/response, or text."""
+    import datasets
+
+    from tempering.data.messages import Text
+    from tempering.data.processing import tokenize_message_logs
+    from tempering.data.sft_datasets import load_sft_splits, load_text_rows
+    from tempering.models.hf import load_tokenizer
+    from tempering.models.registry import resolve_model_path
+
+    lines = [{"text": f"Q: {i}+1=? A: {i + 1}"} for i in range(10)]
+    path = write_jsonl(tmp_path / "corpus.jsonl", [*lines, {"text": "  "}, {"body": "x"}])
+    with pytest.raises(DataFormatError, match=r"corpus.jsonl:11: field 'text' is empty"):
+        load_text_rows(path)
+    data = load_text_rows(path, on_bad_row="skip")
+    assert data.examples[:2] == [Text("Q: 0+1=? A: 1"), Text("Q: 1+1=? A: 2")]
+    assert data.num_skipped == 2 and "corpus.jsonl:12: missing field 'text'" in (
+        data.skipped_reasons[1])  # fmt: skip
+    train, val = load_sft_splits("text", str(path), num_val=2, on_bad_row="skip")
+    assert (len(train), len(val)) == (8, 2)
+
+    tokenizer = load_tokenizer(resolve_model_path("tiny-arith"))
+    (example,), _ = tokenize_message_logs([Text("Q: 2+3=? A: 5")], tokenizer, 64)
+    ids = tokenizer("Q: 2+3=? A: 5", add_special_tokens=True)["input_ids"]
+    assert example["input_ids"] == [*ids, tokenizer.eos_token_id]  # ends its text
+    assert example["token_mask"] == [0] + [1] * len(ids)  # every token after the first
+    (cut,), n = tokenize_message_logs([Text("Q: 2+3=? A: 5")], tokenizer, 4)
+    assert n == 1 and cut["truncated"] and len(cut["input_ids"]) == 4
+
+    convo = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    rows = {"messages": [convo, None, None], "prompt": ["hi", "q", None],
+            "response": [None, "a", None], "text": [None, None, "plain words"]}  # fmt: skip
+    datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "mixed"))
+    examples = load_hf_sft(tmp_path / "mixed").examples
+    assert examples == [convo, [{"role": "user", "content": "q"},
+                                {"role": "assistant", "content": "a"}], Text("plain words")]  # fmt: skip
+    with pytest.raises(DataFormatError, match=r"no columns to train on: expected 'messages'"):
+        load_hf_sft([str(write_jsonl(tmp_path / "odd.jsonl", [{"body": "x"}]))])
