@@ -291,7 +291,9 @@ def build_environments(cfg: GRPOMasterConfig, task_names: set[str]) -> dict[str,
         )
         envs = dict.fromkeys(envs, actor)
     if cfg.env.reward_fn:  # a custom reward replaces the data's own scoring
-        actor = create_environment_actor("reward_fn", reward_fn=cfg.env.reward_fn)
+        actor = create_environment_actor(
+            "reward_fn", reward_fn=cfg.env.reward_fn, weights=cfg.env.reward_weights
+        )
         envs = dict.fromkeys(envs, actor)
     return envs
 

@@ -354,10 +354,29 @@ class EnvConfig(Section):
     arithmetic_retry: ArithmeticRetryEnvConfig = ArithmeticRetryEnvConfig()
     calculator: CalculatorEnvConfig = CalculatorEnvConfig()
     nemo_gym: NemoGymConfig = NemoGymConfig()
-    reward_fn: str | None = Field(None, description="dotted path 'pkg.mod:fn' to a custom reward")
+    reward_fn: str | list[str] | None = Field(
+        None,
+        description="dotted path 'pkg.mod:fn' to a custom reward, or a list of them whose "
+        "rewards are summed (weighted by reward_weights)",
+    )
+    reward_weights: list[float] | None = Field(
+        None, description="one weight per env.reward_fn entry (null: 1.0 each)"
+    )
     reward_model_path: str | None = Field(
         None, description="a trained RM folder (task reward_model)"
     )
+
+    @model_validator(mode="after")
+    def _weights(self) -> EnvConfig:
+        fns = [self.reward_fn] if isinstance(self.reward_fn, str) else self.reward_fn or []
+        if isinstance(self.reward_fn, list) and not fns:
+            raise ValueError("env.reward_fn=[] names no function: give one or more, or null")
+        if self.reward_weights is not None and len(self.reward_weights) != len(fns):
+            raise ValueError(
+                f"env.reward_weights={self.reward_weights} has {len(self.reward_weights)} "
+                f"weights for {len(fns)} env.reward_fn entries: give one weight per function"
+            )
+        return self
 
 
 class FaultToleranceConfig(Section):

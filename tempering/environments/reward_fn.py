@@ -22,7 +22,7 @@ import importlib.util
 import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,10 +63,15 @@ class RewardFnNotFoundError(ImportError, UserInputError):
     """``env.reward_fn`` names a module or file that is not there."""
 
 
-def check_reward_fn(path: str | None) -> None:
-    """Before any worker starts: the module or file ``env.reward_fn`` names can be found
-    (found, not imported: the function is loaded where it runs, in its environment actor)."""
+def check_reward_fn(path: str | Sequence[str] | None) -> None:
+    """Before any worker starts: the module or file ``env.reward_fn`` names (each of a list)
+    can be found (found, not imported: the function is loaded where it runs, in its
+    environment actor)."""
     if not path:
+        return
+    if not isinstance(path, str):
+        for one in path:
+            check_reward_fn(one)
         return
     module_path, _ = _split(path)
     if module_path.endswith(".py"):
@@ -122,13 +127,46 @@ def load_reward_fn(path: str) -> RewardFn:
 
 
 class RewardFunctionEnvironment(EnvironmentInterface):
-    """Single-turn environment whose reward is ``fn(prompt, completion, metadata)``."""
+    """Single-turn environment whose reward is ``fn(prompt, completion, metadata)``, or the
+    weighted sum of several such functions (TRL's ``reward_funcs`` and ``reward_weights``):
+    ``reward_fn`` a path or a list of paths, ``weights`` one float per path (default 1.0)."""
 
-    def __init__(self, reward_fn: str, max_error_rate: float = 0.05) -> None:
-        self.reward_fn_path = reward_fn
+    def __init__(
+        self,
+        reward_fn: str | Sequence[str],
+        max_error_rate: float = 0.05,
+        weights: Sequence[float] | None = None,
+    ) -> None:
+        paths = [reward_fn] if isinstance(reward_fn, str) else list(reward_fn)
+        weights = list(weights) if weights is not None else [1.0] * len(paths)
+        if not paths or len(weights) != len(paths):
+            raise ValueError(
+                f"reward_fn={paths} and weights={weights}: one weight per reward function"
+            )
+        self.reward_fn_path = ", ".join(paths)
         self.max_error_rate = max_error_rate
-        self._fn = load_reward_fn(reward_fn)
+        self._fns = [
+            (path, load_reward_fn(path), w) for path, w in zip(paths, weights, strict=True)
+        ]
+        self._names = _metric_names(paths)
         self._counts = {"samples": 0, "errors": 0}
+        self._sums = dict.fromkeys(self._names, 0.0)  # each function's unweighted rewards
+
+    def _score(self, prompt: str, completion: str, meta: dict[str, Any]) -> tuple[float, str]:
+        """The weighted sum, and the first failure's text ("" when none failed); a function
+        that raises or returns a non-finite number adds 0."""
+        total, failure = 0.0, ""
+        for (path, fn, weight), name in zip(self._fns, self._names, strict=True):
+            try:
+                value = float(fn(prompt, completion, meta))
+                if not math.isfinite(value):
+                    raise ValueError(f"returned {value}, not a finite number")
+            except Exception as exc:  # the function's bug or an answer it cannot take
+                failure = failure or f"{path}: {type(exc).__name__}: {exc}"
+                continue
+            self._sums[name] += value
+            total += weight * value
+        return total, failure
 
     def step(
         self, message_logs: list[MessageLog], metadata: list[dict[str, Any]]
@@ -137,13 +175,9 @@ class RewardFunctionEnvironment(EnvironmentInterface):
         errors: list[tuple[int, str, str]] = []
         for i, log, meta in samples("RewardFunctionEnvironment", message_logs, metadata):
             completion = last_assistant_content(log)
-            try:
-                value = float(self._fn(prompt_text(log), completion, meta or {}))
-                if not math.isfinite(value):
-                    raise ValueError(f"returned {value}, not a finite number")
-            except Exception as exc:  # the function's bug or an answer it cannot take
-                errors.append((i, completion, f"{type(exc).__name__}: {exc}"))
-                value = 0.0
+            value, failure = self._score(prompt_text(log), completion, meta or {})
+            if failure:
+                errors.append((i, completion, failure))
             rewards.append(value)
         self._counts["samples"] += len(rewards)
         self._counts["errors"] += len(errors)
@@ -163,7 +197,21 @@ class RewardFunctionEnvironment(EnvironmentInterface):
     def global_post_process_and_metrics(
         self, batch: dict[str, Any]
     ) -> tuple[dict[str, Any], dict[str, float]]:
-        """Report (and reset) ``env/reward_fn_samples`` and ``env/reward_fn_errors``."""
+        """Report (and reset) ``env/reward_fn_samples``, ``env/reward_fn_errors`` and, with
+        several functions, each one's unweighted mean (``env/reward_fn/<name>_mean``)."""
         metrics = {f"env/reward_fn_{k}": float(v) for k, v in self._counts.items()}
+        if len(self._fns) > 1 and self._counts["samples"]:
+            n = self._counts["samples"]
+            metrics.update({f"env/reward_fn/{k}_mean": v / n for k, v in self._sums.items()})
         self._counts = dict.fromkeys(self._counts, 0)
+        self._sums = dict.fromkeys(self._sums, 0.0)
         return batch, metrics
+
+
+def _metric_names(paths: list[str]) -> list[str]:
+    """Each function's name in metrics: its attribute (``format_reward``), or the whole path
+    where two share one."""
+    attrs = [_split(p)[1] for p in paths]
+    return [
+        a if attrs.count(a) == 1 else p.replace("/", ".") for a, p in zip(attrs, paths, strict=True)
+    ]

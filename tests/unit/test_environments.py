@@ -319,6 +319,43 @@ def test_reward_fn_failing_on_one_answer_scores_it_zero_and_counts_it(tmp_path, 
         env.step([log("a"), log("b")], [{}, {}])
 
 
+def test_several_reward_functions_sum_with_their_weights_and_report_each(tmp_path, monkeypatch):
+    """TRL's ``reward_funcs`` + ``reward_weights``: ``env.reward_fn`` as a list (a format
+    reward beside an answer reward) was a validation error, and combining them meant writing
+    a wrapper. Each function's own mean is reported; one that fails on a sample adds 0 there
+    and the sample is counted once."""
+    from tempering.config import GRPOMasterConfig, load_config
+    from tempering.config.loader import ConfigError
+
+    module = tmp_path / "two_rewards_mod.py"
+    module.write_text(
+        "def right(prompt, completion, metadata):\n"
+        "    return float(completion.strip() == metadata['ground_truth'])\n"
+        "def short(prompt, completion, metadata):\n"
+        "    if completion == 'boom':\n"
+        "        raise ValueError('no')\n"
+        "    return float(len(completion) <= 2)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = RewardFunctionEnvironment(
+        ["two_rewards_mod:right", "two_rewards_mod:short"], weights=[1.0, 0.25], max_error_rate=0.5
+    )
+    answers = ["42", "43", "  42  ", "boom"]
+    ret = env.step([log(a) for a in answers], [{"ground_truth": "42"}] * 4)
+    assert ret.rewards.tolist() == pytest.approx([1.25, 0.25, 1.0, 0.0])
+    _, metrics = env.global_post_process_and_metrics({})
+    assert metrics == {"env/reward_fn_samples": 4.0, "env/reward_fn_errors": 1.0,
+                       "env/reward_fn/right_mean": 0.5, "env/reward_fn/short_mean": 0.5}  # fmt: skip
+    with pytest.raises(ConfigError, match=r"env.reward_weights=\[1.0\] has 1 weights for 2"):
+        load_config(REPO / "examples/configs/grpo_math_tiny.yaml",
+                    ["env.reward_fn=[a:b, c:d]", "env.reward_weights=[1.0]"],
+                    schema=GRPOMasterConfig)  # fmt: skip
+    cfg, _ = load_config(REPO / "examples/configs/grpo_math_tiny.yaml",
+                         ["env.reward_fn=[a:b, c:d]", "env.reward_weights=[1.0, 0.1]"],
+                         schema=GRPOMasterConfig)  # fmt: skip
+    assert cfg.env.reward_fn == ["a:b", "c:d"]
+
+
 class _Constant(EnvironmentInterface):
     """Test environment: reward = a constant, answer = the task's name (to trace routing)."""
 
