@@ -292,8 +292,9 @@ def build_environments(cfg: GRPOMasterConfig, task_names: set[str]) -> dict[str,
         envs = dict.fromkeys(envs, actor)
     if cfg.env.reward_fn:  # a custom reward replaces the data's own scoring
         actor = create_environment_actor(
-            "reward_fn", reward_fn=cfg.env.reward_fn, weights=cfg.env.reward_weights
-        )
+            "reward_fn", reward_fn=cfg.env.reward_fn, weights=cfg.env.reward_weights,
+            conversational=cfg.data.use_chat_template,
+        )  # fmt: skip
         envs = dict.fromkeys(envs, actor)
     return envs
 

@@ -6,7 +6,9 @@
     fn(prompt: str, completion: str, metadata: dict) -> float
 
 where ``prompt`` is the text of the messages before the last assistant message (joined by
-newlines) and ``completion`` is the last assistant message. Paths may be written
+newlines) and ``completion`` is the last assistant message. A TRL reward function
+(``fn(prompts, completions, **columns) -> list[float | None]``) runs unchanged, once per step
+(`RewardFunctionEnvironment`); several functions are summed with weights. Paths may be written
 ``"pkg.mod:fn"``, ``"pkg.mod.fn"`` or ``"path/to/file.py:fn"`` (a file loaded directly,
 relative to the current directory). A function that raises, or returns something that is
 not a finite number, scores that sample 0 and is counted (``env/reward_fn_errors``): one odd
@@ -19,12 +21,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import math
 import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -126,16 +129,40 @@ def load_reward_fn(path: str) -> RewardFn:
     return fn
 
 
+class _Reward(NamedTuple):
+    path: str
+    fn: Callable[..., Any]
+    weight: float
+    name: str  # in metrics
+    batched: bool  # TRL's convention: fn(prompts, completions, **columns) -> list
+
+
+def _is_trl_style(fn: Callable[..., Any]) -> bool:
+    """TRL's reward functions take ``prompts`` and ``completions`` (lists) first."""
+    try:
+        return list(inspect.signature(fn).parameters)[:2] == ["prompts", "completions"]
+    except (TypeError, ValueError):  # a builtin without a signature: ours, per sample
+        return False
+
+
 class RewardFunctionEnvironment(EnvironmentInterface):
     """Single-turn environment whose reward is ``fn(prompt, completion, metadata)``, or the
-    weighted sum of several such functions (TRL's ``reward_funcs`` and ``reward_weights``):
-    ``reward_fn`` a path or a list of paths, ``weights`` one float per path (default 1.0)."""
+    weighted sum of several functions (TRL's ``reward_funcs`` and ``reward_weights``):
+    ``reward_fn`` a path or a list of paths, ``weights`` one float per path (default 1.0).
+
+    A function whose first parameters are ``prompts, completions`` is called TRL's way, once
+    per step: ``fn(prompts=[...], completions=[...], **columns)`` with the samples' metadata
+    as keyword lists (``ground_truth=[...]``), returning one float or None (does not apply)
+    per sample. ``conversational`` (the run's ``data.use_chat_template``) passes prompts as
+    message lists and each completion as ``[{"role": "assistant", "content": ...}]``, as TRL
+    does for conversational datasets; else both are strings."""
 
     def __init__(
         self,
         reward_fn: str | Sequence[str],
         max_error_rate: float = 0.05,
         weights: Sequence[float] | None = None,
+        conversational: bool = False,
     ) -> None:
         paths = [reward_fn] if isinstance(reward_fn, str) else list(reward_fn)
         weights = list(weights) if weights is not None else [1.0] * len(paths)
@@ -145,40 +172,49 @@ class RewardFunctionEnvironment(EnvironmentInterface):
             )
         self.reward_fn_path = ", ".join(paths)
         self.max_error_rate = max_error_rate
-        self._fns = [
-            (path, load_reward_fn(path), w) for path, w in zip(paths, weights, strict=True)
-        ]
-        self._names = _metric_names(paths)
+        self.conversational = conversational
+        self._fns = []
+        for path, weight, name in zip(paths, weights, _metric_names(paths), strict=True):
+            fn = load_reward_fn(path)
+            self._fns.append(_Reward(path, fn, weight, name, _is_trl_style(fn)))
         self._counts = {"samples": 0, "errors": 0}
-        self._sums = dict.fromkeys(self._names, 0.0)  # each function's unweighted rewards
+        self._sums = {f.name: [0.0, 0] for f in self._fns}  # unweighted sum, samples scored
 
-    def _score(self, prompt: str, completion: str, meta: dict[str, Any]) -> tuple[float, str]:
-        """The weighted sum, and the first failure's text ("" when none failed); a function
-        that raises or returns a non-finite number adds 0."""
-        total, failure = 0.0, ""
-        for (path, fn, weight), name in zip(self._fns, self._names, strict=True):
-            try:
-                value = float(fn(prompt, completion, meta))
-                if not math.isfinite(value):
-                    raise ValueError(f"returned {value}, not a finite number")
-            except Exception as exc:  # the function's bug or an answer it cannot take
-                failure = failure or f"{path}: {type(exc).__name__}: {exc}"
-                continue
-            self._sums[name] += value
-            total += weight * value
-        return total, failure
+    def _values(self, f: _Reward, logs: list[MessageLog], metas: list[dict[str, Any]]) -> list:
+        """One value per sample: a float, None (does not apply), or a failure's text."""
+        if not f.batched:
+            return [_reward(f, _call(f, f.fn, prompt_text(log), last_assistant_content(log), meta))
+                    for log, meta in zip(logs, metas, strict=True)]  # fmt: skip
+        completions = [last_assistant_content(log) for log in logs]
+        prompts: list[Any] = [prompt_text(log) for log in logs]
+        if self.conversational:
+            prompts = [_prompt_messages(log) for log in logs]
+            completions = [[{"role": "assistant", "content": c}] for c in completions]  # type: ignore[misc]
+        columns = {k: [m.get(k) for m in metas] for k in {k for m in metas for k in m}}
+        got = _call(f, lambda: f.fn(prompts=prompts, completions=completions, **columns))
+        if isinstance(got, _Failure):
+            return [got] * len(logs)
+        if not isinstance(got, list | tuple) or len(got) != len(logs):
+            what = f"{len(got)} values" if isinstance(got, list | tuple) else type(got).__name__
+            return [_Failure(f"{f.path}: returned {what} for {len(logs)} completions")] * len(logs)
+        return [v if v is None else _reward(f, v) for v in got]
 
     def step(
         self, message_logs: list[MessageLog], metadata: list[dict[str, Any]]
     ) -> EnvironmentReturn:
-        rewards: list[float] = []
-        errors: list[tuple[int, str, str]] = []
-        for i, log, meta in samples("RewardFunctionEnvironment", message_logs, metadata):
-            completion = last_assistant_content(log)
-            value, failure = self._score(prompt_text(log), completion, meta or {})
-            if failure:
-                errors.append((i, completion, failure))
-            rewards.append(value)
+        items = list(samples("RewardFunctionEnvironment", message_logs, metadata))
+        logs, metas = [log for _, log, _ in items], [meta or {} for _, _, meta in items]
+        rewards, failures = [0.0] * len(items), [""] * len(items)
+        for f in self._fns:
+            for i, value in enumerate(self._values(f, logs, metas)):
+                if isinstance(value, _Failure):
+                    failures[i] = failures[i] or value
+                elif value is not None:
+                    self._sums[f.name][0] += value
+                    self._sums[f.name][1] += 1
+                    rewards[i] += f.weight * value
+        errors = [(i, last_assistant_content(logs[i]), failure)
+                  for i, failure in enumerate(failures) if failure]  # fmt: skip
         self._counts["samples"] += len(rewards)
         self._counts["errors"] += len(errors)
         check_error_rate(
@@ -200,12 +236,43 @@ class RewardFunctionEnvironment(EnvironmentInterface):
         """Report (and reset) ``env/reward_fn_samples``, ``env/reward_fn_errors`` and, with
         several functions, each one's unweighted mean (``env/reward_fn/<name>_mean``)."""
         metrics = {f"env/reward_fn_{k}": float(v) for k, v in self._counts.items()}
-        if len(self._fns) > 1 and self._counts["samples"]:
-            n = self._counts["samples"]
-            metrics.update({f"env/reward_fn/{k}_mean": v / n for k, v in self._sums.items()})
+        if len(self._fns) > 1:
+            metrics.update({f"env/reward_fn/{k}_mean": total / n
+                            for k, (total, n) in self._sums.items() if n})  # fmt: skip
         self._counts = dict.fromkeys(self._counts, 0)
-        self._sums = dict.fromkeys(self._sums, 0.0)
+        self._sums = {k: [0.0, 0] for k in self._sums}
         return batch, metrics
+
+
+class _Failure(str):
+    """A function's failure on a sample: the text that names it."""
+
+
+def _call(f: _Reward, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, or a `_Failure` naming the exception."""
+    try:
+        return fn(*args)
+    except Exception as exc:  # the function's bug or an answer it cannot take
+        return _Failure(f"{f.path}: {type(exc).__name__}: {exc}")
+
+
+def _reward(f: _Reward, value: Any) -> float | _Failure:
+    """A returned value as a finite float, or a `_Failure` saying why it is not one."""
+    if isinstance(value, _Failure):
+        return value
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return _Failure(f"{f.path}: returned {type(value).__name__} {value!r:.60}, not a number")
+    if not math.isfinite(number):
+        return _Failure(f"{f.path}: ValueError: returned {number}, not a finite number")
+    return number
+
+
+def _prompt_messages(log: MessageLog) -> list[dict[str, Any]]:
+    """The messages before the last assistant message, as role/content dicts."""
+    last = max((i for i, m in enumerate(log) if m.get("role") == "assistant"), default=len(log))
+    return [{"role": m["role"], "content": m.get("content")} for m in log[:last]]
 
 
 def _metric_names(paths: list[str]) -> list[str]:

@@ -345,7 +345,8 @@ def test_several_reward_functions_sum_with_their_weights_and_report_each(tmp_pat
     assert ret.rewards.tolist() == pytest.approx([1.25, 0.25, 1.0, 0.0])
     _, metrics = env.global_post_process_and_metrics({})
     assert metrics == {"env/reward_fn_samples": 4.0, "env/reward_fn_errors": 1.0,
-                       "env/reward_fn/right_mean": 0.5, "env/reward_fn/short_mean": 0.5}  # fmt: skip
+                       "env/reward_fn/right_mean": 0.5,
+                       "env/reward_fn/short_mean": 2 / 3}  # over the answers it scored  # fmt: skip
     with pytest.raises(ConfigError, match=r"env.reward_weights=\[1.0\] has 1 weights for 2"):
         load_config(REPO / "examples/configs/grpo_math_tiny.yaml",
                     ["env.reward_fn=[a:b, c:d]", "env.reward_weights=[1.0]"],
@@ -354,6 +355,36 @@ def test_several_reward_functions_sum_with_their_weights_and_report_each(tmp_pat
                          ["env.reward_fn=[a:b, c:d]", "env.reward_weights=[1.0, 0.1]"],
                          schema=GRPOMasterConfig)  # fmt: skip
     assert cfg.env.reward_fn == ["a:b", "c:d"]
+
+
+def test_trl_reward_functions_run_unchanged_once_per_step(tmp_path, monkeypatch):
+    """A TRL reward function (``fn(prompts, completions, **columns) -> list``, None where it
+    does not apply) is called TRL's way: once per step, the metadata as keyword lists, and in
+    a chat-template run the conversational form TRL passes."""
+    module = tmp_path / "trl_rewards_mod.py"
+    module.write_text(
+        "def accuracy(prompts, completions, ground_truth, **kwargs):\n"
+        "    texts = [c[0]['content'] if isinstance(c, list) else c for c in completions]\n"
+        "    return [None if g is None else float(t.strip() == g)\n"
+        "            for t, g in zip(texts, ground_truth)]\n"
+        "def seen(prompts, completions, **kwargs):\n"
+        "    return [float(isinstance(p, list) and p[-1]['role'] == 'user') for p in prompts]\n"
+        "def wrong_length(prompts, completions, **kwargs):\n"
+        "    return [1.0]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fns = ["trl_rewards_mod:accuracy", "trl_rewards_mod:seen"]
+    metas = [{"ground_truth": "42"}, {"ground_truth": "42"}, {"ground_truth": None}]
+    logs = [log("42"), log("7"), log("42")]
+    plain = RewardFunctionEnvironment(fns).step(logs, metas)
+    assert plain.rewards.tolist() == [1.0, 0.0, 0.0]  # strings: `seen` gives 0
+    chat = RewardFunctionEnvironment(fns, conversational=True)
+    assert chat.step(logs, metas).rewards.tolist() == [2.0, 1.0, 1.0]
+    _, metrics = chat.global_post_process_and_metrics({})
+    assert metrics["env/reward_fn/accuracy_mean"] == 0.5  # None: not scored, not an error
+    assert metrics["env/reward_fn_errors"] == 0
+    with pytest.raises(RuntimeError, match=r"wrong_length: returned 1 values for 2 completions"):
+        RewardFunctionEnvironment("trl_rewards_mod:wrong_length").step(logs[:2], metas[:2])
 
 
 class _Constant(EnvironmentInterface):
