@@ -10,37 +10,19 @@ learned tool use it must solve at least 30 points more.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from tempering.config import SFTMasterConfig, load_config
+from tests.sft_runs import train_sft
 
-REPO = Path(__file__).parents[2]
 pytestmark = pytest.mark.slow
 
 
 def test_sft_on_tool_calls_teaches_the_calculator(ray_session, tmp_path):
-    from tempering.algorithms import sft
     from tempering.evaluation import evaluate
 
-    cfg, resolved = load_config(
-        REPO / "examples/configs/sft_tiny_arith_calculator.yaml",
-        [
-            "checkpointing.save_period=1000",
-            f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
-            f"logger.log_dir={tmp_path / 'logs'}",
-            "logger.tensorboard_enabled=false",
-        ],
-        schema=SFTMasterConfig,
-    )
-    run = sft.setup(cfg, resolved)
-    try:
-        sft.train(run)
-    finally:
-        run.close()
+    model = train_sft("sft_tiny_arith_calculator.yaml", tmp_path)
     alone = evaluate("tiny-arith-chat", "arithmetic", samples=128, progress=False)
-    tuned = evaluate(str(tmp_path / "ckpt/final_hf"), "calculator", samples=128, progress=False)
+    tuned = evaluate(str(model), "calculator", samples=128, progress=False)
     assert 0.2 < alone.accuracy < 0.7, alone.accuracy  # a start that is not trivial
     assert tuned.accuracy >= alone.accuracy + 0.30, (alone.accuracy, tuned.accuracy)
     # it got there by calling the tool, and answering from its result
