@@ -78,8 +78,12 @@ def start_image_build(config: pytest.Config) -> None:
     if os.geteuid() != 0 or BUILD in config.stash:
         return
     log = Path(tempfile.mkdtemp(prefix="tempering_image_build_")) / "build.log"
+    # The last session's test image goes first, here in the background: removing its layers
+    # took 60-90 s when the module's teardown did it, at the very end of the tier.
+    build = (f"podman rmi -f {TAG} >/dev/null 2>&1; podman image prune -f >/dev/null 2>&1; "
+             f"exec bash docker/build.sh --tag {TAG}")  # fmt: skip
     with log.open("w") as out:
-        proc = subprocess.Popen(["bash", "docker/build.sh", "--tag", TAG], cwd=REPO,
+        proc = subprocess.Popen(["bash", "-c", build], cwd=REPO,
                                 stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
     config.stash[BUILD] = (proc, log)
 
@@ -111,10 +115,9 @@ def container(request):
     try:
         yield name, figures
     finally:
-        # The working container, the image and its dangling layers go; the Debian base stays.
-        for cmd in (["buildah", "rm", name], ["podman", "rmi", "-f", TAG],
-                    ["podman", "image", "prune", "-f"]):  # fmt: skip
-            subprocess.run(cmd, capture_output=True, check=False)
+        # The working container goes; the image stays until the next session's build removes
+        # it (start_image_build), and the Debian base stays.
+        subprocess.run(["buildah", "rm", name], capture_output=True, check=False)
 
 
 def _in(container: str, command: str, timeout: float = 900, offline: bool = False, **env: str):
