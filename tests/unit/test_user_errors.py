@@ -148,14 +148,30 @@ CASES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_mistake_is_one_message_before_anything_starts(
-    case, bad_rows, two_rows, base_model, no_slot, weights_only
-):
-    script, overrides, expected = CASES[case]
+@pytest.fixture(scope="module")
+def mistakes(bad_rows, two_rows, base_model, no_slot, weights_only, tmp_path_factory) -> dict:
+    """Every case's script run, as many at a time as there are cores (each spends ~12 s
+    importing torch and transformers before it refuses: 3.5 minutes one after another), each
+    with folders of its own (two runs on one folder are refused: utils/run_lock.py)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     files = {"bad_rows": bad_rows, "two_rows": two_rows, "base_model": base_model,
              "no_slot": no_slot, "weights_only": weights_only}  # fmt: skip
-    proc = _run(script, *(o.format(**files) for o in overrides))
+
+    def run(case: str) -> subprocess.CompletedProcess:
+        script, overrides, _ = CASES[case]
+        out = tmp_path_factory.mktemp("case")
+        return _run(script, *(o.format(**files) for o in overrides),
+                    f"logger.log_dir={out}/logs", f"checkpointing.checkpoint_dir={out}/ckpt")  # fmt: skip
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        return dict(zip(CASES, pool.map(run, CASES), strict=True))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_mistake_is_one_message_before_anything_starts(case, mistakes):
+    _, _, expected = CASES[case]
+    proc = mistakes[case]
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     for text in expected:
