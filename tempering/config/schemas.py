@@ -687,15 +687,20 @@ def _check_reward_shaping(cfg: GRPOMasterConfig) -> None:
     rs = cfg.grpo.reward_shaping
     if not (rs.enabled and rs.overlong_buffer_length):
         return
-    if rs.max_response_length is None and cfg.grpo.max_rollout_turns > 1:
+    gym = "nemo_gym" in (cfg.data.dataset_name, cfg.env.task_name)  # agents run whole episodes
+    turns = f"grpo.max_rollout_turns={cfg.grpo.max_rollout_turns}"
+    if rs.max_response_length is None and (gym or cfg.grpo.max_rollout_turns > 1):
         raise ValueError(
-            f"grpo.reward_shaping.max_response_length=null stands for one turn's "
-            f"policy.generation.max_new_tokens, and grpo.max_rollout_turns="
-            f"{cfg.grpo.max_rollout_turns} episodes generate over several turns: set "
-            "max_response_length to the episode's generated-token budget"
+            "grpo.reward_shaping.max_response_length=null stands for one turn's "
+            f"policy.generation.max_new_tokens, and {'NeMo Gym' if gym else turns} episodes "
+            "generate over several turns: set max_response_length to the episode's "
+            "generated-token budget"
         )
-    reachable = min(cfg.policy.max_total_sequence_length,
-                    cfg.policy.generation.max_new_tokens * cfg.grpo.max_rollout_turns)  # fmt: skip
+    reachable = cfg.policy.max_total_sequence_length
+    if not gym:
+        reachable = min(
+            reachable, cfg.policy.generation.max_new_tokens * cfg.grpo.max_rollout_turns
+        )
     start = overlong_limit(cfg) - rs.overlong_buffer_length
     if start >= reachable:
         raise ValueError(

@@ -58,11 +58,14 @@ def test_stop_properly_scales_the_truncated_episodes_rewards():
          "= 38 generated tokens, and no episode can generate more than 6"),
         (["grpo.reward_shaping={enabled: true, overlong_buffer_length: 2}",
           "grpo.max_rollout_turns=2"], "max_response_length=null stands for one turn's"),
+        (["grpo.reward_shaping={enabled: true, overlong_buffer_length: 2}",
+          "env.task_name=nemo_gym"], "and NeMo Gym episodes generate over several turns"),
         (["grpo.reward_scaling={enabled: true, source_min: 1, source_max: 1}"],
          "source_max=1.0 must be greater than source_min=1.0"),
     ],
     ids=["key-while-off", "scaling-key-while-off", "neither-kind", "both-kinds",
-         "buffer-past-limit", "never-reached", "multi-turn-needs-a-limit", "empty-range"],
+         "buffer-past-limit", "never-reached", "multi-turn-needs-a-limit", "gym-needs-a-limit",
+         "empty-range"],
 )  # fmt: skip
 def test_a_shaping_config_that_cannot_work_is_refused_by_name(overrides, message):
     with pytest.raises(ConfigError) as err:
@@ -77,3 +80,9 @@ def test_the_main_job_with_dapo_shaping_loads_and_the_limit_defaults_to_max_new_
                          ["grpo.reward_shaping={enabled: true, overlong_buffer_length: 3}"],
                          schema=GRPOMasterConfig)  # fmt: skip
     assert overlong_limit(cfg) == cfg.policy.generation.max_new_tokens == 6
+    # NeMo Gym's episodes may outgrow one turn's max_new_tokens: only the sequence bounds them
+    cfg, _ = load_config("examples/configs/grpo_nemo_gym_tiny.yaml",
+                         ["grpo.reward_shaping={enabled: true, overlong_buffer_length: 2, "
+                          f"max_response_length: {cfg.policy.max_total_sequence_length - 1}}}"],
+                         schema=GRPOMasterConfig)  # fmt: skip
+    assert cfg.policy.generation.max_new_tokens < overlong_limit(cfg) - 2
