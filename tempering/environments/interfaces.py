@@ -121,10 +121,15 @@ def last_assistant_content(message_log: MessageLog) -> str:
     return ""
 
 
-def prompt_text(message_log: MessageLog) -> str:
-    """Contents of the messages before the last assistant message, joined by newlines."""
+def prompt_messages(message_log: MessageLog) -> MessageLog:
+    """The messages before the last assistant message (all of them when there is none)."""
     last = max(
         (i for i, m in enumerate(message_log) if m.get("role") == "assistant"),
         default=len(message_log),
     )
-    return "\n".join(str(m.get("content") or "") for m in message_log[:last])
+    return message_log[:last]
+
+
+def prompt_text(message_log: MessageLog) -> str:
+    """Contents of the messages before the last assistant message, joined by newlines."""
+    return "\n".join(str(m.get("content") or "") for m in prompt_messages(message_log))

@@ -37,6 +37,7 @@ from tempering.environments.interfaces import (
     MessageLog,
     check_error_rate,
     last_assistant_content,
+    prompt_messages,
     prompt_text,
     samples,
 )
@@ -181,15 +182,16 @@ class RewardFunctionEnvironment(EnvironmentInterface):
         self._sums = {f.name: [0.0, 0] for f in self._fns}  # unweighted sum, samples scored
 
     def _values(self, f: _Reward, logs: list[MessageLog], metas: list[dict[str, Any]]) -> list:
-        """One value per sample: a float, None (does not apply), or a failure's text."""
+        """One value per sample: a float, None (does not apply), or a `_Failure`."""
         if not f.batched:
             return [_reward(f, _call(f, f.fn, prompt_text(log), last_assistant_content(log), meta))
                     for log, meta in zip(logs, metas, strict=True)]  # fmt: skip
-        completions = [last_assistant_content(log) for log in logs]
+        completions: list[Any] = [last_assistant_content(log) for log in logs]
         prompts: list[Any] = [prompt_text(log) for log in logs]
-        if self.conversational:
-            prompts = [_prompt_messages(log) for log in logs]
-            completions = [[{"role": "assistant", "content": c}] for c in completions]  # type: ignore[misc]
+        if self.conversational:  # TRL's form: role/content messages
+            prompts = [[{"role": m["role"], "content": m.get("content")}
+                        for m in prompt_messages(log)] for log in logs]  # fmt: skip
+            completions = [[{"role": "assistant", "content": c}] for c in completions]
         columns = {k: [m.get(k) for m in metas] for k in {k for m in metas for k in m}}
         got = _call(f, lambda: f.fn(prompts=prompts, completions=completions, **columns))
         if isinstance(got, _Failure):
@@ -267,12 +269,6 @@ def _reward(f: _Reward, value: Any) -> float | _Failure:
     if not math.isfinite(number):
         return _Failure(f"{f.path}: ValueError: returned {number}, not a finite number")
     return number
-
-
-def _prompt_messages(log: MessageLog) -> list[dict[str, Any]]:
-    """The messages before the last assistant message, as role/content dicts."""
-    last = max((i for i, m in enumerate(log) if m.get("role") == "assistant"), default=len(log))
-    return [{"role": m["role"], "content": m.get("content")} for m in log[:last]]
 
 
 def _metric_names(paths: list[str]) -> list[str]:
