@@ -27,6 +27,7 @@ __all__ = [
     "Message",
     "MessageLog",
     "last_assistant_content",
+    "prompt_messages",
     "prompt_text",
 ]
 
