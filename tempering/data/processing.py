@@ -25,6 +25,9 @@ attributed to the message that added it:
   assistant message the tokenizer's EOS token (if it has one) is appended as a loss token.
   Roles are not rendered. This is what tiny-arith uses (``"Q: 23+45=? A:"`` + ``" 68"``).
   Tool calls cannot be rendered without a template: refused by name.
+- **Plain text** (a `~tempering.data.messages.Text`, SFT's ``text`` rows): the tokenizer's
+  own encoding with its special tokens, then its EOS token; the loss on every token but the
+  first (:func:`tokenize_text`).
 
 ``token_mask`` is 1 only on loss tokens of assistant messages at index >= ``loss_from_message``
 (preference data sets it to the prompt length so only the response counts). Sequences
