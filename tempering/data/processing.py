@@ -217,19 +217,22 @@ def tokenize_message_log(
         tokenize = _tokenize_plain
     memo = memo if memo is not None else TextMemo(tokenizer)
     ids, mask = tokenize(message_log, memo, add_generation_prompt, loss_from_message, tools)
-    truncated = len(ids) > max_seq_len
-    return {
-        "input_ids": ids[:max_seq_len],
-        "token_mask": mask[:max_seq_len],
-        "truncated": truncated,
-    }
+    return _cut(ids, mask, max_seq_len)
+
+
+def _cut(ids: list[int], mask: list[int], max_seq_len: int) -> TokenizedExample:
+    """An example of its first ``max_seq_len`` tokens, flagged ``truncated`` when cut."""
+    return {"input_ids": ids[:max_seq_len], "token_mask": mask[:max_seq_len],
+            "truncated": len(ids) > max_seq_len}  # fmt: skip
 
 
 def _tokenize_conversation(
     conv: Conversation, tokenizer: Any, max_seq_len: int, memo: TextMemo | None = None
 ) -> TokenizedExample:
-    return tokenize_message_log(conv.messages, tokenizer, max_seq_len, memo=memo,
-                                loss_from_message=conv.loss_from, tools=conv.tools or None)  # fmt: skip
+    return tokenize_message_log(
+        conv.messages, tokenizer, max_seq_len, memo=memo, loss_from_message=conv.loss_from,
+        tools=conv.tools or None,
+    )  # fmt: skip
 
 
 def tokenize_text(text: str, tokenizer: Any, max_seq_len: int) -> TokenizedExample:
@@ -240,19 +243,17 @@ def tokenize_text(text: str, tokenizer: Any, max_seq_len: int) -> TokenizedExamp
     eos = getattr(tokenizer, "eos_token_id", None)
     if eos is not None and (not ids or ids[-1] != eos):
         ids.append(eos)
-    mask = [0] + [1] * (len(ids) - 1)
-    return {"input_ids": ids[:max_seq_len], "token_mask": mask[:max_seq_len],
-            "truncated": len(ids) > max_seq_len}  # fmt: skip
+    return _cut(ids, [0] + [1] * (len(ids) - 1), max_seq_len)
 
 
 def tokenize_message_logs(
     message_logs: Sequence[MessageLog | Conversation | Text], tokenizer: Any, max_seq_len: int
 ) -> tuple[list[TokenizedExample], int]:
     """Tokenize many logs (a `Conversation` with its tools, a `Text` whole); returns the
-    examples and how many were truncated (also logged). A conversation whose template rewrites earlier turns once
-    later ones follow (`HistoryRewrittenError`) becomes one example per trained assistant
-    turn, each after its history as the template renders it when the model writes that turn
-    (what inference shows it); counted and logged."""
+    examples and how many were truncated (also logged). A conversation whose template
+    rewrites earlier turns once later ones follow (`HistoryRewrittenError`) becomes one
+    example per trained assistant turn, each after its history as the template renders it
+    when the model writes that turn (what inference shows it); counted and logged."""
     examples: list[TokenizedExample] = []
     split: list[int] = []  # examples made from each conversation split by turn
     for log in message_logs:

@@ -137,7 +137,9 @@ def _any_converter(prompt_key: str, response_key: str, text_key: str):
     return convert
 
 
-def load_text_rows(path: str | Path, text_key: str = "text", on_bad_row: OnBadRow = "error"):
+def load_text_rows(
+    path: str | Path, text_key: str = "text", on_bad_row: OnBadRow = "error"
+) -> LoadedData:
     """Plain-text rows (``{"text": ...}``, TRL's language-modelling format): each a `Text`."""
     return load_rows(path, on_bad_row, _text_converter(text_key))
 
