@@ -5,10 +5,12 @@ Workers are named by fully qualified class name (FQN). Each FQN maps to an *exec
 - ``PY_EXECUTABLES.SYSTEM``: the driver's own interpreter (``sys.executable``), no venv.
 - ``PY_EXECUTABLES.BASE``: ``uv run --locked`` -- the project's locked dependencies.
 - one entry per extra, e.g. ``PY_EXECUTABLES.VLLM`` = ``uv run --locked --extra vllm``.
-- ``PY_EXECUTABLES.NEMO_GYM`` = ``pip-venv nemo-gym``: a plain venv filled by pip from
+- ``PY_EXECUTABLES.NEMO_GYM`` = ``pip-venv nemo-gym``: a venv of its own filled from
   `PIP_VENV_SPECS` (NeMo Gym pins openai 2.x and declares Python >= 3.13, so it cannot share
-  our uv lock; on 3.11 pip installs it with ``--ignore-requires-python``), with this checkout
-  on its path (a ``.pth`` file) so worker classes import from it;
+  our uv lock, and uv cannot ignore a Python bound: pip installs Gym's own wheel alone with
+  ``--ignore-requires-python``, then ``uv pip`` installs its dependencies, resolved for this
+  Python and linked from uv's cache), with this checkout on its path (a ``.pth`` file) so
+  worker classes import from it;
 - any other string is a path (or a name on ``PATH``) of a ready interpreter or launcher,
   e.g. a frozen ``python-<fqn>`` launcher written by ``tools/freeze_worker_venvs.py``.
 
@@ -91,19 +93,21 @@ def make_py_executables(group: str) -> PyExecutables:
 
 @dataclass(frozen=True)
 class PipVenvSpec:
-    """A venv built with pip (for packages that cannot join the uv lock)."""
+    """A venv for packages that cannot join the uv lock.
 
-    requirements: tuple[str, ...]
-    pip_args: tuple[str, ...] = ()
+    ``unbounded`` are installed by pip alone (no dependencies) with their ``Requires-Python``
+    ignored; their dependencies (extras left out) and ``requirements`` are then installed by
+    ``uv pip``, resolved for this Python and linked from uv's cache (pip's resolver took ~3 min
+    for NeMo Gym's 160 packages; this takes ~20 s once the cache has them)."""
+
+    unbounded: tuple[str, ...]
+    requirements: tuple[str, ...] = ()
 
 
 # name -> spec, for `pip-venv <name>` executables. NeMo Gym: the version we test against, and
 # math-verify for its math_with_judge server (Gym's servers share this one venv).
 PIP_VENV_SPECS: dict[str, PipVenvSpec] = {
-    "nemo-gym": PipVenvSpec(
-        requirements=("nemo-gym==0.7.0", "math-verify==0.8.0"),
-        pip_args=("--ignore-requires-python", "--prefer-binary"),
-    ),
+    "nemo-gym": PipVenvSpec(unbounded=("nemo-gym==0.7.0",), requirements=("math-verify==0.8.0",)),
 }
 
 
@@ -262,11 +266,7 @@ def create_local_venv(
     sync arguments, Python minor) matches; rebuilt when ``force_rebuild`` (default: the
     ``NRL_FORCE_REBUILD_VENVS`` variable) is true.
     """
-    if shutil.which("uv") is None:
-        raise RuntimeError(
-            f"building the worker venv for {venv_name!r} needs `uv` on PATH; install it "
-            "(pip install uv) or register a ready interpreter for this worker class."
-        )
+    _need_uv(venv_name)
     sync_args = uv_sync_args(executable)
 
     def build(venv: Path) -> None:
@@ -278,38 +278,76 @@ def create_local_venv(
     return _build_venv(venv_name, _expected_marker(sync_args), build, force_rebuild, lock_timeout_s)
 
 
+def _need_uv(venv_name: str) -> None:
+    if shutil.which("uv") is None:
+        raise RuntimeError(
+            f"building the worker venv for {venv_name!r} needs `uv` on PATH; install it "
+            "(pip install uv) or register a ready interpreter for this worker class."
+        )
+
+
 def create_pip_venv(
     spec_name: str, venv_name: str, *, force_rebuild: bool | None = None, timeout_s: float = 1800.0
 ) -> str:
-    """Build (or reuse) a pip venv for ``PIP_VENV_SPECS[spec_name]`` under the venvs root with
+    """Build (or reuse) the venv for ``PIP_VENV_SPECS[spec_name]`` under the venvs root with
     this interpreter's Python (Ray needs the same minor version); return its python path.
 
     The checkout is put on the venv's path with a ``.pth`` file (no copy, no build step).
     Reuse, rebuild (``NRL_FORCE_REBUILD_VENVS``) and locking work as for uv venvs."""
+    _need_uv(venv_name)
     spec = PIP_VENV_SPECS[spec_name]
     expected = _pip_expected_marker(spec_name)
 
     def build(venv: Path) -> None:
         python = str(venv / "bin" / "python")
-        _run_build_step(venv, [sys.executable, "-m", "venv", str(venv)], timeout_s)
+        _run_build_step(venv, ["uv", "venv", "--quiet", "--seed", "--python", sys.executable,
+                               str(venv)], timeout_s)  # fmt: skip
         _run_build_step(venv, [python, "-m", "pip", "install", "--quiet",
-                               "--disable-pip-version-check", *spec.pip_args,
-                               *spec.requirements], timeout_s)  # fmt: skip
-        site = subprocess.run(
-            [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-            capture_output=True, text=True, check=True,
-        ).stdout.strip()  # fmt: skip
+                               "--disable-pip-version-check", "--no-deps",
+                               "--ignore-requires-python", "--prefer-binary",
+                               *spec.unbounded], timeout_s)  # fmt: skip
+        dependencies = _declared_dependencies(python, spec.unbounded)
+        _run_build_step(venv, ["uv", "pip", "install", "--quiet", "--compile-bytecode",
+                               "--python", python, *dependencies, *spec.requirements],
+                        timeout_s)  # fmt: skip
+        site = _purelib(python)
         (Path(site) / "tempering-checkout.pth").write_text(f"{REPO_ROOT}\n")
 
     return _build_venv(venv_name, expected, build, force_rebuild, timeout_s)
+
+
+def _purelib(python: str) -> str:
+    return subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+
+
+def _declared_dependencies(python: str, installed: tuple[str, ...]) -> list[str]:
+    """The requirements the packages ``installed`` (requirement strings) declare in `python`'s
+    environment, without those that only an extra asks for."""
+    from packaging.requirements import Requirement
+
+    names = [Requirement(r).name for r in installed]
+    script = (
+        "import importlib.metadata as m, json, sys; "
+        "print(json.dumps([r for n in sys.argv[1:] for r in (m.requires(n) or [])]))"
+    )
+    out = subprocess.run([python, "-c", script, *names], capture_output=True, text=True, check=True)
+    wanted = []
+    for line in json.loads(out.stdout):
+        marker = Requirement(line).marker
+        if marker is None or marker.evaluate({"extra": ""}):
+            wanted.append(line)
+    return wanted
 
 
 def _pip_expected_marker(spec_name: str) -> dict[str, object]:
     spec = PIP_VENV_SPECS[spec_name]
     return {
         "pip_venv": spec_name,
+        "unbounded": list(spec.unbounded),
         "requirements": list(spec.requirements),
-        "pip_args": list(spec.pip_args),
         "python": f"{sys.version_info.major}.{sys.version_info.minor}",
         "checkout": str(REPO_ROOT),
     }

@@ -1,7 +1,7 @@
 """Start NeMo Gym for a training run (launch mode), inside Gym's own Python environment.
 
 `NemoGymLauncher` is a Ray actor whose class is registered in `ACTOR_ENVIRONMENT_REGISTRY`
-under ``PY_EXECUTABLES.NEMO_GYM`` (a pip-built venv with ``nemo-gym``; see
+under ``PY_EXECUTABLES.NEMO_GYM`` (a venv of its own with ``nemo-gym``; see
 `tempering.distributed.actor_environments`), exactly as the vLLM worker runs under the vLLM
 extra. Only this module imports ``nemo_gym``, and only inside the actor.
 

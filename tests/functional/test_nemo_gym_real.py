@@ -1,6 +1,6 @@
 """The real `nemo-gym` package (0.7.0) against tempering's generation server (slow tier).
 
-Gym runs in its own pip-built venv (PY_EXECUTABLES.NEMO_GYM, built by the project's own
+Gym runs in a venv of its own (PY_EXECUTABLES.NEMO_GYM, built by the project's own
 machinery into the session's venvs folder), started by `LaunchedGym` exactly as GRPO's launch
 mode does, joined to the test session's Ray. Three of its bundled environments roll out
 through their real agents, resources servers and `vllm_model` policy server:
