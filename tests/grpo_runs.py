@@ -74,15 +74,16 @@ def assert_ran_async(out: Path, steps: int) -> None:
 
 @contextlib.contextmanager
 def gym_standin() -> Iterator[tuple[Any, list[str]]]:
-    """Our NeMo Gym protocol stand-in (tempering/environments/nemo_gym_standin.py), running:
-    ``(the stand-in, the overrides that send every rollout through it)`` -- Gym rows as the
-    task, the trainer's generation server on the port the stand-in's agent calls."""
-    from tempering.environments.nemo_gym_standin import GymStandIn
+    """Our NeMo Gym protocol stand-in (tempering/environments/nemo_gym_standin.py), running in
+    a process of its own as Gym does: ``(the stand-in, the overrides that send every rollout
+    through it)`` -- Gym rows as the task, the trainer's generation server on the port the
+    stand-in's agent calls."""
+    from tempering.environments.nemo_gym_standin import StandInProcess
 
     with socket.socket() as s:  # the stand-in must know our server's URL before it starts
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with GymStandIn(f"http://127.0.0.1:{port}/v1", "policy") as gym:
+    with StandInProcess(f"http://127.0.0.1:{port}/v1", "policy") as gym:
         yield (
             gym,
             [

@@ -24,14 +24,25 @@ random delay per ``/run``, so results complete out of order).
 
     with GymStandIn(server.base_url, "policy") as gym:
         client = NemoGymClient(gym.head_url, default_route=gym.ENVIRONMENT_SERVER)
+
+`StandInProcess` runs it in a child process instead (``python -m
+tempering.environments.nemo_gym_standin``), as Gym's servers run beside a trainer: for learning
+runs whose every rollout goes through it. In the trainer's process its four servers took three
+quarters of that process's one interpreter lock, and a step through it twice as long.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import contextlib
 import json
 import random
+import subprocess
+import sys
+import urllib.request
 import uuid
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -42,7 +53,7 @@ from fastapi.responses import JSONResponse
 from tempering.environments.calculator import evaluate_expression
 from tempering.utils.serving import BackgroundServer
 
-__all__ = ["GymStandIn", "chat_messages_and_tools"]
+__all__ = ["GymStandIn", "StandInProcess", "chat_messages_and_tools"]
 
 
 def chat_messages_and_tools(params: dict[str, Any]) -> tuple[list[dict], list[dict]]:
@@ -146,6 +157,10 @@ class GymStandIn:
         async def config() -> Any:
             return JSONResponse(yaml.safe_dump(self.global_config()))
 
+        @app.get("/standin/stats")  # the stand-in's own, for StandInProcess (not Gym's)
+        async def stats() -> Any:
+            return {"chat_requests": len(self.chat_requests)}
+
         return app
 
     # ---- resources -----------------------------------------------------------------------
@@ -187,8 +202,23 @@ class GymStandIn:
         return app
 
     # ---- agent ---------------------------------------------------------------------------
+    @staticmethod
+    def _app_with_client() -> tuple[FastAPI, Callable[[], aiohttp.ClientSession]]:
+        """An app and its one HTTP client, opened and closed with the app's server (kept-alive
+        connections, as Gym's servers keep theirs; a client per request opened a new TCP
+        connection for each of a rollout's calls, which dominated a step through the stand-in)."""
+        clients: list[aiohttp.ClientSession] = []
+
+        @contextlib.asynccontextmanager
+        async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+            async with aiohttp.ClientSession() as http:
+                clients.append(http)
+                yield
+
+        return FastAPI(lifespan=lifespan), lambda: clients[0]
+
     def _agent_app(self) -> FastAPI:
-        app = FastAPI()
+        app, client = self._app_with_client()
 
         @app.post("/run")
         async def run(request: Request) -> Any:
@@ -197,91 +227,146 @@ class GymStandIn:
                 return JSONResponse({"detail": "injected failure"}, status_code=500)
             if self.jitter_s:
                 await asyncio.sleep(random.random() * self.jitter_s)
-            return await self._run(await request.json())
+            return await self._run(await request.json(), client())
 
         return app
 
-    async def _run(self, row: dict[str, Any]) -> dict[str, Any]:
+    async def _run(self, row: dict[str, Any], http: aiohttp.ClientSession) -> dict[str, Any]:
         params = row["responses_create_params"]
         messages, tools = chat_messages_and_tools(params)
         resources = self._servers[self.RESOURCES].url
         headers = {"Authorization": f"Bearer {self.api_key or 'none'}"}
         output: list[dict[str, Any]] = []
         status = "completed"
-        async with aiohttp.ClientSession() as http:
-            await http.post(f"{resources}/seed_session", json=row)
-            for _ in range(self.max_steps):
-                body: dict[str, Any] = {
-                    "model": self.model,
-                    "messages": messages,
-                    "logprobs": True,
-                    "top_logprobs": 0,
-                    "return_tokens_as_token_ids": True,
-                }
-                for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"),
-                                     ("max_output_tokens", "max_tokens")):  # fmt: skip
-                    if params.get(ours) is not None:
-                        body[theirs] = params[ours]
-                if tools:
-                    body["tools"] = tools
-                self.chat_requests.append(json.loads(json.dumps(body)))  # a snapshot
-                url = f"{self.policy_base_url}/chat/completions"
-                async with http.post(url, json=body, headers=headers) as resp:
-                    reply = await resp.json()
-                if resp.status == 400 and "context_length" in str(reply):
-                    status = "incomplete"  # Gym: an over-long prompt ends the episode
-                    break
-                if resp.status != 200:
-                    raise RuntimeError(f"policy server answered {resp.status}: {reply}")
-                choice = reply["choices"][0]
-                msg = choice["message"]
-                tokens = {k: msg[k] for k in ("prompt_token_ids", "generation_token_ids",
-                                              "generation_log_probs")}  # fmt: skip
-                calls = msg.get("tool_calls") or []
-                messages.append({"role": "assistant", "content": msg.get("content"),
-                                 **({"tool_calls": calls} if calls else {}), **tokens})  # fmt: skip
-                if calls:
-                    for i, call in enumerate(calls):
-                        fn = call["function"]
-                        item = {"type": "function_call", "id": call["id"], "call_id": call["id"],
-                                "name": fn["name"], "arguments": fn["arguments"]}  # fmt: skip
-                        output.append({**item, **tokens} if i == len(calls) - 1 else item)
-                    for call in calls:
-                        fn = call["function"]
-                        async with http.post(
-                            f"{resources}/{fn['name']}", json=json.loads(fn["arguments"])
-                        ) as tool_resp:
-                            result = await tool_resp.text()
-                        output.append({"type": "function_call_output", "call_id": call["id"],
-                                       "output": result})  # fmt: skip
-                        messages.append({"role": "tool", "tool_call_id": call["id"],
-                                         "content": result})  # fmt: skip
-                else:
-                    text = msg.get("content") or ""
-                    output.append({"type": "message", "role": "assistant", "status": "completed",
-                                   "content": [{"type": "output_text", "text": text}], **tokens})  # fmt: skip
-                if choice["finish_reason"] == "length":
-                    status = "incomplete"
-                    break
-                if not calls:
-                    break
-            response = {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "status": status,
-                        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-                        "output": output}  # fmt: skip
-            async with http.post(f"{resources}/verify", json={**row, "response": response}) as r:
-                return await r.json()
+        async with http.post(f"{resources}/seed_session", json=row) as seeded:
+            seeded.raise_for_status()
+        for _ in range(self.max_steps):
+            body: dict[str, Any] = {
+                "model": self.model,
+                "messages": messages,
+                "logprobs": True,
+                "top_logprobs": 0,
+                "return_tokens_as_token_ids": True,
+            }
+            for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"),
+                                 ("max_output_tokens", "max_tokens")):  # fmt: skip
+                if params.get(ours) is not None:
+                    body[theirs] = params[ours]
+            if tools:
+                body["tools"] = tools
+            self.chat_requests.append(json.loads(json.dumps(body)))  # a snapshot
+            url = f"{self.policy_base_url}/chat/completions"
+            async with http.post(url, json=body, headers=headers) as resp:
+                reply = await resp.json()
+            if resp.status == 400 and "context_length" in str(reply):
+                status = "incomplete"  # Gym: an over-long prompt ends the episode
+                break
+            if resp.status != 200:
+                raise RuntimeError(f"policy server answered {resp.status}: {reply}")
+            choice = reply["choices"][0]
+            msg = choice["message"]
+            tokens = {k: msg[k] for k in ("prompt_token_ids", "generation_token_ids",
+                                          "generation_log_probs")}  # fmt: skip
+            calls = msg.get("tool_calls") or []
+            messages.append({"role": "assistant", "content": msg.get("content"),
+                             **({"tool_calls": calls} if calls else {}), **tokens})  # fmt: skip
+            if calls:
+                for i, call in enumerate(calls):
+                    fn = call["function"]
+                    item = {"type": "function_call", "id": call["id"], "call_id": call["id"],
+                            "name": fn["name"], "arguments": fn["arguments"]}  # fmt: skip
+                    output.append({**item, **tokens} if i == len(calls) - 1 else item)
+                for call in calls:
+                    fn = call["function"]
+                    async with http.post(
+                        f"{resources}/{fn['name']}", json=json.loads(fn["arguments"])
+                    ) as tool_resp:
+                        result = await tool_resp.text()
+                    output.append({"type": "function_call_output", "call_id": call["id"],
+                                   "output": result})  # fmt: skip
+                    messages.append({"role": "tool", "tool_call_id": call["id"],
+                                     "content": result})  # fmt: skip
+            else:
+                text = msg.get("content") or ""
+                output.append({"type": "message", "role": "assistant", "status": "completed",
+                               "content": [{"type": "output_text", "text": text}], **tokens})  # fmt: skip
+            if choice["finish_reason"] == "length":
+                status = "incomplete"
+                break
+            if not calls:
+                break
+        response = {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "status": status,
+                    "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                    "output": output}  # fmt: skip
+        async with http.post(f"{resources}/verify", json={**row, "response": response}) as r:
+            return await r.json()
 
     # ---- environment server --------------------------------------------------------------
     def _relay_app(self) -> FastAPI:
-        app = FastAPI()
+        app, client = self._app_with_client()
 
         @app.post("/run")
         async def run(request: Request) -> Any:
             body = await request.body()
-            async with aiohttp.ClientSession() as http, http.post(
+            async with client().post(
                 f"{self._servers[self.AGENT].url}/run", data=body,
                 headers={"Content-Type": "application/json"},
             ) as resp:  # fmt: skip
                 return JSONResponse(await resp.json(), status_code=resp.status)
 
         return app
+
+
+class StandInProcess:
+    """`GymStandIn` in a child process: ``head_url`` and ``ENVIRONMENT_SERVER`` as on the
+    stand-in, `chat_request_count` for what it has sent the policy. Stopped on exit (the child
+    also stops when its stdin closes, so it never outlives this process)."""
+
+    ENVIRONMENT_SERVER = GymStandIn.ENVIRONMENT_SERVER
+
+    def __init__(self, policy_base_url: str, policy_model_name: str) -> None:
+        self.policy_base_url, self.model = policy_base_url, policy_model_name
+        self.head_url = ""
+        self._proc: subprocess.Popen[str] | None = None
+
+    def __enter__(self) -> StandInProcess:
+        cmd = [sys.executable, "-m", __name__, "--policy-base-url", self.policy_base_url,
+               "--model", self.model]  # fmt: skip
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self._proc.stdout is not None
+        line = self._proc.stdout.readline()
+        if not line:
+            code = self._proc.wait(timeout=30)
+            raise RuntimeError(f"the Gym stand-in process exited ({code}) before serving: {cmd}")
+        self.head_url = json.loads(line)["head_url"]
+        return self
+
+    def chat_request_count(self) -> int:
+        with urllib.request.urlopen(f"{self.head_url}/standin/stats", timeout=30) as resp:
+            return int(json.loads(resp.read())["chat_requests"])
+
+    def __exit__(self, *exc: object) -> None:
+        if self._proc is None:
+            return
+        assert self._proc.stdin is not None
+        self._proc.stdin.close()
+        try:
+            self._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serve the stand-in until stdin closes; the head server's URL first, as one JSON line."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--policy-base-url", required=True)
+    parser.add_argument("--model", default="policy")
+    args = parser.parse_args(argv)
+    with GymStandIn(args.policy_base_url, args.model) as gym:
+        print(json.dumps({"head_url": gym.head_url}), flush=True)
+        sys.stdin.read()
+
+
+if __name__ == "__main__":
+    main()

@@ -210,5 +210,5 @@ def test_nemo_gym_rollouts_are_distilled(ray_session, tmp_path):
 
     with gym_standin() as (gym, via_gym):
         m = _one_step(tmp_path, *via_gym)
-        assert len(gym.chat_requests) >= 16  # every episode went through Gym's agent
+        assert gym.chat_request_count() >= 16  # every episode went through Gym's agent
     assert m["train/kl_forward"] > 0 and math.isfinite(m["train/loss"])

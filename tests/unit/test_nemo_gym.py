@@ -23,7 +23,7 @@ from tempering.environments.nemo_gym import (
     episode_from_result,
     gym_error_reason,
 )
-from tempering.environments.nemo_gym_standin import GymStandIn
+from tempering.environments.nemo_gym_standin import GymStandIn, StandInProcess
 from tempering.models.generation.chat_service import ChatCompletionService, ServerSettings
 from tempering.models.generation.interfaces import SamplingConfig
 from tempering.models.generation.openai_server import OpenAIServer
@@ -56,7 +56,7 @@ def tiny_gym(tokenizer):
             yield gym, server
 
 
-def _client(gym: GymStandIn, **kw) -> NemoGymClient:
+def _client(gym: GymStandIn | StandInProcess, **kw) -> NemoGymClient:
     return NemoGymClient(
         gym.head_url, default_route=gym.ENVIRONMENT_SERVER, retry_backoff_s=0.01, **kw
     )
@@ -121,6 +121,25 @@ def test_rows_come_back_in_order_with_the_trainers_sampling(tiny_gym, tokenizer)
     assert all(r["temperature"] == 0.0 and r["max_tokens"] <= 6 for r in sent.values())
     first = json.dumps({"role": "user", "content": problems[0]["prompt"]})
     assert sent[first]["max_tokens"] == 3  # min(the row's, ours)
+
+
+def test_the_stand_in_in_its_own_process_scores_rows_and_stops(tiny_gym, tokenizer):
+    """The learning runs' stand-in (a child process, as Gym is): the same rewards as in
+    process, every request counted across the process boundary, and no process left."""
+    _, server = tiny_gym
+    problems = make_problems(4, seed=5, split="test")
+    rows = [problem_row(p["prompt"], p["answer"]) for p in problems]
+    with StandInProcess(server.base_url, "policy") as gym:
+        env = NemoGymEnvironment(_client(gym), max_seq_len=64)
+        batch = env.rollouts(rows, sampling=SAMPLING, greedy=True)
+        assert gym.chat_request_count() == len(rows)
+        child = gym._proc
+    assert child is not None and child.poll() == 0  # stopped when its stdin closed
+    for j, p in enumerate(problems):
+        ids = batch["input_ids"][j, : int(batch["input_lengths"][j])].tolist()
+        text = tokenizer.decode(ids[len(tokenizer(p["prompt"])["input_ids"]) :],
+                                skip_special_tokens=True)  # fmt: skip
+        assert float(batch["rewards"][j]) == float(text.strip() == p["answer"])
 
 
 def test_mask_sample_gives_sample_mask_zero_and_is_counted(tiny_gym):
