@@ -4,9 +4,10 @@ asynchronously (slow tier).
 The same config (grpo_math_tiny.yaml: tiny-arith, 32 prompts x 8, exact-answer reward) runs
 40 GRPO steps three times: in-process; with every rollout (train and validation) going through
 Gym's protocol — `/run` on an environment server, an agent calling tempering's generation
-server over HTTP, `/verify` for the reward — served by our protocol-level stand-in in a process of its own, as Gym's servers are
-(tempering/environments/nemo_gym_standin.py; the real package is run in
-test_nemo_gym_real.py and, for the numbers in the README, by examples/run_grpo_nemo_gym.py);
+server over HTTP, `/verify` for the reward — served by our protocol-level stand-in in a process
+of its own, as Gym's servers are (tempering/environments/nemo_gym_standin.py; the real package
+is run in test_nemo_gym_real.py and, for the numbers in the README, by
+examples/run_grpo_nemo_gym.py);
 and through Gym again with asynchronous GRPO (`tests.grpo_runs.ASYNC`: split generation
 workers, Gym's agents generating step t + 1 while step t trains, the importance-sampling
 correction for samples one version old). All start from 39.8% held-out greedy accuracy (256
