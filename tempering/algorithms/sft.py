@@ -100,14 +100,15 @@ def load_sft_data(
             data_source(data_cfg.train_data_path, data_cfg.dataset_name),
             "examples",
         )
-    train, _ = tokenize_message_logs(train_logs, tokenizer, max_seq_len)
+    split = data_cfg.split_long_texts
+    train, _ = tokenize_message_logs(train_logs, tokenizer, max_seq_len, split)
     val_source = (
         f"data.val_data_path={data_cfg.val_data_path!r}"
         if data_cfg.val_data_path
         else f"data.dataset_name={name!r}'s validation split"
     )
     val_logs = first_val(val_logs, data_cfg.num_val_samples, val_source, "examples")
-    val, _ = tokenize_message_logs(val_logs, tokenizer, max_seq_len)
+    val, _ = tokenize_message_logs(val_logs, tokenizer, max_seq_len, split)
     return SFTData(train, val, problems, checker)
 
 

@@ -348,6 +348,11 @@ class DataConfig(Section):
         "text", description="the plain-text column (SFT text/hf: language modelling, every "
         "token trained on)"
     )  # fmt: skip
+    split_long_texts: bool = Field(
+        False, description="SFT text/hf: a text longer than policy.max_total_sequence_length "
+        "becomes one example per consecutive window of that length (continued pretraining "
+        "keeps every token); false: cut at the length, counted"
+    )  # fmt: skip
     max_input_seq_length: int | None = Field(None, description="not read; only null")
     num_train_samples: int | None = Field(
         None,
@@ -490,12 +495,14 @@ _UNREAD_KEYS: dict[str, dict[str, str]] = {
         "data.response_key": "a preference row has two responses, read from its 'chosen' and "
         "'rejected' columns",
         "data.text_key": "a preference row is a prompt and two responses, not plain text",
+        "data.split_long_texts": "a preference row is a prompt and two responses, not plain text",
         "logger.num_val_samples_to_print": _NO_SAMPLES + " (greedy accuracy is a metric)",
     },
     "GRPO": {
         "data.prompt_key": _PROBLEMS_COLUMNS,
         "data.response_key": _PROBLEMS_COLUMNS,
         "data.text_key": _PROBLEMS_COLUMNS,
+        "data.split_long_texts": "GRPO problems are prompts, not plain text to train on",
     },  # fmt: skip
 }
 _UNREAD_KEYS["RM"] = {
@@ -503,15 +510,17 @@ _UNREAD_KEYS["RM"] = {
     "logger.num_val_samples_to_print": _NO_SAMPLES + " (it scores pairs)",
     "data.use_chat_template": "a reward model reads every pair through the chat template",
 }
-# Column keys only some dataset formats have -> those formats; set for any other, refused.
-_COLUMN_KEYS: dict[str, tuple[str, ...]] = {
-    "prompt_key": ("prompt_response", "hf", "preference"),
-    "response_key": ("prompt_response", "hf"),
-    "text_key": ("text", "hf"),
-    "problem_key": ("problems",),
-    "answer_key": ("problems",),
-    "train_split": ("problems",),
-    "val_split": ("problems",),
+# Keys only some dataset formats read -> (those formats, what the others lack); set for any
+# other format, refused.
+_FORMAT_KEYS: dict[str, tuple[tuple[str, ...], str]] = {
+    "prompt_key": (("prompt_response", "hf", "preference"), "no such column"),
+    "response_key": (("prompt_response", "hf"), "no such column"),
+    "text_key": (("text", "hf"), "no such column"),
+    "split_long_texts": (("text", "hf"), "no plain text to split"),
+    "problem_key": (("problems",), "no such column"),
+    "answer_key": (("problems",), "no such column"),
+    "train_split": (("problems",), "no such column"),
+    "val_split": (("problems",), "no such column"),
 }
 
 
@@ -526,13 +535,13 @@ def _refuse_unread_keys(cfg: _Master, algorithm: str) -> None:
         if value != getattr(type(section)(), field):
             problems.append(f"{key}={value!r}: {algorithm} does not read it ({why})")
     data, default = cfg.data, DataConfig()
-    for k, formats in _COLUMN_KEYS.items():
+    for k, (formats, lacks) in _FORMAT_KEYS.items():
         if f"data.{k}" in cfg.UNREAD_KEYS or data.dataset_name in formats:
             continue
         if getattr(data, k) != getattr(default, k):
             problems.append(
-                f"data.{k}={getattr(data, k)!r}: data.dataset_name={data.dataset_name!r} has no "
-                f"such column (only {', '.join(formats)} read data.{k})"
+                f"data.{k}={getattr(data, k)!r}: data.dataset_name={data.dataset_name!r} has "
+                f"{lacks} (only {', '.join(formats)} read data.{k})"
             )
     if problems:
         raise ValueError("; ".join(problems) + "; remove these keys")

@@ -27,7 +27,9 @@ attributed to the message that added it:
   Tool calls cannot be rendered without a template: refused by name.
 - **Plain text** (a `~tempering.data.messages.Text`, SFT's ``text`` rows): the tokenizer's
   own encoding with its special tokens, then its EOS token; the loss on every token but the
-  first (:func:`tokenize_text`).
+  first (:func:`tokenize_text`). A text longer than ``max_seq_len`` is cut like any example,
+  or, with ``split_long_texts``, becomes one example per consecutive window of
+  ``max_seq_len`` tokens (nothing lost; each window trains every token but its first).
 
 ``token_mask`` is 1 only on loss tokens of assistant messages at index >= ``loss_from_message``
 (preference data sets it to the prompt length so only the response counts). Sequences
@@ -235,30 +237,45 @@ def _tokenize_conversation(
     )  # fmt: skip
 
 
-def tokenize_text(text: str, tokenizer: Any, max_seq_len: int) -> TokenizedExample:
+def tokenize_text(
+    text: str, tokenizer: Any, max_seq_len: int, *, split: bool = False
+) -> list[TokenizedExample]:
     """A `Text` example: the tokenizer's own special tokens (a BOS where it adds one), then the
     end-of-text token unless the text ends in it; the loss on every token but the first
-    (which nothing predicts)."""
+    (which nothing predicts). Longer than ``max_seq_len``: cut, or with ``split`` one example
+    per consecutive window of ``max_seq_len`` tokens (a last window of one token, which
+    trains nothing, is left out)."""
     ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
     eos = getattr(tokenizer, "eos_token_id", None)
     if eos is not None and (not ids or ids[-1] != eos):
         ids.append(eos)
-    return _cut(ids, [0] + [1] * (len(ids) - 1), max_seq_len)
+    if not split or len(ids) <= max_seq_len:
+        return [_cut(ids, [0] + [1] * (len(ids) - 1), max_seq_len)]
+    windows = [ids[i : i + max_seq_len] for i in range(0, len(ids), max_seq_len)]
+    return [_cut(w, [0] + [1] * (len(w) - 1), max_seq_len) for w in windows if len(w) > 1]
 
 
 def tokenize_message_logs(
-    message_logs: Sequence[MessageLog | Conversation | Text], tokenizer: Any, max_seq_len: int
+    message_logs: Sequence[MessageLog | Conversation | Text],
+    tokenizer: Any,
+    max_seq_len: int,
+    split_long_texts: bool = False,
 ) -> tuple[list[TokenizedExample], int]:
-    """Tokenize many logs (a `Conversation` with its tools, a `Text` whole); returns the
-    examples and how many were truncated (also logged). A conversation whose template
+    """Tokenize many logs (a `Conversation` with its tools, a `Text` whole, or in windows with
+    ``split_long_texts``); returns the examples and how many were truncated (also logged;
+    split texts, logged too, are not truncated). A conversation whose template
     rewrites earlier turns once later ones follow (`HistoryRewrittenError`) becomes one
     example per trained assistant turn, each after its history as the template renders it
     when the model writes that turn (what inference shows it); counted and logged."""
     examples: list[TokenizedExample] = []
     split: list[int] = []  # examples made from each conversation split by turn
+    windows: list[int] = []  # examples made from each text split into windows
     for log in message_logs:
         if isinstance(log, Text):
-            examples.append(tokenize_text(log.text, tokenizer, max_seq_len))
+            pieces = tokenize_text(log.text, tokenizer, max_seq_len, split=split_long_texts)
+            examples += pieces
+            if len(pieces) > 1:
+                windows.append(len(pieces))
             continue
         conv = log if isinstance(log, Conversation) else Conversation(log, [])
         try:
@@ -277,6 +294,12 @@ def tokenize_message_logs(
             "drops earlier reasoning), so each turn is trained after its history as the "
             "template renders it when that turn is generated",
             len(split), len(message_logs), sum(split),
+        )  # fmt: skip
+    if windows:
+        logger.info(
+            "%d of %d texts were longer than max_seq_len=%d and became %d examples of "
+            "consecutive windows (data.split_long_texts)",
+            len(windows), len(message_logs), max_seq_len, sum(windows),
         )  # fmt: skip
     num_truncated = sum(e["truncated"] for e in examples)
     if num_truncated:

@@ -505,18 +505,19 @@ def test_keys_an_algorithm_does_not_read_are_refused_by_name(master, key):
         (schemas.DPOMasterConfig, "helpsteer3", "data.prompt_key"),
         (schemas.RMMasterConfig, "messages_preference", "data.prompt_key"),
         (schemas.GRPOMasterConfig, "arithmetic", "data.problem_key"),
+        (schemas.SFTMasterConfig, "messages", "data.split_long_texts"),
     ],
 )
 def test_a_column_key_the_dataset_format_lacks_is_refused(master, dataset, key):
     path = [] if dataset == "arithmetic" else ["data.train_data_path=/some/file.jsonl"]
     overrides = [f"data.dataset_name={dataset}", *path]
     load_config(REPO / "examples/configs" / EXAMPLE[master], overrides, schema=master)  # fine
+    value, shown, lacks = ("true", "True", "no plain text") if key.endswith("texts") else (
+        "question", "'question'", "no such column")  # fmt: skip
     with pytest.raises(ConfigError) as info:
-        load_config(REPO / "examples/configs" / EXAMPLE[master], [*overrides, f"{key}=question"],
+        load_config(REPO / "examples/configs" / EXAMPLE[master], [*overrides, f"{key}={value}"],
                     schema=master)  # fmt: skip
-    assert f"{key}='question'" in str(info.value) and f"{dataset!r} has no such column" in str(
-        info.value
-    )
+    assert f"{key}={shown}" in str(info.value) and f"{dataset!r} has {lacks}" in str(info.value)
 
 
 def test_column_keys_are_accepted_where_the_format_has_them():

@@ -313,3 +313,44 @@ def test_plain_text_rows_train_every_token_and_hf_datasets_pick_their_format(tmp
                                 {"role": "assistant", "content": "a"}], Text("plain words")]  # fmt: skip
     with pytest.raises(DataFormatError, match=r"no columns to train on: expected 'messages'"):
         load_hf_sft([str(write_jsonl(tmp_path / "odd.jsonl", [{"body": "x"}]))])
+
+
+def test_split_long_texts_keeps_every_token_in_consecutive_windows(tmp_path):
+    """Continued pretraining on documents longer than the sequence: with
+    data.split_long_texts each text becomes windows of max_seq_len tokens whose concatenation
+    is the whole text; each window trains every token but its first, none is truncated."""
+    from tempering.data.messages import Text
+    from tempering.data.processing import tokenize_message_logs
+    from tempering.models.hf import load_tokenizer
+    from tempering.models.registry import resolve_model_path
+
+    tokenizer = load_tokenizer(resolve_model_path("tiny-arith"))
+    long_text, short_text = "Q: 12+34=? A: 46 Q: 5+6=? A: 11", "1+1"
+    whole = [*tokenizer(long_text)["input_ids"], tokenizer.eos_token_id]
+    assert len(whole) > 3 * 8 and len(whole) % 8 != 1  # several windows, a real last one
+    examples, n = tokenize_message_logs([Text(long_text), Text(short_text)], tokenizer, 8, True)
+    windows, short = examples[:-1], examples[-1]
+    assert n == 0 and not any(e["truncated"] for e in examples)
+    assert [t for w in windows for t in w["input_ids"]] == whole
+    assert all(len(w["input_ids"]) == 8 for w in windows[:-1])
+    assert all(w["token_mask"] == [0] + [1] * (len(w["input_ids"]) - 1) for w in windows)
+    assert short["input_ids"] == [*tokenizer(short_text)["input_ids"], tokenizer.eos_token_id]
+    # a last window of a single token would train nothing: left out
+    one_over = Text("Q: 1+1=? A: 2 Q: 3+3=? A: 6")
+    ids = [*tokenizer(one_over.text)["input_ids"], tokenizer.eos_token_id]
+    size = len(ids) - 1  # one window of this size leaves one token over
+    pieces, _ = tokenize_message_logs([one_over], tokenizer, size, True)
+    assert [p["input_ids"] for p in pieces] == [ids[:size]]
+    cut, n = tokenize_message_logs([Text(long_text)], tokenizer, 8)  # the default: cut, counted
+    assert n == 1 and len(cut) == 1 and cut[0]["input_ids"] == whole[:8]
+
+    # SFT's data loading reads the key, for the training and the validation rows alike
+    from tempering.algorithms.sft import load_sft_data
+    from tempering.config.schemas import DataConfig
+
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": long_text}] * 6)
+    for split, per_text in ((False, 1), (True, len(windows))):
+        cfg = DataConfig(dataset_name="text", train_data_path=str(path), num_val_samples=2,
+                         split_long_texts=split)  # fmt: skip
+        data = load_sft_data(cfg, tokenizer, 8)
+        assert (len(data.train), len(data.val)) == (4 * per_text, 2 * per_text)
