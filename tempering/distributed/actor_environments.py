@@ -307,9 +307,11 @@ def create_pip_venv(
                                "--ignore-requires-python", "--prefer-binary",
                                *spec.unbounded], timeout_s)  # fmt: skip
         dependencies = _declared_dependencies(python, spec.unbounded)
+        # from the checkout, as `uv sync` runs for the uv venvs: our [tool.uv] settings, not
+        # those of whatever folder the job was started from
         _run_build_step(venv, ["uv", "pip", "install", "--quiet", "--compile-bytecode",
                                "--python", python, *dependencies, *spec.requirements],
-                        timeout_s)  # fmt: skip
+                        timeout_s, cwd=REPO_ROOT)  # fmt: skip
         site = _purelib(python)
         (Path(site) / "tempering-checkout.pth").write_text(f"{REPO_ROOT}\n")
 
