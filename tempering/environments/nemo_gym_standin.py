@@ -365,6 +365,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     with GymStandIn(args.policy_base_url, args.model) as gym:
         print(json.dumps({"head_url": gym.head_url}), flush=True)
+        sys.stdout = sys.stderr  # nobody reads the pipe after that line: never let it fill
         sys.stdin.read()
 
 
