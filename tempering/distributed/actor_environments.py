@@ -312,17 +312,17 @@ def create_pip_venv(
         _run_build_step(venv, ["uv", "pip", "install", "--quiet", "--compile-bytecode",
                                "--python", python, *dependencies, *spec.requirements],
                         timeout_s, cwd=REPO_ROOT)  # fmt: skip
-        site = _purelib(python)
-        (Path(site) / "tempering-checkout.pth").write_text(f"{REPO_ROOT}\n")
+        (site_packages(python) / "tempering-checkout.pth").write_text(f"{REPO_ROOT}\n")
 
     return _build_venv(venv_name, expected, build, force_rebuild, timeout_s)
 
 
-def _purelib(python: str) -> str:
-    return subprocess.run(
+def site_packages(python: str) -> Path:
+    """The site-packages folder (``purelib``) of the interpreter ``python``."""
+    return Path(subprocess.run(
         [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         capture_output=True, text=True, check=True,
-    ).stdout.strip()  # fmt: skip
+    ).stdout.strip())  # fmt: skip
 
 
 def _declared_dependencies(python: str, installed: tuple[str, ...]) -> list[str]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -24,14 +23,6 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 TOOL_CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "San Francisco"}}</tool_call>'
-
-
-def _site_packages(python: str) -> Path:
-    out = subprocess.run(
-        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    return Path(out.stdout.strip())
 
 
 def _rows(path: Path, n: int) -> list[dict]:
@@ -43,7 +34,11 @@ def test_real_gym_rollouts_score_and_return_contiguous_token_ids(
 ):
     from tempering.config.schemas import NemoGymConfig
     from tempering.data.nemo_gym import problem_row
-    from tempering.distributed.actor_environments import get_actor_executable, resolve_python
+    from tempering.distributed.actor_environments import (
+        get_actor_executable,
+        resolve_python,
+        site_packages,
+    )
     from tempering.environments.nemo_gym import (
         LAUNCHER_FQN,
         GymServerError,
@@ -57,7 +52,7 @@ def test_real_gym_rollouts_score_and_return_contiguous_token_ids(
     from tempering.models.hf import load_tokenizer
     from tests.scripted_backend import ScriptedBackend
 
-    site = _site_packages(resolve_python(LAUNCHER_FQN, get_actor_executable(LAUNCHER_FQN)))
+    site = site_packages(resolve_python(LAUNCHER_FQN, get_actor_executable(LAUNCHER_FQN)))
     tool_rows = _rows(site / "resources_servers/example_single_tool_call/data/example.jsonl", 2)
     math_rows = _rows(site / "resources_servers/math_with_judge/data/example.jsonl", 3)
     for row in tool_rows:
