@@ -485,6 +485,7 @@ _GRPO_DATA_KEYS = (
 )  # fmt: skip
 _PROBLEMS_COLUMNS = "GRPO problems files name their columns with data.problem_key / data.answer_key"
 _NO_SAMPLES = "its validation generates no text to print"
+_PREFERENCE_ROWS = "a preference row is a prompt and two responses, not plain text"
 # Keys each algorithm never reads -> why: a value other than the default is refused, not
 # ignored. tests/unit/test_config_keys.py takes these as the algorithm's answer for those keys
 # and checks that each is refused.
@@ -494,8 +495,8 @@ _UNREAD_KEYS: dict[str, dict[str, str]] = {
         **{f"data.{k}": _GRPO_ONLY for k in _GRPO_DATA_KEYS},
         "data.response_key": "a preference row has two responses, read from its 'chosen' and "
         "'rejected' columns",
-        "data.text_key": "a preference row is a prompt and two responses, not plain text",
-        "data.split_long_texts": "a preference row is a prompt and two responses, not plain text",
+        "data.text_key": _PREFERENCE_ROWS,
+        "data.split_long_texts": _PREFERENCE_ROWS,
         "logger.num_val_samples_to_print": _NO_SAMPLES + " (greedy accuracy is a metric)",
     },
     "GRPO": {
