@@ -62,6 +62,7 @@ __all__ = [
     "NLLLoss",
     "TruncatedISType",
     "count_valid_pairs",
+    "dpo_preference_loss",
     "kl_estimate",
     "token_entropy",
     "token_logprobs",
@@ -468,8 +469,30 @@ class ClippedPGLoss:
 # --------------------------------------------------------------------------------------------
 
 
+def dpo_preference_loss(margin: Tensor, beta: float, kind: str, label_smoothing: float) -> Tensor:
+    """Each pair's preference loss from its implicit-reward margin ``z = beta * d``, where
+    ``d = (logp_c - ref_c) - (logp_r - ref_r)`` (TRL's names and formulas; ``e`` = label
+    smoothing, the assumed share of pairs whose labels are flipped):
+
+      sigmoid  -(1 - e) logsigmoid(z) - e logsigmoid(-z)      (DPO; e > 0: conservative DPO)
+      robust   (-(1 - e) logsigmoid(z) + e logsigmoid(-z)) / (1 - 2e)   (unbiased under flips)
+      hinge    relu(1 - z)                                     (SLiC)
+      ipo      (d - 1 / (2 beta))^2                            (IPO: d regressed to a target)
+    """
+    if kind == "hinge":
+        return torch.relu(1 - margin)
+    if kind == "ipo":
+        return (margin / beta - 1 / (2 * beta)) ** 2
+    win, lose = -F.logsigmoid(margin), -F.logsigmoid(-margin)
+    if kind == "sigmoid":
+        return (1 - label_smoothing) * win + label_smoothing * lose
+    if kind == "robust":
+        return ((1 - label_smoothing) * win - label_smoothing * lose) / (1 - 2 * label_smoothing)
+    raise ValueError(f"DPO loss_type={kind!r}: use one of sigmoid, hinge, ipo, robust")
+
+
 class DPOLoss:
-    """Direct Preference Optimisation (sigmoid loss) with an optional SFT term on chosen.
+    """Direct Preference Optimisation with an optional SFT term on chosen.
 
     The batch interleaves pairs: sample ``2i`` is chosen, ``2i + 1`` rejected. `data` needs
     ``input_ids``, ``token_mask``, ``sample_mask`` and ``reference_policy_logprobs [B, S]``.
@@ -477,7 +500,8 @@ class DPOLoss:
     ``preference_average_log_probs=True``); same for the reference. Per pair:
 
       reward_c = beta * (logp_c - ref_c),  reward_r = beta * (logp_r - ref_r)
-      pref     = -logsigmoid(reward_c - reward_r)
+      pref     = -logsigmoid(reward_c - reward_r)   (``preference_loss_type="sigmoid"``; the
+                 others: `dpo_preference_loss`)
       sft      = -logp_c                (same sum/mean aggregation as above)
       loss     = sum over valid pairs of (pref + sft_loss_weight * sft) / global_valid_seqs
 
@@ -498,6 +522,8 @@ class DPOLoss:
         reference_policy_kl_penalty: float = 0.1,
         preference_average_log_probs: bool = False,
         sft_loss_weight: float = 0.0,
+        preference_loss_type: str = "sigmoid",
+        label_smoothing: float = 0.0,
     ) -> None:
         if reference_policy_kl_penalty <= 0:
             raise ValueError(
@@ -506,6 +532,9 @@ class DPOLoss:
         self.beta = reference_policy_kl_penalty
         self.preference_average_log_probs = preference_average_log_probs
         self.sft_loss_weight = sft_loss_weight
+        self.preference_loss_type = preference_loss_type
+        self.label_smoothing = label_smoothing
+        dpo_preference_loss(torch.zeros(1), self.beta, preference_loss_type, label_smoothing)
 
     def _sequence_logprob(self, logprobs: Tensor, token_mask: Tensor) -> Tensor:
         total = (logprobs * token_mask).sum(-1)  # [B]
@@ -532,7 +561,10 @@ class DPOLoss:
         margin = r_chosen - r_rejected
 
         denom = _as_tensor(global_valid_seqs, logprobs)
-        pref_loss = (-F.logsigmoid(margin) * pair_mask).sum() / denom
+        per_pair = dpo_preference_loss(
+            margin, self.beta, self.preference_loss_type, self.label_smoothing
+        )
+        pref_loss = (per_pair * pair_mask).sum() / denom
         sft_loss = (-seq_lp[0::2] * pair_mask).sum() / denom
         loss = pref_loss + self.sft_loss_weight * sft_loss
 

@@ -1,4 +1,5 @@
-"""Direct Preference Optimisation (sigmoid DPO) on FSDP2 workers.
+"""Direct Preference Optimisation on FSDP2 workers (`dpo.loss_type`: sigmoid, hinge, IPO,
+robust; `dpo.label_smoothing` for conservative DPO).
 
     uv run examples/run_dpo.py [--config FILE] [dotted.key=value ...]
 
@@ -95,6 +96,8 @@ def make_loss(cfg: DPOMasterConfig) -> Any:
         reference_policy_kl_penalty=cfg.dpo.reference_policy_kl_penalty,
         preference_average_log_probs=cfg.dpo.preference_average_log_probs,
         sft_loss_weight=cfg.dpo.sft_loss_weight,
+        preference_loss_type=cfg.dpo.loss_type,
+        label_smoothing=cfg.dpo.label_smoothing,
     )
 
 

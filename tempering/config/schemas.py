@@ -440,9 +440,27 @@ class DPOConfig(PreferenceLoopConfig):
         False, description="mean instead of sum of token log-probs per sequence"
     )
     sft_loss_weight: float = Field(0.0, ge=0, description="weight of NLL on the chosen response")
+    loss_type: Literal["sigmoid", "hinge", "ipo", "robust"] = Field(
+        "sigmoid", description="the preference loss of the pair's margin (TRL's names)"
+    )
+    label_smoothing: float = Field(
+        0.0, ge=0, lt=0.5, description="sigmoid/robust: the assumed share of flipped pairs"
+    )
     val_greedy_accuracy: bool = Field(
         True, description="arithmetic data: also report tiny-arith greedy accuracy at validation"
     )
+
+    @model_validator(mode="after")
+    def _label_smoothing_read(self) -> DPOConfig:
+        """Label smoothing is a sigmoid-loss idea (cDPO, robust DPO); the hinge and IPO losses
+        have no such term, so a smoothing they would ignore is refused."""
+        if self.label_smoothing and self.loss_type in ("hinge", "ipo"):
+            raise ValueError(
+                f"dpo.label_smoothing={self.label_smoothing} has no effect with "
+                f"dpo.loss_type={self.loss_type} (it smooths the sigmoid and robust losses): "
+                "set dpo.label_smoothing=0 or dpo.loss_type=sigmoid|robust"
+            )
+        return self
 
 
 class RMConfig(PreferenceLoopConfig):

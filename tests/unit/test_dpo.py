@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,24 @@ def test_batch_size_checks_name_the_values():
 
 
 # --------------------------------------------------------------------- metrics
+def test_dpo_loss_type_and_label_smoothing_are_read_or_refused():
+    """The loss the config names reaches DPOLoss; a smoothing the hinge or IPO loss would
+    ignore is refused with the fix, as is an unknown loss."""
+    from tempering.algorithms.dpo import make_loss
+    from tempering.config.schemas import DPOMasterConfig
+
+    cfg = DPOMasterConfig(dpo={"loss_type": "robust", "label_smoothing": 0.1})
+    loss = make_loss(cfg)
+    assert (loss.preference_loss_type, loss.label_smoothing) == ("robust", 0.1)
+    with pytest.raises(ValueError, match=r"dpo.label_smoothing=0.1 has no effect with "
+                                         r"dpo.loss_type=ipo.*dpo.label_smoothing=0"):  # fmt: skip
+        DPOMasterConfig(dpo={"loss_type": "ipo", "label_smoothing": 0.1})
+    with pytest.raises(ValueError, match="loss_type"):
+        DPOMasterConfig(dpo={"loss_type": "kto"})
+    with pytest.raises(ValueError, match="use one of sigmoid, hinge, ipo, robust"):
+        DPOLoss(0.1, preference_loss_type="kto")
+
+
 def test_likelihood_preference_accuracy_hand_worked():
     # 3 pairs; response tokens at positions 1..2; pair 2 masked out
     logprobs = torch.tensor(
@@ -225,3 +244,78 @@ def test_dpo_step_uses_frozen_reference_and_learns_a_fixed_batch(worker, tiny_ar
     assert last["reward_margin"] > 0
     # the implicit reward is beta * (logp - logp_ref): chosen up relative to rejected
     assert last["rewards_chosen_mean"] > last["rewards_rejected_mean"]
+
+
+def parity_pairs(path: Path, n: int, seed: int) -> str:
+    """Pairs whose chosen answer is an even number and rejected an odd one: a preference an
+    untrained model holds at chance and learns in a few dozen steps."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        even, odd = 2 * rng.randint(5, 49), 2 * rng.randint(5, 49) + 1
+        rows.append({"prompt": f"Q: {a}+{b}=? A:", "chosen": f" {even}", "rejected": f" {odd}"})
+    return str(write_jsonl(path, rows))
+
+
+# (loss_type, label_smoothing, preference_average_log_probs): the held-out log-ratio
+# difference d = (logp_c - ref_c) - (logp_r - ref_r) each one settles at, beta = 0.5
+DPO_KIND_TARGETS = {
+    ("sigmoid", 0.0, False): "unbounded",  # -logsigmoid keeps pulling: d grows
+    ("sigmoid", 0.1, False): "smoothed",  # conservative DPO: optimum at beta*d = log(0.9/0.1)
+    ("robust", 0.1, False): "unbounded",
+    ("hinge", 0.0, False): "margin",  # no gradient once beta*d >= 1
+    ("ipo", 0.0, True): "ipo",  # mean per-token d regressed to 1 / (2 beta)
+}
+
+
+@pytest.mark.parametrize("kind,eps,average", list(DPO_KIND_TARGETS))
+def test_each_dpo_loss_learns_held_out_pairs_and_settles_where_its_paper_says(
+    tiny_arith_dir, tmp_path, monkeypatch, kind, eps, average
+):
+    """40 steps of 16 parity pairs from an untrained tiny-arith: the held-out log-prob accuracy
+    (the policy's own preference) rises from chance by >= 25 points under every loss type, and
+    each loss leaves the held-out log-ratio difference where its objective puts it -- so a
+    `dpo.loss_type` that fell back to another loss would fail here."""
+    from tempering.models.hf import load_tokenizer
+    from tempering.models.policy.fsdp2_worker import FSDP2PolicyWorker
+
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    beta = 0.5
+    data = load_preference_data(DataConfig(
+        dataset_name="preference", train_data_path=parity_pairs(tmp_path / "t.jsonl", 640, 0),
+        val_data_path=parity_pairs(tmp_path / "v.jsonl", 128, 1)))  # fmt: skip
+    tokenizer = load_tokenizer(tiny_arith_dir)
+    val = preference_batch(data.val, tokenizer, 32)
+    w = FSDP2PolicyWorker(
+        tiny_arith_dir, learning_rate=1e-3, init_reference_model=True, num_threads=1, seed=0
+    )
+    try:
+        loss_fn = DPOLoss(beta, preference_average_log_probs=average,
+                          preference_loss_type=kind, label_smoothing=eps)  # fmt: skip
+        ref = w.get_logprobs(val)["logprobs"]
+        for step in range(40):
+            batch = preference_batch(data.train[16 * step : 16 * step + 16], tokenizer, 32)
+            dpo_step(w, batch, loss_fn, global_batch_size=32, micro_batch_size=32)
+        logprobs = w.get_logprobs(val)["logprobs"]
+    finally:
+        w.shutdown()
+    start = likelihood_preference_accuracy(ref, val, False)
+    end = likelihood_preference_accuracy(logprobs, val, False)
+    assert 0.35 <= start <= 0.65 and end >= start + 0.25, (start, end)
+    mask = val["token_mask"].float()
+    per_seq = ((logprobs - ref) * mask).sum(-1)
+    if average:
+        per_seq = per_seq / mask.sum(-1)
+    d = float((per_seq[0::2] - per_seq[1::2]).mean())
+    smoothed_optimum = math.log((1 - 0.1) / 0.1) / beta  # 4.39
+    target = DPO_KIND_TARGETS[(kind, eps, average)]
+    if target == "unbounded":
+        assert d > 2 * smoothed_optimum, d
+    elif target == "smoothed":
+        assert abs(d - smoothed_optimum) < 1.5, d
+    elif target == "margin":
+        assert d >= 1 / beta, d
+    else:
+        assert abs(d - 1 / (2 * beta)) < 0.3, d

@@ -379,15 +379,33 @@ def dpo_data(batch: dict, masked_pair: bool) -> dict:
     }
 
 
+def hand_preference(z: torch.Tensor, beta: float, kind: str, eps: float) -> torch.Tensor:
+    """The papers' per-pair losses of the reward margin z = beta * d, written out."""
+    log_sig = lambda x: torch.log(1 / (1 + torch.exp(-x)))  # noqa: E731
+    if kind == "sigmoid":  # DPO; conservative DPO with eps > 0
+        return -(1 - eps) * log_sig(z) - eps * log_sig(-z)
+    if kind == "robust":  # robust DPO (Chowdhury et al. 2024)
+        return (-(1 - eps) * log_sig(z) + eps * log_sig(-z)) / (1 - 2 * eps)
+    if kind == "hinge":  # SLiC
+        return torch.clamp(1 - z, min=0)
+    assert kind == "ipo"  # IPO: the log-ratio difference d regressed to 1 / (2 beta)
+    return (z / beta - 1 / (2 * beta)) ** 2
+
+
+DPO_KINDS = [("sigmoid", 0.0), ("sigmoid", 0.1), ("robust", 0.2), ("hinge", 0.0), ("ipo", 0.0)]
+
+
 @pytest.mark.parametrize("average", [False, True])
 @pytest.mark.parametrize("masked_pair", [False, True])
-def test_dpo_loss_and_grad(batch, average, masked_pair):
+@pytest.mark.parametrize("kind,eps", DPO_KINDS)
+def test_dpo_loss_and_grad(batch, average, masked_pair, kind, eps):
     beta, sft_w = 0.3, 0.5
     data = dpo_data(batch, masked_pair)
     pairs = count_valid_pairs(data["sample_mask"])
     assert pairs.item() == (1 if masked_pair else 2)
     logits = leaf(batch)
-    loss_fn = DPOLoss(beta, preference_average_log_probs=average, sft_loss_weight=sft_w)
+    loss_fn = DPOLoss(beta, preference_average_log_probs=average, sft_loss_weight=sft_w,
+                      preference_loss_type=kind, label_smoothing=eps)  # fmt: skip
     loss, metrics = loss_fn(logits, data, torch.tensor(0.0), pairs)
     loss.backward()
 
@@ -412,7 +430,7 @@ def test_dpo_loss_and_grad(batch, average, masked_pair):
         reward_c = beta * (seq(c, True) - seq(c, False))
         reward_r = beta * (seq(r, True) - seq(r, False))
         margin = reward_c - reward_r
-        pref = -torch.log(1 / (1 + torch.exp(-margin)))
+        pref = hand_preference(margin, beta, kind, eps)
         hand = hand + pref + sft_w * (-seq(c, True))
         accs.append(float(margin > 0))
         margins.append(margin.item())
