@@ -469,7 +469,13 @@ class ClippedPGLoss:
 # --------------------------------------------------------------------------------------------
 
 
-def dpo_preference_loss(margin: Tensor, beta: float, kind: str, label_smoothing: float) -> Tensor:
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "simpo")
+SIMPO_DEFAULT_GAMMA = 0.5  # TRL's simpo_gamma
+
+
+def dpo_preference_loss(
+    margin: Tensor, beta: float, kind: str, label_smoothing: float, gamma: float = 0.0
+) -> Tensor:
     """Each pair's preference loss from its implicit-reward margin ``z = beta * d``, where
     ``d = (logp_c - ref_c) - (logp_r - ref_r)`` (TRL's names and formulas; ``e`` = label
     smoothing, the assumed share of pairs whose labels are flipped):
@@ -478,17 +484,20 @@ def dpo_preference_loss(margin: Tensor, beta: float, kind: str, label_smoothing:
       robust   (-(1 - e) logsigmoid(z) + e logsigmoid(-z)) / (1 - 2e)   (unbiased under flips)
       hinge    relu(1 - z)                                     (SLiC)
       ipo      (d - 1 / (2 beta))^2                            (IPO: d regressed to a target)
+      simpo    sigmoid's of z - gamma, with no reference: d = mean logp_c - mean logp_r
     """
     if kind == "hinge":
         return torch.relu(1 - margin)
     if kind == "ipo":
         return (margin / beta - 1 / (2 * beta)) ** 2
+    if kind == "simpo":
+        margin = margin - gamma
     win, lose = -F.logsigmoid(margin), -F.logsigmoid(-margin)
-    if kind == "sigmoid":
+    if kind in ("sigmoid", "simpo"):
         return (1 - label_smoothing) * win + label_smoothing * lose
     if kind == "robust":
         return ((1 - label_smoothing) * win - label_smoothing * lose) / (1 - 2 * label_smoothing)
-    raise ValueError(f"DPO loss_type={kind!r}: use one of sigmoid, hinge, ipo, robust")
+    raise ValueError(f"DPO loss_type={kind!r}: use one of {', '.join(DPO_LOSS_TYPES)}")
 
 
 class DPOLoss:
@@ -504,6 +513,11 @@ class DPOLoss:
                  others: `dpo_preference_loss`)
       sft      = -logp_c                (same sum/mean aggregation as above)
       loss     = sum over valid pairs of (pref + sft_loss_weight * sft) / global_valid_seqs
+
+    ``preference_loss_type="simpo"`` is reference-free (``needs_reference`` False: the policy
+    is trained without ``with_reference``, and ``reference_policy_logprobs`` is not read):
+    ``reward = beta * logp`` (mean log-probs: the config requires them), and the margin is
+    shifted by ``simpo_gamma``.
 
     IMPORTANT: ``global_valid_seqs`` counts PAIRS (valid pairs in the global batch, see
     `count_valid_pairs`), not samples. ``beta`` is NeMo RL's ``reference_policy_kl_penalty``.
@@ -524,6 +538,7 @@ class DPOLoss:
         sft_loss_weight: float = 0.0,
         preference_loss_type: str = "sigmoid",
         label_smoothing: float = 0.0,
+        simpo_gamma: float | None = None,
     ) -> None:
         if reference_policy_kl_penalty <= 0:
             raise ValueError(
@@ -534,6 +549,8 @@ class DPOLoss:
         self.sft_loss_weight = sft_loss_weight
         self.preference_loss_type = preference_loss_type
         self.label_smoothing = label_smoothing
+        self.needs_reference = preference_loss_type != "simpo"
+        self.gamma = SIMPO_DEFAULT_GAMMA if simpo_gamma is None else simpo_gamma
         dpo_preference_loss(torch.zeros(1), self.beta, preference_loss_type, label_smoothing)
 
     def _sequence_logprob(self, logprobs: Tensor, token_mask: Tensor) -> Tensor:
@@ -551,18 +568,20 @@ class DPOLoss:
     ) -> tuple[Tensor, dict[str, float]]:
         logprobs = token_logprobs(logits, data["input_ids"], data["token_mask"])  # [B, S]
         token_mask = data["token_mask"].to(logprobs.dtype)
-        ref = data["reference_policy_logprobs"].to(logprobs.dtype)
         pair_mask = _pair_mask(data["sample_mask"].to(logprobs.dtype))  # [B/2]
 
         seq_lp = self._sequence_logprob(logprobs, token_mask)  # [B]
-        seq_ref = self._sequence_logprob(ref, token_mask)  # [B]
-        rewards = self.beta * (seq_lp - seq_ref)  # [B]
+        seq_ref = None
+        if self.needs_reference:
+            ref = data["reference_policy_logprobs"].to(logprobs.dtype)
+            seq_ref = self._sequence_logprob(ref, token_mask)  # [B]
+        rewards = self.beta * (seq_lp if seq_ref is None else seq_lp - seq_ref)  # [B]
         r_chosen, r_rejected = rewards[0::2], rewards[1::2]  # [B/2]
         margin = r_chosen - r_rejected
 
         denom = _as_tensor(global_valid_seqs, logprobs)
         per_pair = dpo_preference_loss(
-            margin, self.beta, self.preference_loss_type, self.label_smoothing
+            margin, self.beta, self.preference_loss_type, self.label_smoothing, self.gamma
         )
         pref_loss = (per_pair * pair_mask).sum() / denom
         sft_loss = (-seq_lp[0::2] * pair_mask).sum() / denom
@@ -577,12 +596,12 @@ class DPOLoss:
                 "rewards_chosen_mean": _masked_mean(r_chosen, pair_mask),
                 "rewards_rejected_mean": _masked_mean(r_rejected, pair_mask),
                 "reward_margin": _masked_mean(margin, pair_mask),
-                # pairs the frozen reference already ranks right (what learning starts from)
-                "reference_logprob_accuracy": _masked_mean(
-                    (seq_ref[0::2] > seq_ref[1::2]).to(margin.dtype), pair_mask
-                ),
                 "num_valid_pairs": float(pair_mask.sum().item()),
             }
+            if seq_ref is not None:  # pairs the frozen reference already ranks right
+                metrics["reference_logprob_accuracy"] = _masked_mean(
+                    (seq_ref[0::2] > seq_ref[1::2]).to(margin.dtype), pair_mask
+                )
         return loss, metrics
 
 

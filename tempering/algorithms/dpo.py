@@ -1,5 +1,6 @@
 """Direct Preference Optimisation on FSDP2 workers (`dpo.loss_type`: sigmoid, hinge, IPO,
-robust; `dpo.label_smoothing` for conservative DPO).
+robust; `dpo.label_smoothing` for conservative DPO; reference-free SimPO, which builds no
+reference model).
 
     uv run examples/run_dpo.py [--config FILE] [dotted.key=value ...]
 
@@ -76,7 +77,7 @@ def setup(cfg: DPOMasterConfig, resolved: dict[str, Any]) -> PreferenceRun:
         cfg.policy,
         run.cluster,
         total_steps=cfg.dpo.max_num_steps,
-        init_reference_model=True,
+        init_reference_model=not cfg.dpo.reference_free,
         seed=cfg.dpo.seed,
     )
     data_metrics = {
@@ -98,13 +99,15 @@ def make_loss(cfg: DPOMasterConfig) -> Any:
         sft_loss_weight=cfg.dpo.sft_loss_weight,
         preference_loss_type=cfg.dpo.loss_type,
         label_smoothing=cfg.dpo.label_smoothing,
+        simpo_gamma=cfg.dpo.simpo_gamma,
     )
 
 
 def dpo_step(policy: Any, batch: Any, loss_fn: Any, **train_kwargs: Any) -> dict[str, float]:
     """One `policy.train` call; the workers compute the reference log-probs per micro-batch
-    (the metrics' ``reference_logprob_accuracy`` reads them)."""
-    return policy.train(batch, loss_fn, with_reference=True, **train_kwargs)
+    (the metrics' ``reference_logprob_accuracy`` reads them) unless the loss is
+    reference-free (SimPO)."""
+    return policy.train(batch, loss_fn, with_reference=loss_fn.needs_reference, **train_kwargs)
 
 
 def train(run: PreferenceRun) -> dict[str, Any]:
@@ -144,7 +147,9 @@ def validate(run: PreferenceRun, step: int) -> dict[str, float]:
         logprobs, batch, cfg.preference_average_log_probs
     )
     # what the reference already ranks right: the floor preference learning starts from
-    out["reference_logprob_accuracy"] = m["reference_logprob_accuracy"]
+    # (none without a reference: SimPO's start is the policy's own, `logprob_accuracy`)
+    if "reference_logprob_accuracy" in m:
+        out["reference_logprob_accuracy"] = m["reference_logprob_accuracy"]
     if cfg.val_greedy_accuracy and run.data.val_problems:
         out.update(greedy_accuracy(run))
     run.logger.log_metrics(out, step, prefix="val")
@@ -227,14 +232,21 @@ def report(summary: dict[str, Any], cfg: DPOMasterConfig, task_accuracy: str | N
         a, b = start.get(key), end.get(key)
         return f"{'n/a' if a is None else f'{a:.3f}'} -> {'n/a' if b is None else f'{b:.3f}'}"
 
-    lines = [
-        f"\nDPO done: {summary['steps']} steps; held-out pairs:",
-        f"  reference log-prob accuracy (what the frozen reference already ranks right): "
-        f"{end.get('reference_logprob_accuracy', float('nan')):.3f}",
-        f"  policy log-prob accuracy: {fig('logprob_accuracy')}",
-        f"  implicit-reward preference accuracy: {fig('preference_accuracy')} (0 at the start by "
-        "construction: the policy is the reference)",
-    ]
+    lines = [f"\nDPO done: {summary['steps']} steps; held-out pairs:"]
+    if cfg.dpo.reference_free:
+        lines += [
+            f"  policy log-prob accuracy: {fig('logprob_accuracy')} (no reference model: "
+            f"dpo.loss_type={cfg.dpo.loss_type}; its start is what the model already ranks right)",
+            f"  reward preference accuracy (mean log-probs): {fig('preference_accuracy')}",
+        ]
+    else:
+        lines += [
+            f"  reference log-prob accuracy (what the frozen reference already ranks right): "
+            f"{end.get('reference_logprob_accuracy', float('nan')):.3f}",
+            f"  policy log-prob accuracy: {fig('logprob_accuracy')}",
+            f"  implicit-reward preference accuracy: {fig('preference_accuracy')} (0 at the start "
+            "by construction: the policy is the reference)",
+        ]
     if task_accuracy is not None:
         lines.append(task_accuracy)
     lines.append(f"  final model (HF folder): {summary['final_model']}")

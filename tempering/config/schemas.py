@@ -440,27 +440,49 @@ class DPOConfig(PreferenceLoopConfig):
         False, description="mean instead of sum of token log-probs per sequence"
     )
     sft_loss_weight: float = Field(0.0, ge=0, description="weight of NLL on the chosen response")
-    loss_type: Literal["sigmoid", "hinge", "ipo", "robust"] = Field(
-        "sigmoid", description="the preference loss of the pair's margin (TRL's names)"
+    loss_type: Literal["sigmoid", "hinge", "ipo", "robust", "simpo"] = Field(
+        "sigmoid",
+        description="the preference loss of the pair's margin (TRL's names); simpo is "
+        "reference-free (no reference model is built)",
     )
     label_smoothing: float = Field(
-        0.0, ge=0, lt=0.5, description="sigmoid/robust: the assumed share of flipped pairs"
+        0.0, ge=0, lt=0.5, description="sigmoid/robust/simpo: the assumed share of flipped pairs"
+    )
+    simpo_gamma: float | None = Field(
+        None, ge=0, description="simpo: the target reward margin gamma (unset: TRL's 0.5)"
     )
     val_greedy_accuracy: bool = Field(
         True, description="arithmetic data: also report tiny-arith greedy accuracy at validation"
     )
 
     @model_validator(mode="after")
-    def _label_smoothing_read(self) -> DPOConfig:
-        """Label smoothing is a sigmoid-loss idea (cDPO, robust DPO); the hinge and IPO losses
-        have no such term, so a smoothing they would ignore is refused."""
+    def _loss_keys_read(self) -> DPOConfig:
+        """Label smoothing is a sigmoid-loss idea (cDPO, robust DPO, SimPO's); the hinge and
+        IPO losses have no such term, and only SimPO has a gamma: a key the chosen loss would
+        ignore is refused. SimPO's reward is the mean log-prob per token, said explicitly."""
         if self.label_smoothing and self.loss_type in ("hinge", "ipo"):
             raise ValueError(
                 f"dpo.label_smoothing={self.label_smoothing} has no effect with "
-                f"dpo.loss_type={self.loss_type} (it smooths the sigmoid and robust losses): "
-                "set dpo.label_smoothing=0 or dpo.loss_type=sigmoid|robust"
+                f"dpo.loss_type={self.loss_type} (it smooths the sigmoid, robust and simpo "
+                "losses): set dpo.label_smoothing=0 or dpo.loss_type=sigmoid|robust|simpo"
+            )
+        if self.simpo_gamma is not None and self.loss_type != "simpo":
+            raise ValueError(
+                f"dpo.simpo_gamma={self.simpo_gamma} is read by dpo.loss_type=simpo only "
+                f"(this run's is {self.loss_type}): remove it or set dpo.loss_type=simpo"
+            )
+        if self.loss_type == "simpo" and not self.preference_average_log_probs:
+            raise ValueError(
+                "dpo.loss_type=simpo rewards each response's mean log-prob per token (SimPO's "
+                "length normalisation), and dpo.preference_average_log_probs=false asks for "
+                "the sum: set dpo.preference_average_log_probs=true"
             )
         return self
+
+    @property
+    def reference_free(self) -> bool:
+        """No reference model: SimPO's reward is the policy's own log-prob."""
+        return self.loss_type == "simpo"
 
 
 class RMConfig(PreferenceLoopConfig):

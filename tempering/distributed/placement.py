@@ -281,7 +281,7 @@ def make_plan(cfg: Any, shape: ModelShape | None, teacher_shape: ModelShape | No
 
     memory = None
     if shape is not None:
-        reference = isinstance(cfg, DPOMasterConfig) or (
+        reference = (isinstance(cfg, DPOMasterConfig) and not cfg.dpo.reference_free) or (
             isinstance(cfg, GRPOMasterConfig) and cfg.loss_fn.reference_policy_kl_penalty > 0
         )
         memory = _memory(cfg, shape, world, tp, reference, generation, split)

@@ -117,8 +117,38 @@ def test_dpo_loss_type_and_label_smoothing_are_read_or_refused():
         DPOMasterConfig(dpo={"loss_type": "ipo", "label_smoothing": 0.1})
     with pytest.raises(ValueError, match="loss_type"):
         DPOMasterConfig(dpo={"loss_type": "kto"})
-    with pytest.raises(ValueError, match="use one of sigmoid, hinge, ipo, robust"):
+    with pytest.raises(ValueError, match="use one of sigmoid, hinge, ipo, robust, simpo"):
         DPOLoss(0.1, preference_loss_type="kto")
+    with pytest.raises(ValueError, match=r"dpo.simpo_gamma=0.3 is read by dpo.loss_type=simpo"):
+        DPOMasterConfig(dpo={"simpo_gamma": 0.3})
+    with pytest.raises(ValueError, match=r"set dpo.preference_average_log_probs=true"):
+        DPOMasterConfig(dpo={"loss_type": "simpo"})
+    simpo = DPOMasterConfig(dpo={"loss_type": "simpo", "preference_average_log_probs": True,
+                                 "simpo_gamma": 0.3})  # fmt: skip
+    loss = make_loss(simpo)
+    assert simpo.dpo.reference_free and not loss.needs_reference and loss.gamma == 0.3
+    assert make_loss(cfg).needs_reference
+
+
+def test_the_report_speaks_of_a_reference_only_where_there_is_one():
+    from tempering.algorithms.dpo import report
+    from tempering.config.schemas import DPOMasterConfig
+
+    summary = {"steps": 4, "final_model": "out/final_hf",
+               "start": {"logprob_accuracy": 0.5, "preference_accuracy": 0.0,
+                         "reference_logprob_accuracy": 0.5},
+               "end": {"logprob_accuracy": 0.9, "preference_accuracy": 0.8,
+                       "reference_logprob_accuracy": 0.5}}  # fmt: skip
+    dpo = report(summary, DPOMasterConfig())
+    assert "frozen reference already ranks right): 0.500" in dpo and "0.500 -> 0.900" in dpo
+    for m in summary.values():
+        if isinstance(m, dict):
+            m.pop("reference_logprob_accuracy")
+            m["preference_accuracy"] = m["logprob_accuracy"]
+    simpo = report(summary, DPOMasterConfig(dpo={"loss_type": "simpo",
+                                                 "preference_average_log_probs": True}))  # fmt: skip
+    assert "frozen reference" not in simpo and "by construction" not in simpo
+    assert "no reference model: dpo.loss_type=simpo" in simpo and "0.500 -> 0.900" in simpo
 
 
 def test_likelihood_preference_accuracy_hand_worked():
@@ -266,6 +296,7 @@ DPO_KIND_TARGETS = {
     ("robust", 0.1, False): "unbounded",
     ("hinge", 0.0, False): "margin",  # no gradient once beta*d >= 1
     ("ipo", 0.0, True): "ipo",  # mean per-token d regressed to 1 / (2 beta)
+    ("simpo", 0.0, True): "simpo",  # no reference: the policy's own mean margin past gamma/beta
 }
 
 
@@ -288,12 +319,11 @@ def test_each_dpo_loss_learns_held_out_pairs_and_settles_where_its_paper_says(
         val_data_path=parity_pairs(tmp_path / "v.jsonl", 128, 1)))  # fmt: skip
     tokenizer = load_tokenizer(tiny_arith_dir)
     val = preference_batch(data.val, tokenizer, 32)
-    w = FSDP2PolicyWorker(
-        tiny_arith_dir, learning_rate=1e-3, init_reference_model=True, num_threads=1, seed=0
-    )
+    loss_fn = DPOLoss(beta, preference_average_log_probs=average,
+                      preference_loss_type=kind, label_smoothing=eps)  # fmt: skip
+    w = FSDP2PolicyWorker(tiny_arith_dir, learning_rate=1e-3, num_threads=1, seed=0,
+                          init_reference_model=loss_fn.needs_reference)  # fmt: skip
     try:
-        loss_fn = DPOLoss(beta, preference_average_log_probs=average,
-                          preference_loss_type=kind, label_smoothing=eps)  # fmt: skip
         ref = w.get_logprobs(val)["logprobs"]
         for step in range(40):
             batch = preference_batch(data.train[16 * step : 16 * step + 16], tokenizer, 32)
@@ -305,7 +335,7 @@ def test_each_dpo_loss_learns_held_out_pairs_and_settles_where_its_paper_says(
     end = likelihood_preference_accuracy(logprobs, val, False)
     assert 0.35 <= start <= 0.65 and end >= start + 0.25, (start, end)
     mask = val["token_mask"].float()
-    per_seq = ((logprobs - ref) * mask).sum(-1)
+    per_seq = ((logprobs - (0 if kind == "simpo" else ref)) * mask).sum(-1)
     if average:
         per_seq = per_seq / mask.sum(-1)
     d = float((per_seq[0::2] - per_seq[1::2]).mean())
@@ -317,5 +347,7 @@ def test_each_dpo_loss_learns_held_out_pairs_and_settles_where_its_paper_says(
         assert abs(d - smoothed_optimum) < 1.5, d
     elif target == "margin":
         assert d >= 1 / beta, d
+    elif target == "simpo":
+        assert d > loss_fn.gamma / beta, d
     else:
         assert abs(d - 1 / (2 * beta)) < 0.3, d

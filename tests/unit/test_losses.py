@@ -388,11 +388,15 @@ def hand_preference(z: torch.Tensor, beta: float, kind: str, eps: float) -> torc
         return (-(1 - eps) * log_sig(z) + eps * log_sig(-z)) / (1 - 2 * eps)
     if kind == "hinge":  # SLiC
         return torch.clamp(1 - z, min=0)
+    if kind == "simpo":  # SimPO: z from the policy alone, shifted by the margin gamma
+        return -(1 - eps) * log_sig(z - SIMPO_GAMMA) - eps * log_sig(SIMPO_GAMMA - z)
     assert kind == "ipo"  # IPO: the log-ratio difference d regressed to 1 / (2 beta)
     return (z / beta - 1 / (2 * beta)) ** 2
 
 
-DPO_KINDS = [("sigmoid", 0.0), ("sigmoid", 0.1), ("robust", 0.2), ("hinge", 0.0), ("ipo", 0.0)]
+SIMPO_GAMMA = 0.7
+DPO_KINDS = [("sigmoid", 0.0), ("sigmoid", 0.1), ("robust", 0.2), ("hinge", 0.0), ("ipo", 0.0),
+             ("simpo", 0.0), ("simpo", 0.1)]  # fmt: skip
 
 
 @pytest.mark.parametrize("average", [False, True])
@@ -405,7 +409,10 @@ def test_dpo_loss_and_grad(batch, average, masked_pair, kind, eps):
     assert pairs.item() == (1 if masked_pair else 2)
     logits = leaf(batch)
     loss_fn = DPOLoss(beta, preference_average_log_probs=average, sft_loss_weight=sft_w,
-                      preference_loss_type=kind, label_smoothing=eps)  # fmt: skip
+                      preference_loss_type=kind, label_smoothing=eps,
+                      simpo_gamma=SIMPO_GAMMA if kind == "simpo" else None)  # fmt: skip
+    if kind == "simpo":  # reference-free: the loss must not read the reference
+        data = {k: v for k, v in data.items() if k != "reference_policy_logprobs"}
     loss, metrics = loss_fn(logits, data, torch.tensor(0.0), pairs)
     loss.backward()
 
@@ -417,6 +424,8 @@ def test_dpo_loss_and_grad(batch, average, masked_pair, kind, eps):
             if data["token_mask"][b, t]:
                 if policy:
                     total = total + hand_lp(ref_logits, data["input_ids"], b, t)
+                elif kind == "simpo":
+                    pass
                 else:
                     total = total + float(data["reference_policy_logprobs"][b, t])
                 n += 1

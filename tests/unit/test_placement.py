@@ -182,6 +182,8 @@ def test_lora_plan_counts_adapters_alone_and_no_reference_copy():
     assert model_shape("tiny-arith").lora_params(16) == adapters
     full, lora = plan("dpo.yaml").memory.parts, plan("dpo_lora.yaml").memory.parts
     assert "reference" in full and "reference" not in lora
+    simpo = plan("dpo.yaml", "dpo.loss_type=simpo", "dpo.preference_average_log_probs=true")
+    assert "reference" not in simpo.memory.parts  # reference-free: no frozen copy built
     share = adapters / model_shape("tiny-arith").params
     assert lora["optimizer"] == pytest.approx(full["optimizer"] * share)
 
