@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from tempering.algorithms import grpo
+from tempering.algorithms import grpo, grpo_scoring
 from tempering.algorithms.dynamic_sampling import mask_overlong_samples
 from tempering.distributed.batched_data_dict import BatchedDataDict
 from tempering.experience.collector import RolloutCollector
@@ -138,7 +138,7 @@ class AsyncSteps:
         del self._drawn[step]
         self.problems[step] = [(p.prompt, p.answer, p.task_name) for p in problems]
         made = {"timing/generation_s": time.perf_counter() - t0}
-        made.update(grpo.environment_metrics(run, batch["rewards"])())
+        made.update(grpo_scoring.environment_metrics(run.environments, batch["rewards"])())
         made.update(grpo.server_metrics(run.chat, server_before))
         if self.collector_monitor is not None:
             made.update(self.collector_monitor.sample())

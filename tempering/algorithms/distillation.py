@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tempering.algorithms import common, grpo
+from tempering.algorithms import common, grpo, grpo_scoring
 from tempering.config.schemas import DistillationMasterConfig
 from tempering.distributed.batched_data_dict import BatchedDataDict
 from tempering.utils.timers import Timer
@@ -161,7 +161,7 @@ def distillation_step(
     _, batch = grpo.sample_batch(run, timer, step)
     run.generation.finish_generation()  # colocated vLLM sleeps: the GPUs are the trainers'
     data = BatchedDataDict({key: batch[key] for key in STUDENT_KEYS})
-    env_metrics = grpo.environment_metrics(run, batch["rewards"])
+    env_metrics = grpo_scoring.environment_metrics(run.environments, batch["rewards"])
     with timer.time("teacher"):
         scored = teacher.get_topk_logprobs(data, k)
     for key in scored:
@@ -181,16 +181,11 @@ def distillation_step(
 
 def summary_text(s: dict[str, Any], cfg: DistillationMasterConfig) -> str:
     """The lines `examples/run_distillation.py` prints at the end of a run."""
-
-    def pct(x: float | None) -> str:
-        return "n/a" if x is None else f"{x:.1%}"
-
     resumed = s["steps"] - s["steps_this_run"]
     where = f" ({s['steps_this_run']} in this run, resumed at step {resumed})" if resumed else ""
     return "\n".join([
         f"\ndistillation summary: {s['steps']} steps{where} in {s['wall_time_s']:.0f} s of "
-        f"training; student held-out greedy accuracy {pct(s['start_accuracy'])} -> "
-        f"{pct(s['end_accuracy'])} (teacher {cfg.teacher.model_name})",
+        f"training; {grpo.held_out_line(s, 'student ')} (teacher {cfg.teacher.model_name})",
         f"  metrics: {cfg.logger.log_dir}/metrics.jsonl",
         f"  final model (HF folder): {s['final_model']}",
         f"  checkpoints: {cfg.checkpointing.checkpoint_dir}",

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from tempering.algorithms import common
+from tempering.algorithms import grpo_scoring as scoring
 from tempering.algorithms.dynamic_sampling import DynamicSampler, mask_overlong_samples
 from tempering.algorithms.reward_shaping import shape_rewards, shaping_metrics
 from tempering.algorithms.signal_watch import SignalWatch, step_signal
@@ -65,6 +66,7 @@ class GRPORun:
     history: list[dict[str, float]] = field(default_factory=list)
     monitor: Any = None  # per-role resource metrics (logger.monitor_gpus)
     signal: SignalWatch = field(default_factory=SignalWatch)  # warns of no-signal steps
+    correct_above: float | None = 0.5  # a correct answer's reward (`scoring.reward_threshold`)
 
     def close(self) -> None:
         """Free what the run started: server, logger, generation, environments, policy
@@ -158,8 +160,10 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any], plan: Any = None) -> 
     tokenizer = common.load_run_tokenizer(cfg.policy)
     train_problems, val_problems = _problems(cfg, tokenizer)
     dataloader = _loader(cfg, train_problems)
+    tasks = {p.task_name for p in train_problems + val_problems}
+    threshold = scoring.reward_threshold(cfg, tasks)
     common.start_ray(cfg.cluster)  # the inputs are good: now the workers
-    environments = build_environments(cfg, {p.task_name for p in train_problems + val_problems})
+    environments = scoring.build_environments(cfg, tasks)
 
     cluster = common.build_cluster(plan.policy, cfg.cluster, "grpo")
     policy = common.build_policy_from_config(
@@ -179,8 +183,8 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any], plan: Any = None) -> 
         cfg.policy.generation, generation, tokenizer, cfg.policy.max_total_sequence_length
     )
     server = start_http_server(cfg.policy.generation, chat, cfg.logger.log_dir)
-    if "nemo_gym" in {p.task_name for p in train_problems + val_problems}:
-        environments["nemo_gym"] = _build_gym(cfg, server, tokenizer)
+    if "nemo_gym" in tasks:
+        environments["nemo_gym"] = scoring.build_gym(cfg, server, tokenizer)
     if cfg.grpo.rollout_transport == "http":
         _check_http_prompts(cfg, tokenizer, train_problems[0].prompt)
         turns = HttpTurnClient(
@@ -188,7 +192,7 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any], plan: Any = None) -> 
         )
     else:
         turns = InProcessTurnClient(chat)
-    checkpointer = common.build_checkpointer(cfg.checkpointing)
+    checkpointer = common.build_checkpointer(scoring.checkpoint_ranking(cfg, threshold))
     start_step, info = common.maybe_resume(checkpointer, policy, dataloader, resolved)
     if start_step:
         chat.refit(lambda: generation.refit(policy, version=start_step), version=start_step)
@@ -211,26 +215,10 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any], plan: Any = None) -> 
         turns,
         server,
         prior_wall_time_s=float(info.get("wall_time_s", 0.0)),
+        correct_above=threshold,
         monitor=common.build_resource_monitor(
             cfg.logger, policy=policy, generation=generation, environments=environments.values()
         ),
-    )
-
-
-def _build_gym(cfg: GRPOMasterConfig, server: Any, tokenizer: Any) -> Any:
-    from pathlib import Path
-
-    from tempering.data.collate import pad_token_id_of
-    from tempering.environments.nemo_gym import build_nemo_gym_environment
-
-    return build_nemo_gym_environment(
-        cfg.env.nemo_gym,
-        policy_base_url=server.base_url,
-        policy_model_name=server.service.settings.model_name,
-        policy_api_key=server.api_key,
-        max_seq_len=cfg.policy.max_total_sequence_length,
-        pad_token_id=pad_token_id_of(tokenizer),
-        work_dir=str(Path(cfg.logger.log_dir).resolve() / "nemo_gym"),
     )
 
 
@@ -264,39 +252,6 @@ def _check_http_prompts(cfg: GRPOMasterConfig, tokenizer: Any, prompt: str) -> N
             "data.use_chat_template=false and this tokenizer's template changes the prompt "
             f"{prompt[:40]!r}; set data.use_chat_template=true or use rollout_transport=in_process"
         )
-
-
-def build_environments(cfg: GRPOMasterConfig, task_names: set[str]) -> dict[str, Any]:
-    """One environment actor per task name in the data (plus a custom reward fn if set)."""
-    from tempering.environments.registry import create_environment_actor
-
-    m = cfg.env.math
-    math = {
-        "num_workers": m.num_workers,
-        "timeout_s": m.timeout_s,
-        "memory_limit_mb": m.memory_limit_mb,  # each sandboxed verifier process
-        "cpu_limit_s": m.cpu_limit_s,
-        "max_error_rate": m.max_error_rate,
-    }
-    kwargs: dict[str, dict[str, Any]] = {
-        "math": math,
-        "arithmetic_retry": cfg.env.arithmetic_retry.model_dump(),
-        "calculator": {**math, "max_tool_calls": cfg.env.calculator.max_tool_calls},
-    }
-    names = sorted(task_names - {"nemo_gym"})  # Gym needs the server: see setup()
-    envs = {t: create_environment_actor(t, **kwargs.get(t, {})) for t in names}
-    if cfg.env.reward_model_path:  # a trained reward model scores every task
-        actor = create_environment_actor(
-            "reward_model", reward_model_path=cfg.env.reward_model_path
-        )
-        envs = dict.fromkeys(envs, actor)
-    if cfg.env.reward_fn:  # a custom reward replaces the data's own scoring
-        actor = create_environment_actor(
-            "reward_fn", reward_fn=cfg.env.reward_fn, weights=cfg.env.reward_weights,
-            conversational=cfg.data.use_chat_template,
-        )  # fmt: skip
-        envs = dict.fromkeys(envs, actor)
-    return envs
 
 
 # --------------------------------------------------------------------------- loop
@@ -426,13 +381,28 @@ def _train_loop(run: GRPORun, stepper: Any) -> dict[str, Any]:
         "steps_this_run": step - run.start_step,
         "epochs": run.dataloader.epochs_completed,  # whole passes over the training problems
         "final_model": str(final),
-        "start_accuracy": first_val.get("accuracy"),
+        "start_accuracy": first_val.get("accuracy"),  # None where rewards are scores
         "end_accuracy": val.get("accuracy"),
+        "start_reward_mean": first_val.get("reward_mean"),
+        "end_reward_mean": val.get("reward_mean"),
         "start_success": first_val.get("success"),
         "end_success": val.get("success"),
         "wall_time_s": run.prior_wall_time_s + deadline.elapsed,
         "warning": run.signal.warning,
     }
+
+
+def held_out_line(s: dict[str, Any], who: str = "") -> str:
+    """``held-out greedy accuracy a -> b``, or the mean reward where the rewards are scores."""
+
+    def fig(x: float | None, f: str) -> str:
+        return "n/a" if x is None else format(x, f)
+
+    if s.get("start_accuracy") is None and s.get("start_reward_mean") is not None:
+        a, b = s["start_reward_mean"], s.get("end_reward_mean")
+        return f"{who}held-out greedy mean reward {fig(a, '.4g')} -> {fig(b, '.4g')}"
+    a, b = s.get("start_accuracy"), s.get("end_accuracy")
+    return f"{who}held-out greedy accuracy {fig(a, '.1%')} -> {fig(b, '.1%')}"
 
 
 def summary_text(s: dict[str, Any], cfg: GRPOMasterConfig) -> str:
@@ -445,7 +415,7 @@ def summary_text(s: dict[str, Any], cfg: GRPOMasterConfig) -> str:
     where = f" ({s['steps_this_run']} in this run, resumed at step {resumed})" if resumed else ""
     lines = [
         f"\nGRPO summary: {s['steps']} steps{where} in {s['wall_time_s']:.0f} s of training; "
-        f"held-out greedy accuracy {pct(s['start_accuracy'])} -> {pct(s['end_accuracy'])}"
+        + held_out_line(s)
     ]
     if cfg.grpo.max_rollout_turns > 1:
         lines.append(
@@ -501,7 +471,9 @@ def grpo_step(run: GRPORun, loss_fn: Any, step: int | None = None) -> dict[str, 
         batch, n_masked = mask_overlong_samples(batch)
         extra["train/overlong_masked"] = float(n_masked)
     data = BatchedDataDict({k: batch[k] for k in TRAIN_KEYS})
-    env_metrics = environment_metrics(run, rewards_seen)  # answered while the policy trains
+    env_metrics = scoring.environment_metrics(
+        run.environments, rewards_seen
+    )  # answered while the policy trains
     behaviour_logprobs(run, data, timer)
     train_metrics = train_policy(run, data, loss_fn, timer)
     refit_generation(run, timer)
@@ -620,7 +592,6 @@ def step_metrics(
         {
             "train/reward_mean": float(rewards_seen.mean()),
             "train/reward_std": float(rewards_seen.std()),
-            "train/accuracy": float((rewards_seen > 0.5).float().mean()),
             "train/gen_length_mean": float(gen_lens.mean()),
             "train/gen_length_max": float(gen_lens.max()),
             "train/truncated_fraction": sum(r == "length" for r in reasons) / len(reasons),
@@ -633,6 +604,8 @@ def step_metrics(
             / max(timing.get("timing/generation_s", 0.0), 1e-9),
         }
     )
+    if run.correct_above is not None:
+        metrics["train/accuracy"] = float((rewards_seen > run.correct_above).float().mean())
     if "prompt_too_long" in batch:  # masked out, no turn generated (logged by the rollouts)
         metrics["train/prompt_too_long"] = float(batch["prompt_too_long"].sum())
     metrics.update(shaping_metrics(batch))
@@ -725,31 +698,6 @@ def completion_text(message_log: list[dict[str, Any]]) -> str:
     return " | ".join(str(m.get("content") or "") for m in message_log if m["role"] == "assistant")
 
 
-def environment_metrics(run: GRPORun, rewards: torch.Tensor) -> Any:
-    """Each environment's own counters (timeouts, parse failures, tool errors...), reset.
-
-    Returns a function that gives the metrics: actor environments are asked now and answered
-    while the policy trains, so the step does not wait for their round trips."""
-    import ray
-
-    from tempering.environments.actors import to_wire
-
-    pending, ready = [], {}
-    for env in {id(e): e for e in run.environments.values()}.values():
-        method = env.global_post_process_and_metrics
-        if hasattr(method, "remote"):
-            pending.append(method.remote({"rewards": to_wire(rewards)}))
-        else:
-            ready.update(method({"rewards": rewards})[1])
-
-    def collect() -> dict[str, float]:
-        for _, m in ray.get(pending):
-            ready.update(m)
-        return ready
-
-    return collect
-
-
 # --------------------------------------------------------------------- validation
 def validate(run: GRPORun, step: int) -> dict[str, float]:
     """Greedy accuracy on held-out prompts (and pass@k with sampling when configured)."""
@@ -771,16 +719,18 @@ def validate(run: GRPORun, step: int) -> dict[str, float]:
                 log.info("val sample: %r -> %r (answer %s)", p.prompt[-80:], c[:120], p.answer)
                 shown += 1
     metrics = {
-        "accuracy": sum(c > 0.5 for c in correct) / len(correct),
-        "success": sum(c > 0 for c in correct) / len(correct),
         "reward_mean": sum(correct) / len(correct),
         "turns_mean": sum(turns) / len(turns),
     }
+    threshold = run.correct_above
+    if threshold is not None:  # correct answers: the share right, and solved at any turn
+        metrics["accuracy"] = sum(c > threshold for c in correct) / len(correct)
+        metrics["success"] = sum(c > 0 for c in correct) / len(correct)
     k = cfg.grpo.val_pass_at_k
-    if k:
+    if k and threshold is not None:
         sampled = rollout_batch(run, problems, k)
         metrics[f"pass@{k}"] = float(
-            (sampled["rewards"].view(-1, k) > 0.5).any(dim=1).float().mean()
+            (sampled["rewards"].view(-1, k) > threshold).any(dim=1).float().mean()
         )
     metrics["time_s"] = time.perf_counter() - t0
     run.logger.log_metrics(metrics, step, prefix="val")

@@ -51,10 +51,15 @@ class EnvironmentInterface(ABC):
 
     Multi-turn environments return ``terminateds`` False and an observation (a ``user`` or
     ``tool`` message) to continue an episode; tool-using ones list the OpenAI tool specs
-    they answer in the class attribute `tools`, which rollouts offer to the model.
+    they answer in the class attribute `tools`, which rollouts offer to the model. The class
+    attribute `correct_above` says which rewards are correct answers (None: none are).
     """
 
     tools: list[dict[str, Any]] | None = None
+    # a reward above this counts as a correct answer (GRPO's ``val/accuracy``,
+    # ``train/accuracy``, pass@k); None: the reward is a score, not correctness (a reward model,
+    # custom reward functions), and GRPO reports the mean reward instead of an accuracy
+    correct_above: float | None = 0.5
 
     @abstractmethod
     def step(

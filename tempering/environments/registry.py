@@ -23,6 +23,7 @@ from tempering.environments.reward_model import RewardModelEnvironment
 
 __all__ = [
     "ENVIRONMENT_REGISTRY",
+    "correct_above",
     "create_environment",
     "create_environment_actor",
     "get_environment_class",
@@ -73,6 +74,14 @@ def offered_tools(name: str) -> list[dict[str, Any]] | None:
     cls = ENVIRONMENT_REGISTRY.get(name)
     tools = getattr(cls, "tools", None) if cls is not None else None
     return list(tools) if tools else None
+
+
+def correct_above(name: str) -> float | None:
+    """The reward above which the environment registered as ``name`` counts an answer
+    correct (its class attribute ``correct_above``; None: its rewards are scores). Tasks
+    without a registered class (NeMo Gym's, whose verifiers reward 0 or 1) count 0.5."""
+    cls = ENVIRONMENT_REGISTRY.get(name)
+    return cls.correct_above if cls is not None else 0.5
 
 
 def create_environment(name: str, **kwargs: Any) -> EnvironmentInterface:

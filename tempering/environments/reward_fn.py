@@ -156,7 +156,11 @@ class RewardFunctionEnvironment(EnvironmentInterface):
     as keyword lists (``ground_truth=[...]``), returning one float or None (does not apply)
     per sample. ``conversational`` (the run's ``data.use_chat_template``) passes prompts as
     message lists and each completion as ``[{"role": "assistant", "content": ...}]``, as TRL
-    does for conversational datasets; else both are strings."""
+    does for conversational datasets; else both are strings. The rewards are whatever the
+    functions return, not correctness (``correct_above`` None): GRPO reports their mean,
+    not an accuracy."""
+
+    correct_above = None
 
     def __init__(
         self,

@@ -43,7 +43,8 @@ MAX_CHARS_PER_TOKEN = 64  # beyond max_seq_len tokens for any tokenizer with tok
 
 
 class RewardModelEnvironment(EnvironmentInterface):
-    """Rewards from a Bradley-Terry reward model (see the module docstring).
+    """Rewards from a Bradley-Terry reward model (see the module docstring): scores, not
+    correctness (``correct_above`` None), so GRPO reports no accuracy for them.
 
     Args:
         reward_model_path: an exported reward-model folder (config, weights, tokenizer).
@@ -54,6 +55,8 @@ class RewardModelEnvironment(EnvironmentInterface):
         max_error_rate: the fraction of a step's conversations that may fail to tokenize
             (scored 0, counted) before the step raises.
     """
+
+    correct_above = None
 
     def __init__(
         self,

@@ -12,7 +12,8 @@ checkpoint and minutes; `examples/run_dpo.py` is that run.) Asserted margins:
   it makes no step and reports the same start and end (from its records and checkpoint);
 - RM: held-out pair accuracy rises by >= 0.25 and ends >= 0.8;
 - GRPO: the rewards of a step equal the environment's own scores of the decoded completions
-  (so they are reward-model scores, not exact-match), and two train steps run with finite loss.
+  (so they are reward-model scores, not exact-match), two train steps run with finite loss,
+  and neither they nor validation report an accuracy of scores (the mean reward instead).
 """
 
 from __future__ import annotations
@@ -159,6 +160,7 @@ def test_grpo_steps_scored_by_reward_model(rm_export, tmp_path):
             "policy.train_micro_batch_size=8",
             "policy.num_threads=1",
             "grpo.val_period=0",
+            "grpo.max_val_samples=8",
             f"env.reward_model_path={rm_export['path']}",
             f"logger.log_dir={tmp_path}/logs",
             "logger.tensorboard_enabled=false",
@@ -191,6 +193,11 @@ def test_grpo_steps_scored_by_reward_model(rm_export, tmp_path):
             metrics = grpo.grpo_step(run, loss_fn)
             assert math.isfinite(metrics["train/loss"])
             assert math.isfinite(metrics["train/reward_mean"])
+            assert "train/accuracy" not in metrics  # scores: no share "above 0.5" to call one
+        # validation reports the held-out mean reward and no accuracy (the run's summary too)
+        assert run.correct_above is None
+        val = grpo.validate(run, 2)
+        assert "accuracy" not in val and "success" not in val and math.isfinite(val["reward_mean"])
     finally:
         run.close()
 

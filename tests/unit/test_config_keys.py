@@ -81,6 +81,7 @@ ALGORITHM_MODULES: dict[type, tuple[str, ...]] = {
         "tempering/data/grpo_problems.py",
         "tempering/data/prompts.py",
         "tempering/data/nemo_gym.py",
+        "tempering/algorithms/grpo_scoring.py",
         "examples/run_grpo_*.py",
     ),
 }

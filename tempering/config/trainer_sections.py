@@ -1,0 +1,102 @@
+"""The loop sections of the supervised and preference trainers: ``sft``, ``dpo`` (with its
+preference losses) and ``rm``. `tempering.config.schemas` holds the rest and the master
+configs, and re-exports these."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from tempering.config.section import Section
+
+
+class SFTConfig(Section):
+    max_num_steps: int = Field(300, ge=1)
+    max_num_epochs: int = Field(100, ge=1)
+    val_period: int = Field(50, ge=0, description="0 = no validation")
+    val_batches: int = Field(4, ge=1)
+    val_global_batch_size: int = Field(64, ge=1)
+    val_micro_batch_size: int = Field(32, ge=1)
+    val_at_start: bool = True
+    seed: int = 42
+    stop_val_accuracy_range: tuple[float, float] | None = Field(
+        None, description="stop when greedy val accuracy falls inside [lo, hi] (tiny-arith recipe)"
+    )
+    arithmetic_problems_per_sample: int = Field(
+        1,
+        ge=1,
+        description="arithmetic data: chain this many problems into one training conversation "
+        "(user/assistant turns), so the model answers in context (tiny-arith-chat)",
+    )
+
+
+class PreferenceLoopConfig(Section):
+    """The keys of the preference-training loop DPO and the reward model share
+    (`tempering.algorithms.preference.train_loop`)."""
+
+    max_num_steps: int = Field(100, ge=1)
+    max_num_epochs: int = Field(100, ge=1)
+    val_period: int = Field(20, ge=0)
+    val_batches: int = Field(4, ge=1)
+    val_global_batch_size: int = Field(32, ge=2)
+    val_micro_batch_size: int = Field(16, ge=2)
+    val_at_start: bool = True
+    seed: int = 42
+
+
+class DPOConfig(PreferenceLoopConfig):
+    reference_policy_kl_penalty: float = Field(0.1, gt=0, description="beta")
+    preference_average_log_probs: bool = Field(
+        False, description="mean instead of sum of token log-probs per sequence"
+    )
+    sft_loss_weight: float = Field(0.0, ge=0, description="weight of NLL on the chosen response")
+    loss_type: Literal["sigmoid", "hinge", "ipo", "robust", "simpo"] = Field(
+        "sigmoid",
+        description="the preference loss of the pair's margin (TRL's names); simpo is "
+        "reference-free (no reference model is built)",
+    )
+    label_smoothing: float = Field(
+        0.0, ge=0, lt=0.5, description="sigmoid/robust/simpo: the assumed share of flipped pairs"
+    )
+    simpo_gamma: float | None = Field(
+        None, ge=0, description="simpo: the target reward margin gamma (unset: TRL's 0.5)"
+    )
+    val_greedy_accuracy: bool = Field(
+        True, description="arithmetic data: also report tiny-arith greedy accuracy at validation"
+    )
+
+    @model_validator(mode="after")
+    def _loss_keys_read(self) -> DPOConfig:
+        """Label smoothing is a sigmoid-loss idea (cDPO, robust DPO, SimPO's); the hinge and
+        IPO losses have no such term, and only SimPO has a gamma: a key the chosen loss would
+        ignore is refused. SimPO's reward is the mean log-prob per token, said explicitly."""
+        if self.label_smoothing and self.loss_type in ("hinge", "ipo"):
+            raise ValueError(
+                f"dpo.label_smoothing={self.label_smoothing} has no effect with "
+                f"dpo.loss_type={self.loss_type} (it smooths the sigmoid, robust and simpo "
+                "losses): set dpo.label_smoothing=0 or dpo.loss_type=sigmoid|robust|simpo"
+            )
+        if self.simpo_gamma is not None and self.loss_type != "simpo":
+            raise ValueError(
+                f"dpo.simpo_gamma={self.simpo_gamma} is read by dpo.loss_type=simpo only "
+                f"(this run's is {self.loss_type}): remove it or set dpo.loss_type=simpo"
+            )
+        if self.loss_type == "simpo" and not self.preference_average_log_probs:
+            raise ValueError(
+                "dpo.loss_type=simpo rewards each response's mean log-prob per token (SimPO's "
+                "length normalisation), and dpo.preference_average_log_probs=false asks for "
+                "the sum: set dpo.preference_average_log_probs=true"
+            )
+        return self
+
+    @property
+    def reference_free(self) -> bool:
+        """No reference model: SimPO's reward is the policy's own log-prob."""
+        return self.loss_type == "simpo"
+
+
+class RMConfig(PreferenceLoopConfig):
+    export_dir: str | None = Field(
+        None, description="HF folder for the final reward model; default <checkpoint_dir>/final_hf"
+    )
