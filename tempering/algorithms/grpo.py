@@ -398,8 +398,10 @@ def held_out_line(s: dict[str, Any], who: str = "") -> str:
     def fig(x: float | None, f: str) -> str:
         return "n/a" if x is None else format(x, f)
 
-    if s.get("start_accuracy") is None and s.get("start_reward_mean") is not None:
-        a, b = s["start_reward_mean"], s.get("end_reward_mean")
+    scores = [s.get(k) for k in ("start_reward_mean", "end_reward_mean")]
+    no_accuracy = s.get("start_accuracy") is None and s.get("end_accuracy") is None
+    if no_accuracy and scores != [None, None]:
+        a, b = scores
         return f"{who}held-out greedy mean reward {fig(a, '.4g')} -> {fig(b, '.4g')}"
     a, b = s.get("start_accuracy"), s.get("end_accuracy")
     return f"{who}held-out greedy accuracy {fig(a, '.1%')} -> {fig(b, '.1%')}"

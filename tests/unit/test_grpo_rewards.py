@@ -86,5 +86,7 @@ def test_the_summary_reports_mean_reward_where_rewards_are_scores():
               "start_reward_mean": -1.25, "end_reward_mean": 0.5}  # fmt: skip
     text = grpo.summary_text(scores, GRPOMasterConfig())
     assert "held-out greedy mean reward -1.25 -> 0.5" in text and "accuracy" not in text
+    no_start = grpo.summary_text({**scores, "start_reward_mean": None}, GRPOMasterConfig())
+    assert "held-out greedy mean reward n/a -> 0.5" in no_start  # grpo.val_at_start=false
     student = distillation.summary_text(scores, DistillationMasterConfig())
     assert "student held-out greedy mean reward -1.25 -> 0.5 (teacher" in student
