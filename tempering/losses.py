@@ -28,13 +28,14 @@ for ``t >= 1`` and ``logprobs[b, 0] = 0``; `token_logprobs` computes it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from tempering.config.schemas import off_policy_loss_problems
+from tempering.config.trainer_sections import DPOLossType
 from tempering.logits import (
     HiddenLogits,
     NextTokenLogprob,
@@ -469,7 +470,7 @@ class ClippedPGLoss:
 # --------------------------------------------------------------------------------------------
 
 
-DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "simpo")
+DPO_LOSS_TYPES: tuple[str, ...] = get_args(DPOLossType)
 SIMPO_DEFAULT_GAMMA = 0.5  # TRL's simpo_gamma
 
 
@@ -497,7 +498,7 @@ def dpo_preference_loss(
         return (1 - label_smoothing) * win + label_smoothing * lose
     if kind == "robust":
         return ((1 - label_smoothing) * win - label_smoothing * lose) / (1 - 2 * label_smoothing)
-    raise ValueError(f"DPO loss_type={kind!r}: use one of {', '.join(DPO_LOSS_TYPES)}")
+    raise AssertionError(kind)  # DPOLoss refuses an unknown kind
 
 
 class DPOLoss:
@@ -551,7 +552,10 @@ class DPOLoss:
         self.label_smoothing = label_smoothing
         self.needs_reference = preference_loss_type != "simpo"
         self.gamma = SIMPO_DEFAULT_GAMMA if simpo_gamma is None else simpo_gamma
-        dpo_preference_loss(torch.zeros(1), self.beta, preference_loss_type, label_smoothing)
+        if preference_loss_type not in DPO_LOSS_TYPES:
+            raise ValueError(
+                f"DPO loss_type={preference_loss_type!r}: use one of {', '.join(DPO_LOSS_TYPES)}"
+            )
 
     def _sequence_logprob(self, logprobs: Tensor, token_mask: Tensor) -> Tensor:
         total = (logprobs * token_mask).sum(-1)  # [B]

@@ -45,13 +45,17 @@ class PreferenceLoopConfig(Section):
     seed: int = 42
 
 
+# the preference losses of `tempering.losses.dpo_preference_loss`, by TRL's names
+DPOLossType = Literal["sigmoid", "hinge", "ipo", "robust", "simpo"]
+
+
 class DPOConfig(PreferenceLoopConfig):
     reference_policy_kl_penalty: float = Field(0.1, gt=0, description="beta")
     preference_average_log_probs: bool = Field(
         False, description="mean instead of sum of token log-probs per sequence"
     )
     sft_loss_weight: float = Field(0.0, ge=0, description="weight of NLL on the chosen response")
-    loss_type: Literal["sigmoid", "hinge", "ipo", "robust", "simpo"] = Field(
+    loss_type: DPOLossType = Field(
         "sigmoid",
         description="the preference loss of the pair's margin (TRL's names); simpo is "
         "reference-free (no reference model is built)",
