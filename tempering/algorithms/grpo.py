@@ -473,9 +473,8 @@ def grpo_step(run: GRPORun, loss_fn: Any, step: int | None = None) -> dict[str, 
         batch, n_masked = mask_overlong_samples(batch)
         extra["train/overlong_masked"] = float(n_masked)
     data = BatchedDataDict({k: batch[k] for k in TRAIN_KEYS})
-    env_metrics = scoring.environment_metrics(
-        run.environments, rewards_seen
-    )  # answered while the policy trains
+    # asked now, answered while the policy trains
+    env_metrics = scoring.environment_metrics(run.environments, rewards_seen)
     behaviour_logprobs(run, data, timer)
     train_metrics = train_policy(run, data, loss_fn, timer)
     refit_generation(run, timer)
@@ -729,7 +728,7 @@ def validate(run: GRPORun, step: int) -> dict[str, float]:
         metrics["accuracy"] = sum(c > threshold for c in correct) / len(correct)
         metrics["success"] = sum(c > 0 for c in correct) / len(correct)
     k = cfg.grpo.val_pass_at_k
-    if k and threshold is not None:
+    if k:  # with scores for rewards, set-up refuses grpo.val_pass_at_k
         sampled = rollout_batch(run, problems, k)
         metrics[f"pass@{k}"] = float(
             (sampled["rewards"].view(-1, k) > threshold).any(dim=1).float().mean()
