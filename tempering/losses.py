@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tempering.config.schemas import off_policy_loss_problems
-from tempering.config.trainer_sections import DPOLossType
+from tempering.config.trainer_sections import REFERENCE_FREE_LOSSES, DPOLossType
 from tempering.logits import (
     HiddenLogits,
     NextTokenLogprob,
@@ -486,7 +486,12 @@ def dpo_preference_loss(
       hinge    relu(1 - z)                                     (SLiC)
       ipo      (d - 1 / (2 beta))^2                            (IPO: d regressed to a target)
       simpo    sigmoid's of z - gamma, with no reference: d = mean logp_c - mean logp_r
+      orpo     -beta logsigmoid(margin), where the caller passes the log odds ratio of the
+               mean-per-token probabilities as ``margin`` (`orpo_log_odds_ratio`); beta is
+               ORPO's lambda, a weight outside the sigmoid
     """
+    if kind == "orpo":
+        return -beta * F.logsigmoid(margin)
     if kind == "hinge":
         return torch.relu(1 - margin)
     if kind == "ipo":
@@ -499,6 +504,18 @@ def dpo_preference_loss(
     if kind == "robust":
         return ((1 - label_smoothing) * win - label_smoothing * lose) / (1 - 2 * label_smoothing)
     raise AssertionError(kind)  # DPOLoss refuses an unknown kind
+
+
+def orpo_log_odds_ratio(logp_chosen: Tensor, logp_rejected: Tensor) -> Tensor:
+    """ORPO's ``log(odds_c / odds_r)`` with ``odds = p / (1 - p)`` and ``p = exp(mean token
+    log-prob)``; ``log(1 - p)`` as ``log(-expm1(logp))``, with ``logp`` held below -1e-6 so a
+    response the policy already finds certain gives a large, finite log odds."""
+
+    def log_odds(logp: Tensor) -> Tensor:
+        logp = logp.clamp(max=-1e-6)
+        return logp - torch.log(-torch.expm1(logp))
+
+    return log_odds(logp_chosen) - log_odds(logp_rejected)
 
 
 class DPOLoss:
@@ -515,10 +532,12 @@ class DPOLoss:
       sft      = -logp_c                (same sum/mean aggregation as above)
       loss     = sum over valid pairs of (pref + sft_loss_weight * sft) / global_valid_seqs
 
-    ``preference_loss_type="simpo"`` is reference-free (``needs_reference`` False: the policy
-    is trained without ``with_reference``, and ``reference_policy_logprobs`` is not read):
-    ``reward = beta * logp`` (mean log-probs: the config requires them), and the margin is
-    shifted by ``simpo_gamma``.
+    ``preference_loss_type="simpo"`` and ``"orpo"`` are reference-free (``needs_reference``
+    False: the policy is trained without ``with_reference``, and ``reference_policy_logprobs``
+    is not read): ``reward = beta * logp`` (mean log-probs: the config requires them). SimPO
+    shifts the margin by ``simpo_gamma``; ORPO's preference term is
+    ``-beta * logsigmoid(orpo_log_odds_ratio(logp_c, logp_r))`` (TRL's ORPOTrainer; its SFT
+    term is ``sft_loss_weight`` x the chosen NLL, 1 in the paper), logged as ``log_odds_ratio``.
 
     IMPORTANT: ``global_valid_seqs`` counts PAIRS (valid pairs in the global batch, see
     `count_valid_pairs`), not samples. ``beta`` is NeMo RL's ``reference_policy_kl_penalty``.
@@ -550,7 +569,7 @@ class DPOLoss:
         self.sft_loss_weight = sft_loss_weight
         self.preference_loss_type = preference_loss_type
         self.label_smoothing = label_smoothing
-        self.needs_reference = preference_loss_type != "simpo"
+        self.needs_reference = preference_loss_type not in REFERENCE_FREE_LOSSES
         self.gamma = SIMPO_DEFAULT_GAMMA if simpo_gamma is None else simpo_gamma
         if preference_loss_type not in DPO_LOSS_TYPES:
             raise ValueError(
@@ -584,8 +603,11 @@ class DPOLoss:
         margin = r_chosen - r_rejected
 
         denom = _as_tensor(global_valid_seqs, logprobs)
+        loss_margin = margin
+        if self.preference_loss_type == "orpo":
+            loss_margin = orpo_log_odds_ratio(seq_lp[0::2], seq_lp[1::2])
         per_pair = dpo_preference_loss(
-            margin, self.beta, self.preference_loss_type, self.label_smoothing, self.gamma
+            loss_margin, self.beta, self.preference_loss_type, self.label_smoothing, self.gamma
         )
         pref_loss = (per_pair * pair_mask).sum() / denom
         sft_loss = (-seq_lp[0::2] * pair_mask).sum() / denom
@@ -602,6 +624,8 @@ class DPOLoss:
                 "reward_margin": _masked_mean(margin, pair_mask),
                 "num_valid_pairs": float(pair_mask.sum().item()),
             }
+            if loss_margin is not margin:
+                metrics["log_odds_ratio"] = _masked_mean(loss_margin, pair_mask)
             if seq_ref is not None:  # pairs the frozen reference already ranks right
                 metrics["reference_logprob_accuracy"] = _masked_mean(
                     (seq_ref[0::2] > seq_ref[1::2]).to(margin.dtype), pair_mask

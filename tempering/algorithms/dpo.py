@@ -57,6 +57,7 @@ VAL_METRICS = (
     "reward_margin",
     "rewards_chosen_mean",
     "rewards_rejected_mean",
+    "log_odds_ratio",  # ORPO's only
 )
 TRAIN_METRICS = (
     "reference_logprob_accuracy",

@@ -46,7 +46,8 @@ class PreferenceLoopConfig(Section):
 
 
 # the preference losses of `tempering.losses.dpo_preference_loss`, by TRL's names
-DPOLossType = Literal["sigmoid", "hinge", "ipo", "robust", "simpo"]
+DPOLossType = Literal["sigmoid", "hinge", "ipo", "robust", "simpo", "orpo"]
+REFERENCE_FREE_LOSSES = ("simpo", "orpo")  # rewards from the policy alone: no reference model
 
 
 class DPOConfig(PreferenceLoopConfig):
@@ -57,8 +58,8 @@ class DPOConfig(PreferenceLoopConfig):
     sft_loss_weight: float = Field(0.0, ge=0, description="weight of NLL on the chosen response")
     loss_type: DPOLossType = Field(
         "sigmoid",
-        description="the preference loss of the pair's margin (TRL's names); simpo is "
-        "reference-free (no reference model is built)",
+        description="the preference loss of the pair's margin (TRL's names); simpo and orpo "
+        "are reference-free (no reference model is built)",
     )
     label_smoothing: float = Field(
         0.0, ge=0, lt=0.5, description="sigmoid/robust/simpo: the assumed share of flipped pairs"
@@ -72,10 +73,11 @@ class DPOConfig(PreferenceLoopConfig):
 
     @model_validator(mode="after")
     def _loss_keys_read(self) -> DPOConfig:
-        """Label smoothing is a sigmoid-loss idea (cDPO, robust DPO, SimPO's); the hinge and
-        IPO losses have no such term, and only SimPO has a gamma: a key the chosen loss would
-        ignore is refused. SimPO's reward is the mean log-prob per token, said explicitly."""
-        if self.label_smoothing and self.loss_type in ("hinge", "ipo"):
+        """Label smoothing is a sigmoid-loss idea (cDPO, robust DPO, SimPO's); the hinge, IPO
+        and ORPO losses have no such term, and only SimPO has a gamma: a key the chosen loss
+        would ignore is refused. SimPO's and ORPO's rewards are mean log-probs per token, and
+        ORPO is an SFT loss plus its odds-ratio term: both said explicitly."""
+        if self.label_smoothing and self.loss_type in ("hinge", "ipo", "orpo"):
             raise ValueError(
                 f"dpo.label_smoothing={self.label_smoothing} has no effect with "
                 f"dpo.loss_type={self.loss_type} (it smooths the sigmoid, robust and simpo "
@@ -86,18 +88,25 @@ class DPOConfig(PreferenceLoopConfig):
                 f"dpo.simpo_gamma={self.simpo_gamma} is read by dpo.loss_type=simpo only "
                 f"(this run's is {self.loss_type}): remove it or set dpo.loss_type=simpo"
             )
-        if self.loss_type == "simpo" and not self.preference_average_log_probs:
+        if self.loss_type in REFERENCE_FREE_LOSSES and not self.preference_average_log_probs:
             raise ValueError(
-                "dpo.loss_type=simpo rewards each response's mean log-prob per token (SimPO's "
-                "length normalisation), and dpo.preference_average_log_probs=false asks for "
-                "the sum: set dpo.preference_average_log_probs=true"
+                f"dpo.loss_type={self.loss_type} scores each response by its mean log-prob per "
+                "token (the paper's length normalisation), and "
+                "dpo.preference_average_log_probs=false asks for the sum: set "
+                "dpo.preference_average_log_probs=true"
+            )
+        if self.loss_type == "orpo" and self.sft_loss_weight == 0:
+            raise ValueError(
+                "dpo.loss_type=orpo is the SFT loss on the chosen response plus beta x the "
+                "odds-ratio loss, and dpo.sft_loss_weight=0 drops the SFT part: set "
+                "dpo.sft_loss_weight=1 (the paper's)"
             )
         return self
 
     @property
     def reference_free(self) -> bool:
-        """No reference model: SimPO's reward is the policy's own log-prob."""
-        return self.loss_type == "simpo"
+        """No reference model: SimPO's and ORPO's rewards are the policy's own log-probs."""
+        return self.loss_type in REFERENCE_FREE_LOSSES
 
 
 class RMConfig(PreferenceLoopConfig):

@@ -395,8 +395,21 @@ def hand_preference(z: torch.Tensor, beta: float, kind: str, eps: float) -> torc
 
 
 SIMPO_GAMMA = 0.7
+
+
+def hand_orpo(
+    lp_c: torch.Tensor, lp_r: torch.Tensor, beta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ORPO (Hong et al. 2024): -lambda log sigmoid(log(odds_c / odds_r)), odds = p / (1 - p)
+    of the mean-per-token probability p; returns the loss and the log odds ratio."""
+    p_c, p_r = torch.exp(lp_c), torch.exp(lp_r)
+    ratio = torch.log((p_c / (1 - p_c)) / (p_r / (1 - p_r)))
+    return -beta * torch.log(1 / (1 + torch.exp(-ratio))), ratio
+
+
 DPO_KINDS = [("sigmoid", 0.0), ("sigmoid", 0.1), ("robust", 0.2), ("hinge", 0.0), ("ipo", 0.0),
-             ("simpo", 0.0), ("simpo", 0.1)]  # fmt: skip
+             ("simpo", 0.0), ("simpo", 0.1), ("orpo", 0.0)]  # fmt: skip
+REFERENCE_FREE = ("simpo", "orpo")
 
 
 @pytest.mark.parametrize("average", [False, True])
@@ -411,7 +424,7 @@ def test_dpo_loss_and_grad(batch, average, masked_pair, kind, eps):
     loss_fn = DPOLoss(beta, preference_average_log_probs=average, sft_loss_weight=sft_w,
                       preference_loss_type=kind, label_smoothing=eps,
                       simpo_gamma=SIMPO_GAMMA if kind == "simpo" else None)  # fmt: skip
-    if kind == "simpo":  # reference-free: the loss must not read the reference
+    if kind in REFERENCE_FREE:  # the loss must not read the reference
         data = {k: v for k, v in data.items() if k != "reference_policy_logprobs"}
     loss, metrics = loss_fn(logits, data, torch.tensor(0.0), pairs)
     loss.backward()
@@ -424,14 +437,14 @@ def test_dpo_loss_and_grad(batch, average, masked_pair, kind, eps):
             if data["token_mask"][b, t]:
                 if policy:
                     total = total + hand_lp(ref_logits, data["input_ids"], b, t)
-                elif kind == "simpo":
+                elif kind in REFERENCE_FREE:
                     pass
                 else:
                     total = total + float(data["reference_policy_logprobs"][b, t])
                 n += 1
         return total / n if average else total
 
-    hand, accs, margins, rc = 0.0, [], [], []
+    hand, accs, margins, rc, odds = 0.0, [], [], [], []
     for i in range(B // 2):
         c, r = 2 * i, 2 * i + 1
         if not (data["sample_mask"][c] and data["sample_mask"][r]):
@@ -439,7 +452,11 @@ def test_dpo_loss_and_grad(batch, average, masked_pair, kind, eps):
         reward_c = beta * (seq(c, True) - seq(c, False))
         reward_r = beta * (seq(r, True) - seq(r, False))
         margin = reward_c - reward_r
-        pref = hand_preference(margin, beta, kind, eps)
+        if kind == "orpo":
+            pref, ratio = hand_orpo(seq(c, True), seq(r, True), beta)
+            odds.append(ratio.item())
+        else:
+            pref = hand_preference(margin, beta, kind, eps)
         hand = hand + pref + sft_w * (-seq(c, True))
         accs.append(float(margin > 0))
         margins.append(margin.item())
@@ -451,6 +468,10 @@ def test_dpo_loss_and_grad(batch, average, masked_pair, kind, eps):
     assert metrics["preference_accuracy"] == pytest.approx(sum(accs) / len(accs))
     assert metrics["reward_margin"] == pytest.approx(sum(margins) / len(margins), abs=1e-9)
     assert metrics["rewards_chosen_mean"] == pytest.approx(sum(rc) / len(rc), abs=1e-9)
+    if kind == "orpo":
+        assert metrics["log_odds_ratio"] == pytest.approx(sum(odds) / len(odds), abs=1e-6)
+    else:
+        assert "log_odds_ratio" not in metrics
     if masked_pair:  # the masked pair contributes no gradient
         assert logits.grad[2:].abs().sum() == 0
 
