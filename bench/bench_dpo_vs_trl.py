@@ -103,9 +103,9 @@ def bench_tempering(model: str, pairs: list, args: argparse.Namespace) -> tuple[
     from tempering.algorithms.dpo import dpo_step
     from tempering.algorithms.preference import preference_loader
     from tempering.distributed.virtual_cluster import cluster_from_config, init_ray
-    from tempering.losses import DPOLoss
     from tempering.models.hf import load_tokenizer
     from tempering.models.policy.lm_policy import build_policy
+    from tempering.preference_losses import DPOLoss
 
     init_ray(num_cpus=4, temp_dir=tempfile.mkdtemp(prefix="ray_bench_", dir="/tmp"))
     cluster = cluster_from_config(1, 0, name="bench_dpo")

@@ -236,7 +236,7 @@ def ours_sft(path: str, batches: list, lr: float, repeats: int, warmup: int) -> 
 
 def ours_dpo(path: str, batches: list, lr: float, repeats: int, warmup: int) -> list[float]:
     from tempering.algorithms.dpo import dpo_step
-    from tempering.losses import DPOLoss
+    from tempering.preference_losses import DPOLoss
 
     cluster, policy = tempering_policy(path, batches[0].size, lr, reference=True)
     it = itertools.cycle(batches)

@@ -48,9 +48,10 @@ from bench_sft import gsm8k_batches  # noqa: E402
 
 from tempering.distributed.batched_data_dict import BatchedDataDict  # noqa: E402
 from tempering.distributed.virtual_cluster import RayVirtualCluster, init_ray  # noqa: E402
-from tempering.losses import ClippedPGLoss, DPOLoss, NLLLoss  # noqa: E402
+from tempering.losses import ClippedPGLoss, NLLLoss  # noqa: E402
 from tempering.models.policy.lm_policy import build_policy  # noqa: E402
 from tempering.models.registry import resolve_model_path  # noqa: E402
+from tempering.preference_losses import DPOLoss  # noqa: E402
 
 ALGORITHMS = ("sft", "grpo", "dpo")
 

@@ -169,9 +169,11 @@ def _chunks(n: int, rows: int) -> list[slice]:
 
 
 class _FusedNextTokenLogprob(torch.autograd.Function):
-    """Per row ``n``: ``z[n, targets[n]] - logsumexp(z[n])`` and (training) the entropy of
-    ``softmax(z[n])``, where ``z = F.linear(hidden, weight).float() / temperature``, computed
-    a chunk of rows at a time. See the module's docstring for the two backward modes."""
+    """Per row ``n``: ``z[n, targets[n]] - logsumexp(z[n])`` and (training) the entropy
+    ``H[n]`` of ``softmax(z[n])``, where ``z = F.linear(hidden, weight).float() / temperature``,
+    computed a chunk of rows at a time. See the module's docstring for the two backward modes.
+    The entropy is differentiated only when ``entropy_grad`` (a loss's entropy bonus):
+    ``dH/dz = -p * (log p + H)``, alongside the log-prob's ``onehot - p``."""
 
     @staticmethod
     def forward(  # noqa: PLR0913
@@ -181,14 +183,17 @@ class _FusedNextTokenLogprob(torch.autograd.Function):
         targets: Tensor,  # [N]
         rows: int,
         temperature: float,
+        entropy_grad: bool = False,
     ) -> tuple[Tensor, Tensor]:
         n = hidden.shape[0]
         training = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         keep_direction = ctx.needs_input_grad[0] and not ctx.needs_input_grad[1]
+        entropy_grad = entropy_grad and training
         picked = hidden.new_empty(n, dtype=torch.float32)
         lse = hidden.new_empty(n, dtype=torch.float32)
         entropy = hidden.new_zeros(n, dtype=torch.float32)
         direction = torch.empty_like(hidden) if keep_direction else None
+        entropy_direction = torch.empty_like(hidden) if keep_direction and entropy_grad else None
         for c in _chunks(n, rows):
             z = _logits(hidden[c], weight, temperature)  # [c, V]
             lse[c] = torch.logsumexp(z, dim=-1)
@@ -198,34 +203,46 @@ class _FusedNextTokenLogprob(torch.autograd.Function):
             logp = z.sub_(lse[c, None])  # in place: z is log-softmax now
             p = logp.exp()
             entropy[c] = -torch.linalg.vecdot(p, logp)
+            if entropy_direction is not None:  # d H / d hidden = -p (log p + H) @ W / T
+                logp.add_(entropy[c, None]).mul_(p).div_(-temperature)
+                entropy_direction[c] = logp.to(weight.dtype) @ weight
             if direction is not None:  # d picked / d hidden = (onehot - p) @ W / T
                 p.neg_().scatter_add_(-1, targets[c, None], p.new_ones(p.shape[0], 1))
                 if temperature != 1.0:
                     p.div_(temperature)
                 direction[c] = p.to(weight.dtype) @ weight
-        ctx.rows, ctx.temperature = rows, temperature
-        ctx.mark_non_differentiable(entropy)
+        ctx.rows, ctx.temperature, ctx.entropy_grad = rows, temperature, entropy_grad
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
         if direction is not None:
-            ctx.save_for_backward(direction)
+            ctx.save_for_backward(direction, entropy_direction)
         else:
-            ctx.save_for_backward(hidden, weight, targets, lse)
+            ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         return picked, entropy
 
     @staticmethod
     def backward(  # noqa: ANN205
         ctx,  # noqa: ANN001
         grad: Tensor,
-        _grad_entropy: Tensor,
+        grad_entropy: Tensor,  # zeros unless the entropy was differentiated and read
     ):
-        if len(ctx.saved_tensors) == 1:  # the frozen head's precomputed direction
-            (direction,) = ctx.saved_tensors
-            return (direction * grad[:, None]).to(direction.dtype), None, None, None, None
-        hidden, weight, targets, lse = ctx.saved_tensors
+        if len(ctx.saved_tensors) == 2:  # the frozen head's precomputed directions
+            direction, entropy_direction = ctx.saved_tensors
+            out = direction * grad[:, None]
+            if entropy_direction is not None:
+                out += entropy_direction * grad_entropy[:, None]
+            return out.to(direction.dtype), None, None, None, None, None
+        hidden, weight, targets, lse, entropy = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32)
         for c in _chunks(hidden.shape[0], ctx.rows):
             g = _logits(hidden[c], weight, ctx.temperature)  # recomputed [c, V]
-            g.sub_(lse[c, None]).exp_().mul_(-grad[c, None])  # -p * grad
+            g.sub_(lse[c, None])  # log p
+            if not ctx.entropy_grad:
+                g.exp_().mul_(-grad[c, None])  # -p * grad
+            else:  # -p * (grad + grad_H * (log p + H))
+                scale = (g + entropy[c, None]).mul_(grad_entropy[c, None]).add_(grad[c, None])
+                g = g.exp_().mul_(scale).neg_()
             g.scatter_add_(-1, targets[c, None], grad[c, None])  # + onehot * grad
             if ctx.temperature != 1.0:
                 g.div_(ctx.temperature)
@@ -233,7 +250,34 @@ class _FusedNextTokenLogprob(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden[c] = g @ weight
             grad_weight.addmm_(g.T.float(), hidden[c].float())
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+
+
+class _EntropyOfLogits(torch.autograd.Function):
+    """``[n]``: the entropy of ``softmax(z[i])`` for materialised logits ``z [n, V]``, a chunk
+    at a time, differentiable: ``dH/dz = -p * (log p + H)``, recomputed in backward."""
+
+    @staticmethod
+    def forward(ctx, z: Tensor, rows: int) -> Tensor:  # noqa: ANN001 (ctx)
+        out = _entropy(z.detach(), rows)
+        ctx.rows = rows
+        ctx.save_for_backward(z, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # noqa: ANN001 (ctx)
+        z, entropy = ctx.saved_tensors
+        out = torch.empty_like(z)
+        for c in _chunks(z.shape[0], ctx.rows):
+            logp = torch.log_softmax(upcast(z[c]), dim=-1)
+            scale = (logp + entropy[c, None]).mul_(grad[c, None])
+            out[c] = logp.exp_().mul_(scale).neg_().to(z.dtype)
+        return out, None
+
+
+def entropy_of_logits(z: Tensor, chunk_rows: int) -> Tensor:
+    """``[n]``: the entropy of each row of materialised logits ``z [n, V]``, differentiated."""
+    return _EntropyOfLogits.apply(z, chunk_rows)
 
 
 def next_token_logprobs(
@@ -242,6 +286,20 @@ def next_token_logprobs(
     """``[B, S]``: ``log_softmax(logits[b, t])[targets[b, t]]`` in fp32 at the ``rows``
     (``[B, S]`` bool, `needed_rows`; None: all) and 0 elsewhere: only those rows are projected.
     A training pass also fills ``logits.entropy`` at the same rows."""
+    return _next_token(logits, targets, rows, entropy_grad=False)[0]
+
+
+def next_token_logprobs_and_entropy(
+    logits: HiddenLogits, targets: Tensor, rows: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """`next_token_logprobs` and the entropy at the same rows, both ``[B, S]`` and both
+    differentiated (an entropy bonus): one pass of the projection, as for the log-probs alone."""
+    return _next_token(logits, targets, rows, entropy_grad=True)
+
+
+def _next_token(
+    logits: HiddenLogits, targets: Tensor, rows: Tensor | None, entropy_grad: bool
+) -> tuple[Tensor, Tensor]:
     logits.require(rows)
     hidden, weight = logits.hidden, logits.weight
     shape = hidden.shape[:2]
@@ -250,15 +308,19 @@ def next_token_logprobs(
     training = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     if logits.fused or not training:
         picked, entropy = _FusedNextTokenLogprob.apply(
-            flat, weight, flat_targets, logits.chunk_rows, logits.temperature
+            flat, weight, flat_targets, logits.chunk_rows, logits.temperature, entropy_grad
         )
     else:  # a trained projection: the model's own path, on the needed rows only
         z = _logits(flat, weight, logits.temperature)  # [n, V]
         picked = NextTokenLogprob.apply(z, flat_targets)
-        entropy = _entropy(z.detach(), logits.chunk_rows)
+        if entropy_grad:
+            entropy = entropy_of_logits(z, logits.chunk_rows)
+        else:
+            entropy = _entropy(z.detach(), logits.chunk_rows)
+    entropy = _spread(entropy, index, shape)
     if training:
-        logits.entropy, logits.entropy_rows = _spread(entropy, index, shape), rows
-    return _spread(picked, index, shape)
+        logits.entropy, logits.entropy_rows = entropy.detach(), rows
+    return _spread(picked, index, shape), entropy
 
 
 def _flat_rows(hidden: Tensor, rows: Tensor | None) -> tuple[Tensor, Tensor | None]:

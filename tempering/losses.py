@@ -1,4 +1,5 @@
-"""Loss functions for SFT, DPO, reward models, GRPO/PPO and on-policy distillation.
+"""Loss functions for SFT, GRPO/PPO and on-policy distillation (DPO's and reward models':
+`tempering.preference_losses`).
 
 A layer below the models: the policy worker receives a loss object and calls it; it never
 imports the algorithms. Only torch here, and the GRPO loss's option rules it shares with the
@@ -16,8 +17,9 @@ The returned loss is already divided by the GLOBAL count of valid tokens (``loss
 micro-batches (and all data-parallel ranks) gives exactly the loss of one big batch, and the
 same gradient.
 
-Metrics are plain floats for this micro-batch. Those named ``loss`` and ``kl_penalty`` are
-already globally normalised (sum them over micro-batches); the others are means over this
+Metrics are plain floats for this micro-batch. Those named ``loss``, ``kl_penalty``,
+``entropy_bonus`` and ``*_loss`` are already globally normalised (sum them over
+micro-batches); the others are means over this
 micro-batch's valid tokens / pairs, reported with ``num_valid_tokens`` / ``num_valid_pairs``
 so a caller can weight them.
 
@@ -28,21 +30,23 @@ for ``t >= 1`` and ``logprobs[b, 0] = 0``; `token_logprobs` computes it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal, Protocol, get_args
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from tempering.config.schemas import off_policy_loss_problems
-from tempering.config.trainer_sections import REFERENCE_FREE_LOSSES, DPOLossType
 from tempering.logits import (
     HiddenLogits,
     NextTokenLogprob,
     as_logits,
+    default_chunk_rows,
+    entropy_of_logits,
     needed_rows,
     next_token_entropy,
     next_token_logprobs,
+    next_token_logprobs_and_entropy,
     topk_next_token,
     upcast,
 )
@@ -53,20 +57,19 @@ DistillationKL = Literal["forward", "reverse", "mixed"]
 TruncatedISType = Literal["tis", "icepop", "seq-mask-tis"]
 
 __all__ = [
-    "BradleyTerryLoss",
     "ClippedPGLoss",
-    "DPOLoss",
     "DistillationLoss",
     "KLEstimator",
     "LossFunction",
     "LossType",
     "NLLLoss",
     "TruncatedISType",
-    "count_valid_pairs",
-    "dpo_preference_loss",
+    "as_tensor_like",
     "kl_estimate",
+    "masked_mean",
     "token_entropy",
     "token_logprobs",
+    "token_logprobs_and_entropy",
     "topk_logprobs",
 ]
 
@@ -116,13 +119,7 @@ def token_logprobs(
     ``mask`` (``[B, S]``): only the positions where it is non-zero are wanted, the others are
     0 -- with `HiddenLogits` only their rows are projected (a loss passes its token mask).
     """
-    if logits.dim() != 3 or input_ids.shape != logits.shape[:2]:
-        raise ValueError(
-            f"token_logprobs expects logits [B, S, V] and input_ids [B, S]; got logits "
-            f"{tuple(logits.shape)} and input_ids {tuple(input_ids.shape)}."
-        )
-    targets = F.pad(input_ids[:, 1:].long(), (0, 1), value=0)  # [B, S]: next token; last: dummy
-    rows = needed_rows(mask)
+    targets, rows = _next_targets(logits, input_ids, mask)
     if isinstance(logits, HiddenLogits):
         picked = next_token_logprobs(logits, targets, rows)
     else:  # [B, S]: picked[:, t] scores token t+1
@@ -130,6 +127,35 @@ def token_logprobs(
         if rows is not None:
             picked = picked * rows
     return F.pad(picked[:, :-1], (1, 0), value=0.0)
+
+
+def _next_targets(
+    logits: Tensor | HiddenLogits, input_ids: Tensor, mask: Tensor | None
+) -> tuple[Tensor, Tensor | None]:
+    """Row t's target, token t + 1 (the last row's a dummy), and the rows the mask reads."""
+    if logits.dim() != 3 or input_ids.shape != logits.shape[:2]:
+        raise ValueError(
+            f"token_logprobs expects logits [B, S, V] and input_ids [B, S]; got logits "
+            f"{tuple(logits.shape)} and input_ids {tuple(input_ids.shape)}."
+        )
+    return F.pad(input_ids[:, 1:].long(), (0, 1), value=0), needed_rows(mask)
+
+
+def token_logprobs_and_entropy(
+    logits: Tensor | HiddenLogits, input_ids: Tensor, mask: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """`token_logprobs` and `token_entropy` at the same positions, the entropy differentiated
+    too (a loss's entropy bonus); with `HiddenLogits`, in the log-probs' one projection pass."""
+    targets, rows = _next_targets(logits, input_ids, mask)
+    if isinstance(logits, HiddenLogits):
+        picked, ent = next_token_logprobs_and_entropy(logits, targets, rows)
+    else:
+        picked = NextTokenLogprob.apply(logits, targets)
+        flat = logits.reshape(-1, logits.shape[-1])
+        ent = entropy_of_logits(flat, default_chunk_rows(flat.shape[-1])).view(picked.shape)
+        if rows is not None:
+            picked, ent = picked * rows, ent * rows
+    return F.pad(picked[:, :-1], (1, 0), value=0.0), F.pad(ent[:, :-1], (1, 0), value=0.0)
 
 
 def token_entropy(logits: Tensor | HiddenLogits, mask: Tensor | None = None) -> Tensor:
@@ -166,11 +192,11 @@ def _valid_token_mask(data: Mapping[str, Any], like: Tensor) -> Tensor:
     return token_mask * sample_mask.unsqueeze(-1)
 
 
-def _as_tensor(x: Tensor | float, like: Tensor) -> Tensor:
+def as_tensor_like(x: Tensor | float, like: Tensor) -> Tensor:
     return torch.as_tensor(x, dtype=like.dtype, device=like.device)
 
 
-def _masked_mean(values: Tensor, mask: Tensor) -> float:
+def masked_mean(values: Tensor, mask: Tensor) -> float:
     """Mean of `values` where mask is 1 (a float; 0.0 when nothing is valid)."""
     denom = mask.sum()
     if denom.item() == 0:
@@ -195,25 +221,6 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator) 
     if estimator == "k3":
         return torch.exp(-log_r) - 1.0 + log_r
     raise ValueError(f"kl estimator '{estimator}' is unknown; use one of 'k1', 'k2', 'k3'.")
-
-
-def count_valid_pairs(sample_mask: Tensor) -> Tensor:
-    """Number of valid preference pairs in an interleaved batch (chosen 2i, rejected 2i+1).
-
-    A pair counts when both of its samples have sample_mask 1. This is the
-    ``global_valid_seqs`` that `DPOLoss` and `BradleyTerryLoss` expect (summed over the
-    global batch).
-    """
-    return _pair_mask(sample_mask).sum()
-
-
-def _pair_mask(sample_mask: Tensor) -> Tensor:
-    if sample_mask.shape[0] % 2 != 0:
-        raise ValueError(
-            f"Preference batches interleave chosen (2i) and rejected (2i+1) samples, so the "
-            f"batch size must be even; got {sample_mask.shape[0]}."
-        )
-    return sample_mask[0::2] * sample_mask[1::2]
 
 
 # --------------------------------------------------------------------------------------------
@@ -241,7 +248,7 @@ class NLLLoss:
     ) -> tuple[Tensor, dict[str, float]]:
         logprobs = token_logprobs(logits, data["input_ids"], data.get("token_mask"))  # [B, S]
         mask = _valid_token_mask(data, logprobs)
-        loss = -(logprobs * mask).sum() / _as_tensor(global_valid_toks, logprobs)
+        loss = -(logprobs * mask).sum() / as_tensor_like(global_valid_toks, logprobs)
         return loss, {"loss": float(loss.item()), "num_valid_tokens": float(mask.sum().item())}
 
 
@@ -277,6 +284,11 @@ class ClippedPGLoss:
       if ratio_clip_c is set and A < 0:  pg = min(pg, -A * ratio_clip_c)       (dual clip)
       kl = reference_policy_kl_penalty * kl_estimate(curr, ref, kl_estimator)
       per_token = w * (pg + kl)
+      loss = reduce(per_token) - entropy_coeff * reduce(entropy)     (verl's entropy bonus)
+
+    ``entropy_coeff`` > 0 rewards the current policy's entropy at the valid tokens (not
+    importance-weighted), reduced like the rest, and differentiated (`token_logprobs_and_
+    entropy`: the same projection pass as the log-probs).
 
     The importance weight ``w`` (detached) is 1 unless ``use_importance_sampling_correction``;
     then ``w = exp(prev - gen)`` per token (with GSPO: ``exp(sum over the sequence's valid tokens
@@ -299,7 +311,8 @@ class ClippedPGLoss:
     ``global_valid_toks``; ``loss_type="sequence"`` averages each sequence's valid tokens,
     sums over valid sequences and divides by ``global_valid_seqs``.
 
-    Metrics: ``loss``, ``kl_penalty`` (globally normalised like the loss), ``clip_fraction``
+    Metrics: ``loss``, ``kl_penalty`` and (with a bonus) ``entropy_bonus``, its
+    ``entropy_coeff * reduce(entropy)`` (both globally normalised like the loss), ``clip_fraction``
     (share of valid tokens whose ratio was outside the clip range), ``ratio_mean``,
     ``entropy`` (of the current policy), ``token_mult_prob_error`` (mean of
     ``exp(|prev - gen|)``; 1.0 means trainer and generator agree), ``gen_kl_error`` (mean of
@@ -328,7 +341,13 @@ class ClippedPGLoss:
         truncated_importance_sampling_ratio_min: float | None = None,
         sequence_level_importance_ratios: bool = False,
         temperature: float = 1.0,
+        entropy_coeff: float = 0.0,
     ) -> None:
+        if entropy_coeff < 0:
+            raise ValueError(
+                f"entropy_coeff={entropy_coeff} must be >= 0 (a bonus on the policy's entropy; "
+                "0 turns it off)"
+            )
         if temperature <= 0:
             raise ValueError(
                 f"temperature={temperature} must be > 0: the sampling temperature the "
@@ -369,6 +388,7 @@ class ClippedPGLoss:
         self.truncated_importance_sampling_ratio_min = truncated_importance_sampling_ratio_min
         self.sequence_level_importance_ratios = sequence_level_importance_ratios
         self.temperature = temperature
+        self.entropy_coeff = entropy_coeff
 
     def __call__(
         self,
@@ -377,7 +397,13 @@ class ClippedPGLoss:
         global_valid_toks: Tensor,
         global_valid_seqs: Tensor,
     ) -> tuple[Tensor, dict[str, float]]:
-        curr = token_logprobs(logits, data["input_ids"], data.get("token_mask"))  # [B, S]
+        entropy = None
+        if self.entropy_coeff > 0:
+            curr, entropy = token_logprobs_and_entropy(
+                logits, data["input_ids"], data.get("token_mask")
+            )
+        else:
+            curr = token_logprobs(logits, data["input_ids"], data.get("token_mask"))  # [B, S]
         mask = _valid_token_mask(data, curr)  # [B, S]
         prev = data["prev_logprobs"].to(curr.dtype) if "prev_logprobs" in data else curr.detach()
         gen = data["generation_logprobs"].to(curr.dtype)
@@ -403,22 +429,32 @@ class ClippedPGLoss:
         pg_term = self._reduce(weight * pg, mask, global_valid_toks, global_valid_seqs)
         kl_term = self._reduce(weight * kl, mask, global_valid_toks, global_valid_seqs)
         loss = pg_term + kl_term
+        if entropy is not None:
+            bonus = self.entropy_coeff * self._reduce(
+                entropy, mask, global_valid_toks, global_valid_seqs
+            )
+            loss = loss - bonus
 
         with torch.no_grad():
             outside = (ratio < 1.0 - self.ratio_clip_min) | (ratio > 1.0 + self.ratio_clip_max)
             metrics = {
                 "loss": float(loss.item()),
                 "kl_penalty": float(kl_term.item()),
-                "clip_fraction": _masked_mean(outside.to(curr.dtype), mask),
-                "ratio_mean": _masked_mean(ratio, mask),
-                "entropy": _masked_mean(token_entropy(logits, mask).to(curr.dtype), mask),
-                "token_mult_prob_error": _masked_mean(torch.exp(log_is.abs()), mask),
-                "gen_kl_error": _masked_mean(kl_estimate(gen, prev, self.kl_estimator), mask),
-                "is_weight_mean": _masked_mean(weight, mask),
+                "clip_fraction": masked_mean(outside.to(curr.dtype), mask),
+                "ratio_mean": masked_mean(ratio, mask),
+                "entropy": masked_mean(
+                    (token_entropy(logits, mask) if entropy is None else entropy).to(curr.dtype),
+                    mask,
+                ),
+                "token_mult_prob_error": masked_mean(torch.exp(log_is.abs()), mask),
+                "gen_kl_error": masked_mean(kl_estimate(gen, prev, self.kl_estimator), mask),
+                "is_weight_mean": masked_mean(weight, mask),
                 "num_valid_tokens": float(mask.sum().item()),
             }
             if oob is not None:
                 metrics["is_oob_ratio"] = oob
+            if entropy is not None:
+                metrics["entropy_bonus"] = float(bonus.item())
         return loss, metrics
 
     def _ppo_ratio(self, curr: Tensor, prev: Tensor, mask: Tensor) -> Tensor:
@@ -447,9 +483,9 @@ class ClippedPGLoss:
             geo_mean = torch.exp((log_is * mask).sum(-1) / tokens.clamp(min=1))  # [B]
             out_seq = ((geo_mean < lo) | (geo_mean > hi)).to(weight.dtype)  # [B]
             weight = weight * (1.0 - out_seq).unsqueeze(-1)
-            return weight, _masked_mean(out_seq, (tokens > 0).to(weight.dtype))
+            return weight, masked_mean(out_seq, (tokens > 0).to(weight.dtype))
         out_tok = (weight < lo) | (weight > hi)  # [B, S]
-        oob = _masked_mean(out_tok.to(weight.dtype), mask)
+        oob = masked_mean(out_tok.to(weight.dtype), mask)
         if kind == "tis":
             return weight.clamp(min=lo, max=hi), oob
         return torch.where(out_tok, torch.zeros_like(weight), weight), oob  # icepop
@@ -458,219 +494,11 @@ class ClippedPGLoss:
         self, per_token: Tensor, mask: Tensor, global_valid_toks: Tensor, global_valid_seqs: Tensor
     ) -> Tensor:
         if self.loss_type == "token":
-            return (per_token * mask).sum() / _as_tensor(global_valid_toks, per_token)
+            return (per_token * mask).sum() / as_tensor_like(global_valid_toks, per_token)
         tokens_per_seq = mask.sum(-1)  # [B]
         seq_mean = (per_token * mask).sum(-1) / tokens_per_seq.clamp(min=1)  # [B]
         seq_valid = (tokens_per_seq > 0).to(per_token.dtype)
-        return (seq_mean * seq_valid).sum() / _as_tensor(global_valid_seqs, per_token)
-
-
-# --------------------------------------------------------------------------------------------
-# Preference losses
-# --------------------------------------------------------------------------------------------
-
-
-DPO_LOSS_TYPES: tuple[str, ...] = get_args(DPOLossType)
-SIMPO_DEFAULT_GAMMA = 0.5  # TRL's simpo_gamma
-
-
-def dpo_preference_loss(
-    margin: Tensor, beta: float, kind: str, label_smoothing: float, gamma: float = 0.0
-) -> Tensor:
-    """Each pair's preference loss from its implicit-reward margin ``z = beta * d``, where
-    ``d = (logp_c - ref_c) - (logp_r - ref_r)`` (TRL's names and formulas; ``e`` = label
-    smoothing, the assumed share of pairs whose labels are flipped):
-
-      sigmoid  -(1 - e) logsigmoid(z) - e logsigmoid(-z)      (DPO; e > 0: conservative DPO)
-      robust   (-(1 - e) logsigmoid(z) + e logsigmoid(-z)) / (1 - 2e)   (unbiased under flips)
-      hinge    relu(1 - z)                                     (SLiC)
-      ipo      (d - 1 / (2 beta))^2                            (IPO: d regressed to a target)
-      simpo    sigmoid's of z - gamma, with no reference: d = mean logp_c - mean logp_r
-      orpo     -beta logsigmoid(margin), where the caller passes the log odds ratio of the
-               mean-per-token probabilities as ``margin`` (`orpo_log_odds_ratio`); beta is
-               ORPO's lambda, a weight outside the sigmoid
-    """
-    if kind == "orpo":
-        return -beta * F.logsigmoid(margin)
-    if kind == "hinge":
-        return torch.relu(1 - margin)
-    if kind == "ipo":
-        return (margin / beta - 1 / (2 * beta)) ** 2
-    if kind == "simpo":
-        margin = margin - gamma
-    win, lose = -F.logsigmoid(margin), -F.logsigmoid(-margin)
-    if kind in ("sigmoid", "simpo"):
-        return (1 - label_smoothing) * win + label_smoothing * lose
-    if kind == "robust":
-        return ((1 - label_smoothing) * win - label_smoothing * lose) / (1 - 2 * label_smoothing)
-    raise AssertionError(kind)  # DPOLoss refuses an unknown kind
-
-
-def orpo_log_odds_ratio(logp_chosen: Tensor, logp_rejected: Tensor) -> Tensor:
-    """ORPO's ``log(odds_c / odds_r)`` with ``odds = p / (1 - p)`` and ``p = exp(mean token
-    log-prob)``; ``log(1 - p)`` as ``log(-expm1(logp))``, with ``logp`` held below -1e-6 so a
-    response the policy already finds certain gives a large, finite log odds."""
-
-    def log_odds(logp: Tensor) -> Tensor:
-        logp = logp.clamp(max=-1e-6)
-        return logp - torch.log(-torch.expm1(logp))
-
-    return log_odds(logp_chosen) - log_odds(logp_rejected)
-
-
-class DPOLoss:
-    """Direct Preference Optimisation with an optional SFT term on chosen.
-
-    The batch interleaves pairs: sample ``2i`` is chosen, ``2i + 1`` rejected. `data` needs
-    ``input_ids``, ``token_mask``, ``sample_mask`` and ``reference_policy_logprobs [B, S]``.
-    Per sample, ``logp = sum over token_mask of token logprob`` (or the mean with
-    ``preference_average_log_probs=True``); same for the reference. Per pair:
-
-      reward_c = beta * (logp_c - ref_c),  reward_r = beta * (logp_r - ref_r)
-      pref     = -logsigmoid(reward_c - reward_r)   (``preference_loss_type="sigmoid"``; the
-                 others: `dpo_preference_loss`)
-      sft      = -logp_c                (same sum/mean aggregation as above)
-      loss     = sum over valid pairs of (pref + sft_loss_weight * sft) / global_valid_seqs
-
-    ``preference_loss_type="simpo"`` and ``"orpo"`` are reference-free (``needs_reference``
-    False: the policy is trained without ``with_reference``, and ``reference_policy_logprobs``
-    is not read): ``reward = beta * logp`` (mean log-probs: the config requires them). SimPO
-    shifts the margin by ``simpo_gamma``; ORPO's preference term is
-    ``-beta * logsigmoid(orpo_log_odds_ratio(logp_c, logp_r))`` (TRL's ORPOTrainer; its SFT
-    term is ``sft_loss_weight`` x the chosen NLL, 1 in the paper), logged as ``log_odds_ratio``.
-
-    IMPORTANT: ``global_valid_seqs`` counts PAIRS (valid pairs in the global batch, see
-    `count_valid_pairs`), not samples. ``beta`` is NeMo RL's ``reference_policy_kl_penalty``.
-    Metrics: ``loss``, ``preference_loss``, ``sft_loss`` (both globally normalised),
-    ``preference_accuracy``, ``rewards_chosen_mean``, ``rewards_rejected_mean``,
-    ``reward_margin``, ``reference_logprob_accuracy`` (pairs whose chosen answer the
-    reference finds more likely; means over this micro-batch's valid pairs), ``num_valid_pairs``.
-    """
-
-    loss_type: LossType = "sequence"
-    pairwise: bool = True
-    reads_token_mask_only: bool = True  # (the LossFunction protocol)
-
-    def __init__(
-        self,
-        reference_policy_kl_penalty: float = 0.1,
-        preference_average_log_probs: bool = False,
-        sft_loss_weight: float = 0.0,
-        preference_loss_type: str = "sigmoid",
-        label_smoothing: float = 0.0,
-        simpo_gamma: float | None = None,
-    ) -> None:
-        if reference_policy_kl_penalty <= 0:
-            raise ValueError(
-                f"DPO reference_policy_kl_penalty (beta)={reference_policy_kl_penalty} must be > 0."
-            )
-        self.beta = reference_policy_kl_penalty
-        self.preference_average_log_probs = preference_average_log_probs
-        self.sft_loss_weight = sft_loss_weight
-        self.preference_loss_type = preference_loss_type
-        self.label_smoothing = label_smoothing
-        self.needs_reference = preference_loss_type not in REFERENCE_FREE_LOSSES
-        self.gamma = SIMPO_DEFAULT_GAMMA if simpo_gamma is None else simpo_gamma
-        if preference_loss_type not in DPO_LOSS_TYPES:
-            raise ValueError(
-                f"DPO loss_type={preference_loss_type!r}: use one of {', '.join(DPO_LOSS_TYPES)}"
-            )
-
-    def _sequence_logprob(self, logprobs: Tensor, token_mask: Tensor) -> Tensor:
-        total = (logprobs * token_mask).sum(-1)  # [B]
-        if self.preference_average_log_probs:
-            return total / token_mask.sum(-1).clamp(min=1)
-        return total
-
-    def __call__(
-        self,
-        logits: Tensor,
-        data: Mapping[str, Any],
-        global_valid_toks: Tensor,
-        global_valid_seqs: Tensor,
-    ) -> tuple[Tensor, dict[str, float]]:
-        logprobs = token_logprobs(logits, data["input_ids"], data["token_mask"])  # [B, S]
-        token_mask = data["token_mask"].to(logprobs.dtype)
-        pair_mask = _pair_mask(data["sample_mask"].to(logprobs.dtype))  # [B/2]
-
-        seq_lp = self._sequence_logprob(logprobs, token_mask)  # [B]
-        seq_ref = None
-        if self.needs_reference:
-            ref = data["reference_policy_logprobs"].to(logprobs.dtype)
-            seq_ref = self._sequence_logprob(ref, token_mask)  # [B]
-        rewards = self.beta * (seq_lp if seq_ref is None else seq_lp - seq_ref)  # [B]
-        r_chosen, r_rejected = rewards[0::2], rewards[1::2]  # [B/2]
-        margin = r_chosen - r_rejected
-
-        denom = _as_tensor(global_valid_seqs, logprobs)
-        loss_margin = margin
-        if self.preference_loss_type == "orpo":
-            loss_margin = orpo_log_odds_ratio(seq_lp[0::2], seq_lp[1::2])
-        per_pair = dpo_preference_loss(
-            loss_margin, self.beta, self.preference_loss_type, self.label_smoothing, self.gamma
-        )
-        pref_loss = (per_pair * pair_mask).sum() / denom
-        sft_loss = (-seq_lp[0::2] * pair_mask).sum() / denom
-        loss = pref_loss + self.sft_loss_weight * sft_loss
-
-        with torch.no_grad():
-            metrics = {
-                "loss": float(loss.item()),
-                "preference_loss": float(pref_loss.item()),
-                "sft_loss": float(sft_loss.item()),
-                "preference_accuracy": _masked_mean((margin > 0).to(margin.dtype), pair_mask),
-                "rewards_chosen_mean": _masked_mean(r_chosen, pair_mask),
-                "rewards_rejected_mean": _masked_mean(r_rejected, pair_mask),
-                "reward_margin": _masked_mean(margin, pair_mask),
-                "num_valid_pairs": float(pair_mask.sum().item()),
-            }
-            if loss_margin is not margin:
-                metrics["log_odds_ratio"] = _masked_mean(loss_margin, pair_mask)
-            if seq_ref is not None:  # pairs the frozen reference already ranks right
-                metrics["reference_logprob_accuracy"] = _masked_mean(
-                    (seq_ref[0::2] > seq_ref[1::2]).to(margin.dtype), pair_mask
-                )
-        return loss, metrics
-
-
-class BradleyTerryLoss:
-    """Bradley-Terry pairwise loss for reward models; takes scores, not logits.
-
-    ``scores`` is ``[B]`` (one scalar per sequence), interleaved: ``2i`` chosen, ``2i + 1``
-    rejected. loss = sum over valid pairs of ``-logsigmoid(s_c - s_r)`` / global_valid_seqs,
-    where ``global_valid_seqs`` counts PAIRS (see `count_valid_pairs`); `data` needs only
-    ``sample_mask``. Metrics: ``loss``, ``accuracy`` (share of pairs with s_c > s_r),
-    ``margin`` (mean s_c - s_r), ``num_valid_pairs``.
-    """
-
-    loss_type: LossType = "sequence"
-    pairwise: bool = True
-
-    def __call__(
-        self,
-        scores: Tensor,
-        data: Mapping[str, Any],
-        global_valid_toks: Tensor,
-        global_valid_seqs: Tensor,
-    ) -> tuple[Tensor, dict[str, float]]:
-        if scores.dim() == 2 and scores.shape[-1] == 1:
-            scores = scores.squeeze(-1)
-        if scores.dim() != 1:
-            raise ValueError(
-                f"BradleyTerryLoss expects scores of shape [B] (or [B, 1]); got {tuple(scores.shape)}."
-            )
-        scores = upcast(scores)
-        pair_mask = _pair_mask(data["sample_mask"].to(scores.dtype))
-        margin = scores[0::2] - scores[1::2]
-        loss = (-F.logsigmoid(margin) * pair_mask).sum() / _as_tensor(global_valid_seqs, scores)
-        with torch.no_grad():
-            metrics = {
-                "loss": float(loss.item()),
-                "accuracy": _masked_mean((margin > 0).to(margin.dtype), pair_mask),
-                "margin": _masked_mean(margin, pair_mask),
-                "num_valid_pairs": float(pair_mask.sum().item()),
-            }
-        return loss, metrics
+        return (seq_mean * seq_valid).sum() / as_tensor_like(global_valid_seqs, per_token)
 
 
 # --------------------------------------------------------------------------------------------
@@ -750,15 +578,15 @@ class DistillationLoss:
         w = {"forward": 1.0, "reverse": 0.0, "mixed": self.mixed_kl_weight}[self.kl_type]
         per_token = F.pad(w * forward + (1.0 - w) * reverse, (1, 0))  # [B, S], 0 at t=0
         mask = _valid_token_mask(data, per_token)[:, : per_token.shape[1]]
-        loss = (per_token * mask).sum() / _as_tensor(global_valid_toks, per_token)
+        loss = (per_token * mask).sum() / as_tensor_like(global_valid_toks, per_token)
         with torch.no_grad():
             m = mask[:, 1:]
             metrics = {
                 "loss": float(loss.item()),
-                "kl_forward": _masked_mean((t_norm.exp() * (t_norm - s_norm)).sum(-1), m),
-                "kl_reverse": _masked_mean((s_norm.exp() * (s_norm - t_norm)).sum(-1), m),
-                "teacher_topk_mass": _masked_mean(teacher.exp().sum(-1), m),
-                "student_topk_mass": _masked_mean(student.exp().sum(-1), m),
+                "kl_forward": masked_mean((t_norm.exp() * (t_norm - s_norm)).sum(-1), m),
+                "kl_reverse": masked_mean((s_norm.exp() * (s_norm - t_norm)).sum(-1), m),
+                "teacher_topk_mass": masked_mean(teacher.exp().sum(-1), m),
+                "student_topk_mass": masked_mean(student.exp().sum(-1), m),
                 "num_valid_tokens": float(m.sum().item()),
             }
         return loss, metrics

@@ -92,7 +92,7 @@ def setup(cfg: DPOMasterConfig, resolved: dict[str, Any]) -> PreferenceRun:
 
 # --------------------------------------------------------------------------- loop
 def make_loss(cfg: DPOMasterConfig) -> Any:
-    from tempering.losses import DPOLoss
+    from tempering.preference_losses import DPOLoss
 
     return DPOLoss(
         reference_policy_kl_penalty=cfg.dpo.reference_policy_kl_penalty,

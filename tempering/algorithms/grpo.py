@@ -273,6 +273,7 @@ def make_loss(cfg: GRPOMasterConfig) -> Any:
         truncated_importance_sampling_ratio_min=lf.truncated_importance_sampling_ratio_min,
         sequence_level_importance_ratios=lf.sequence_level_importance_ratios,
         temperature=cfg.policy.generation.temperature,  # the trainer's logits at the sampler's
+        entropy_coeff=lf.entropy_coeff,
     )
 
 

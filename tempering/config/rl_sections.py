@@ -265,6 +265,12 @@ class LossFnConfig(Section):
         description="GSPO: the PPO ratio is each sequence's geometric mean (needs "
         "token_level_loss=false)",
     )
+    entropy_coeff: float = Field(
+        0.0,
+        ge=0,
+        description="verl's entropy bonus: the loss subtracts this x the policy's mean entropy "
+        "at the generated tokens (0: off)",
+    )
 
     @model_validator(mode="after")
     def _off_policy(self) -> LossFnConfig:

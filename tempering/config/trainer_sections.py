@@ -45,7 +45,7 @@ class PreferenceLoopConfig(Section):
     seed: int = 42
 
 
-# the preference losses of `tempering.losses.dpo_preference_loss`, by TRL's names
+# the preference losses of `tempering.preference_losses.dpo_preference_loss`, by TRL's names
 DPOLossType = Literal["sigmoid", "hinge", "ipo", "robust", "simpo", "orpo"]
 REFERENCE_FREE_LOSSES = ("simpo", "orpo")  # rewards from the policy alone: no reference model
 

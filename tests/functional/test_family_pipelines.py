@@ -128,7 +128,7 @@ def _grpo_step_with_refit(policy, tokenizer, pad: int) -> dict[str, float]:
 
 
 def _dpo_losses(policy, tokenizer, pad: int) -> list[float]:
-    from tempering.losses import DPOLoss
+    from tempering.preference_losses import DPOLoss
 
     rows, starts = [], []
     for q, right, wrong in QUESTIONS[:2]:  # pairs interleaved: chosen, rejected

@@ -7,8 +7,8 @@ Read with ``ast`` only (nothing is imported), so this runs in a second:
   ``environments`` while ``environments`` imports ``data`` is a cycle of parts);
 - no import from a lower layer to a higher one, in this order (a module may import its own
   layer and those below it):
-  utils < config < distributed < losses < models < data, experience, environments
-  < algorithms < evaluation, cli.
+  utils < config < distributed < losses, logits, preference_losses < models < data,
+  experience, environments < algorithms < evaluation, cli.
 
 Every import counts, at module level, inside functions and under ``TYPE_CHECKING`` alike: a
 lazy import is still a dependency.
@@ -36,6 +36,7 @@ LAYERS: dict[str, int] = {
     "distributed": 2,
     "losses": 3,
     "logits": 3,
+    "preference_losses": 3,
     "models": 4,
     "data": 5,
     "experience": 5,

@@ -25,7 +25,8 @@ from tempering.algorithms.preference import (
 )
 from tempering.config.schemas import DataConfig
 from tempering.data.records import DataFormatError
-from tempering.losses import DPOLoss, count_valid_pairs, orpo_log_odds_ratio, token_logprobs
+from tempering.losses import token_logprobs
+from tempering.preference_losses import DPOLoss, count_valid_pairs, orpo_log_odds_ratio
 
 
 # ------------------------------------------------------------------------ data

@@ -19,11 +19,12 @@ from transformers import AutoModelForCausalLM
 from tempering.config.schemas import LoraConfig
 from tempering.distributed.batched_data_dict import BatchedDataDict
 from tempering.distributed.virtual_cluster import RayVirtualCluster
-from tempering.losses import BradleyTerryLoss, NLLLoss
+from tempering.losses import NLLLoss
 from tempering.models.policy.fsdp2_worker import FSDP2PolicyWorker
 from tempering.models.policy.lm_policy import build_policy
 from tempering.models.policy.lora import LoraSpec
 from tempering.models.registry import resolve_model_path
+from tempering.preference_losses import BradleyTerryLoss
 from tests.tiny_models import save_tiny_llama
 
 LORA = {"dim": 4, "alpha": 8.0, "target_modules": (), "match_all_linear": True}

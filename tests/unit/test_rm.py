@@ -20,8 +20,8 @@ from tempering.algorithms.preference import load_preference_data, preference_bat
 from tempering.config.schemas import DataConfig
 from tempering.environments.interfaces import EnvironmentInterface
 from tempering.environments.registry import get_environment_class
-from tempering.losses import BradleyTerryLoss
 from tempering.models.policy.fsdp2_worker import FSDP2PolicyWorker
+from tempering.preference_losses import BradleyTerryLoss
 
 BT = BradleyTerryLoss()
 

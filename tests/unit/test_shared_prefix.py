@@ -13,11 +13,12 @@ import torch
 from transformers import LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from tempering.distributed.batched_data_dict import BatchedDataDict
-from tempering.losses import ClippedPGLoss, DPOLoss, NLLLoss
+from tempering.losses import ClippedPGLoss, NLLLoss
 from tempering.models.policy import packed_attention
 from tempering.models.policy.microbatching import ForwardPass
 from tempering.models.policy.packed_attention import use_packed_sdpa
 from tempering.models.policy.shared_prefix import attention_cost_ratio, plan_shared_prefix
+from tempering.preference_losses import DPOLoss
 from tests import tiny_models
 
 VOCAB = 100

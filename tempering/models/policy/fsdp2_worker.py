@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from tempering.distributed.batched_data_dict import BatchedDataDict
 from tempering.logits import needed_rows
-from tempering.losses import LossFunction, count_valid_pairs, token_logprobs, topk_logprobs
+from tempering.losses import LossFunction, token_logprobs, topk_logprobs
 from tempering.models.policy.checkpoint_io import CheckpointIO
 from tempering.models.policy.colocated_generation import ColocatedGenerationView
 from tempering.models.policy.lora import LoraSpec
@@ -72,6 +72,7 @@ from tempering.models.policy.training import (
     local_batch_size,
 )
 from tempering.models.policy.weight_streaming import WeightStreamer
+from tempering.preference_losses import count_valid_pairs
 from tempering.utils import faults, threads
 
 # (micro_batch_size, max_tokens_per_microbatch, pack_sequences): how a call cuts its batch

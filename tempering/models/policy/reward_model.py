@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from tempering.distributed.batched_data_dict import BatchedDataDict
-from tempering.losses import BradleyTerryLoss
 from tempering.models.policy.lm_policy import Policy, build_policy
+from tempering.preference_losses import BradleyTerryLoss
 
 
 class RewardModel:

@@ -26,7 +26,7 @@ from tempering.models.policy.model_setup import PolicyState, full_tensor, local_
 logger = logging.getLogger(__name__)
 
 # Loss metrics that are already divided by the global count: summed over micro-batches/ranks.
-_GLOBALLY_NORMALISED = ("loss", "kl_penalty")
+_GLOBALLY_NORMALISED = ("loss", "kl_penalty", "entropy_bonus")
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -163,8 +163,8 @@ def check_pairwise_batching(
 
 def aggregate_loss_metrics(all_mbs: list[dict[str, float]]) -> dict[str, float]:
     """Loss metrics over micro-batches (of every rank), following tempering.losses'
-    conventions: ``loss``/``kl_penalty``/``*_loss`` are globally normalised (summed), ``num_*``
-    are counts (summed), the rest are per-micro-batch means (weighted by
+    conventions: ``loss``/``kl_penalty``/``entropy_bonus``/``*_loss`` are globally normalised
+    (summed), ``num_*`` are counts (summed), the rest are per-micro-batch means (weighted by
     num_valid_tokens/pairs)."""
     keys = sorted({k for m in all_mbs for k in m})
     out: dict[str, float] = {}

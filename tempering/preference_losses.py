@@ -1,0 +1,251 @@
+"""Preference losses: DPO and its variants (TRL's names: sigmoid, hinge, IPO, robust, and the
+reference-free SimPO and ORPO) for the policy, Bradley-Terry for reward models.
+
+The `tempering.losses` contract (docs/CONTRACTS.md) with pairs: a batch interleaves them,
+sample ``2i`` chosen and ``2i + 1`` rejected, and ``global_valid_seqs`` counts valid PAIRS
+(`count_valid_pairs`). Torch only, like `tempering.losses`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, get_args
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tempering.config.trainer_sections import REFERENCE_FREE_LOSSES, DPOLossType
+from tempering.logits import upcast
+from tempering.losses import LossType, as_tensor_like, masked_mean, token_logprobs
+
+__all__ = [
+    "DPO_LOSS_TYPES",
+    "BradleyTerryLoss",
+    "DPOLoss",
+    "count_valid_pairs",
+    "dpo_preference_loss",
+    "orpo_log_odds_ratio",
+]
+
+
+def count_valid_pairs(sample_mask: Tensor) -> Tensor:
+    """Number of valid preference pairs in an interleaved batch (chosen 2i, rejected 2i+1).
+
+    A pair counts when both of its samples have sample_mask 1. This is the
+    ``global_valid_seqs`` that `DPOLoss` and `BradleyTerryLoss` expect (summed over the
+    global batch).
+    """
+    return _pair_mask(sample_mask).sum()
+
+
+def _pair_mask(sample_mask: Tensor) -> Tensor:
+    if sample_mask.shape[0] % 2 != 0:
+        raise ValueError(
+            f"Preference batches interleave chosen (2i) and rejected (2i+1) samples, so the "
+            f"batch size must be even; got {sample_mask.shape[0]}."
+        )
+    return sample_mask[0::2] * sample_mask[1::2]
+
+
+DPO_LOSS_TYPES: tuple[str, ...] = get_args(DPOLossType)
+SIMPO_DEFAULT_GAMMA = 0.5  # TRL's simpo_gamma
+
+
+def dpo_preference_loss(
+    margin: Tensor, beta: float, kind: str, label_smoothing: float, gamma: float = 0.0
+) -> Tensor:
+    """Each pair's preference loss from its implicit-reward margin ``z = beta * d``, where
+    ``d = (logp_c - ref_c) - (logp_r - ref_r)`` (TRL's names and formulas; ``e`` = label
+    smoothing, the assumed share of pairs whose labels are flipped):
+
+      sigmoid  -(1 - e) logsigmoid(z) - e logsigmoid(-z)      (DPO; e > 0: conservative DPO)
+      robust   (-(1 - e) logsigmoid(z) + e logsigmoid(-z)) / (1 - 2e)   (unbiased under flips)
+      hinge    relu(1 - z)                                     (SLiC)
+      ipo      (d - 1 / (2 beta))^2                            (IPO: d regressed to a target)
+      simpo    sigmoid's of z - gamma, with no reference: d = mean logp_c - mean logp_r
+      orpo     -beta logsigmoid(margin), where the caller passes the log odds ratio of the
+               mean-per-token probabilities as ``margin`` (`orpo_log_odds_ratio`); beta is
+               ORPO's lambda, a weight outside the sigmoid
+    """
+    if kind == "orpo":
+        return -beta * F.logsigmoid(margin)
+    if kind == "hinge":
+        return torch.relu(1 - margin)
+    if kind == "ipo":
+        return (margin / beta - 1 / (2 * beta)) ** 2
+    if kind == "simpo":
+        margin = margin - gamma
+    win, lose = -F.logsigmoid(margin), -F.logsigmoid(-margin)
+    if kind in ("sigmoid", "simpo"):
+        return (1 - label_smoothing) * win + label_smoothing * lose
+    if kind == "robust":
+        return ((1 - label_smoothing) * win - label_smoothing * lose) / (1 - 2 * label_smoothing)
+    raise AssertionError(kind)  # DPOLoss refuses an unknown kind
+
+
+def orpo_log_odds_ratio(logp_chosen: Tensor, logp_rejected: Tensor) -> Tensor:
+    """ORPO's ``log(odds_c / odds_r)`` with ``odds = p / (1 - p)`` and ``p = exp(mean token
+    log-prob)``; ``log(1 - p)`` as ``log(-expm1(logp))``, with ``logp`` held below -1e-6 so a
+    response the policy already finds certain gives a large, finite log odds."""
+
+    def log_odds(logp: Tensor) -> Tensor:
+        logp = logp.clamp(max=-1e-6)
+        return logp - torch.log(-torch.expm1(logp))
+
+    return log_odds(logp_chosen) - log_odds(logp_rejected)
+
+
+class DPOLoss:
+    """Direct Preference Optimisation with an optional SFT term on chosen.
+
+    The batch interleaves pairs: sample ``2i`` is chosen, ``2i + 1`` rejected. `data` needs
+    ``input_ids``, ``token_mask``, ``sample_mask`` and ``reference_policy_logprobs [B, S]``.
+    Per sample, ``logp = sum over token_mask of token logprob`` (or the mean with
+    ``preference_average_log_probs=True``); same for the reference. Per pair:
+
+      reward_c = beta * (logp_c - ref_c),  reward_r = beta * (logp_r - ref_r)
+      pref     = -logsigmoid(reward_c - reward_r)   (``preference_loss_type="sigmoid"``; the
+                 others: `dpo_preference_loss`)
+      sft      = -logp_c                (same sum/mean aggregation as above)
+      loss     = sum over valid pairs of (pref + sft_loss_weight * sft) / global_valid_seqs
+
+    ``preference_loss_type="simpo"`` and ``"orpo"`` are reference-free (``needs_reference``
+    False: the policy is trained without ``with_reference``, and ``reference_policy_logprobs``
+    is not read): ``reward = beta * logp`` (mean log-probs: the config requires them). SimPO
+    shifts the margin by ``simpo_gamma``; ORPO's preference term is
+    ``-beta * logsigmoid(orpo_log_odds_ratio(logp_c, logp_r))`` (TRL's ORPOTrainer; its SFT
+    term is ``sft_loss_weight`` x the chosen NLL, 1 in the paper), logged as ``log_odds_ratio``.
+
+    IMPORTANT: ``global_valid_seqs`` counts PAIRS (valid pairs in the global batch, see
+    `count_valid_pairs`), not samples. ``beta`` is NeMo RL's ``reference_policy_kl_penalty``.
+    Metrics: ``loss``, ``preference_loss``, ``sft_loss`` (both globally normalised),
+    ``preference_accuracy``, ``rewards_chosen_mean``, ``rewards_rejected_mean``,
+    ``reward_margin``, ``reference_logprob_accuracy`` (pairs whose chosen answer the
+    reference finds more likely; means over this micro-batch's valid pairs), ``num_valid_pairs``.
+    """
+
+    loss_type: LossType = "sequence"
+    pairwise: bool = True
+    reads_token_mask_only: bool = True  # (the LossFunction protocol)
+
+    def __init__(
+        self,
+        reference_policy_kl_penalty: float = 0.1,
+        preference_average_log_probs: bool = False,
+        sft_loss_weight: float = 0.0,
+        preference_loss_type: str = "sigmoid",
+        label_smoothing: float = 0.0,
+        simpo_gamma: float | None = None,
+    ) -> None:
+        if reference_policy_kl_penalty <= 0:
+            raise ValueError(
+                f"DPO reference_policy_kl_penalty (beta)={reference_policy_kl_penalty} must be > 0."
+            )
+        self.beta = reference_policy_kl_penalty
+        self.preference_average_log_probs = preference_average_log_probs
+        self.sft_loss_weight = sft_loss_weight
+        self.preference_loss_type = preference_loss_type
+        self.label_smoothing = label_smoothing
+        self.needs_reference = preference_loss_type not in REFERENCE_FREE_LOSSES
+        self.gamma = SIMPO_DEFAULT_GAMMA if simpo_gamma is None else simpo_gamma
+        if preference_loss_type not in DPO_LOSS_TYPES:
+            raise ValueError(
+                f"DPO loss_type={preference_loss_type!r}: use one of {', '.join(DPO_LOSS_TYPES)}"
+            )
+
+    def _sequence_logprob(self, logprobs: Tensor, token_mask: Tensor) -> Tensor:
+        total = (logprobs * token_mask).sum(-1)  # [B]
+        if self.preference_average_log_probs:
+            return total / token_mask.sum(-1).clamp(min=1)
+        return total
+
+    def __call__(
+        self,
+        logits: Tensor,
+        data: Mapping[str, Any],
+        global_valid_toks: Tensor,
+        global_valid_seqs: Tensor,
+    ) -> tuple[Tensor, dict[str, float]]:
+        logprobs = token_logprobs(logits, data["input_ids"], data["token_mask"])  # [B, S]
+        token_mask = data["token_mask"].to(logprobs.dtype)
+        pair_mask = _pair_mask(data["sample_mask"].to(logprobs.dtype))  # [B/2]
+
+        seq_lp = self._sequence_logprob(logprobs, token_mask)  # [B]
+        seq_ref = None
+        if self.needs_reference:
+            ref = data["reference_policy_logprobs"].to(logprobs.dtype)
+            seq_ref = self._sequence_logprob(ref, token_mask)  # [B]
+        rewards = self.beta * (seq_lp if seq_ref is None else seq_lp - seq_ref)  # [B]
+        r_chosen, r_rejected = rewards[0::2], rewards[1::2]  # [B/2]
+        margin = r_chosen - r_rejected
+
+        denom = as_tensor_like(global_valid_seqs, logprobs)
+        loss_margin = margin
+        if self.preference_loss_type == "orpo":
+            loss_margin = orpo_log_odds_ratio(seq_lp[0::2], seq_lp[1::2])
+        per_pair = dpo_preference_loss(
+            loss_margin, self.beta, self.preference_loss_type, self.label_smoothing, self.gamma
+        )
+        pref_loss = (per_pair * pair_mask).sum() / denom
+        sft_loss = (-seq_lp[0::2] * pair_mask).sum() / denom
+        loss = pref_loss + self.sft_loss_weight * sft_loss
+
+        with torch.no_grad():
+            metrics = {
+                "loss": float(loss.item()),
+                "preference_loss": float(pref_loss.item()),
+                "sft_loss": float(sft_loss.item()),
+                "preference_accuracy": masked_mean((margin > 0).to(margin.dtype), pair_mask),
+                "rewards_chosen_mean": masked_mean(r_chosen, pair_mask),
+                "rewards_rejected_mean": masked_mean(r_rejected, pair_mask),
+                "reward_margin": masked_mean(margin, pair_mask),
+                "num_valid_pairs": float(pair_mask.sum().item()),
+            }
+            if loss_margin is not margin:
+                metrics["log_odds_ratio"] = masked_mean(loss_margin, pair_mask)
+            if seq_ref is not None:  # pairs the frozen reference already ranks right
+                metrics["reference_logprob_accuracy"] = masked_mean(
+                    (seq_ref[0::2] > seq_ref[1::2]).to(margin.dtype), pair_mask
+                )
+        return loss, metrics
+
+
+class BradleyTerryLoss:
+    """Bradley-Terry pairwise loss for reward models; takes scores, not logits.
+
+    ``scores`` is ``[B]`` (one scalar per sequence), interleaved: ``2i`` chosen, ``2i + 1``
+    rejected. loss = sum over valid pairs of ``-logsigmoid(s_c - s_r)`` / global_valid_seqs,
+    where ``global_valid_seqs`` counts PAIRS (see `count_valid_pairs`); `data` needs only
+    ``sample_mask``. Metrics: ``loss``, ``accuracy`` (share of pairs with s_c > s_r),
+    ``margin`` (mean s_c - s_r), ``num_valid_pairs``.
+    """
+
+    loss_type: LossType = "sequence"
+    pairwise: bool = True
+
+    def __call__(
+        self,
+        scores: Tensor,
+        data: Mapping[str, Any],
+        global_valid_toks: Tensor,
+        global_valid_seqs: Tensor,
+    ) -> tuple[Tensor, dict[str, float]]:
+        if scores.dim() == 2 and scores.shape[-1] == 1:
+            scores = scores.squeeze(-1)
+        if scores.dim() != 1:
+            raise ValueError(
+                f"BradleyTerryLoss expects scores of shape [B] (or [B, 1]); got {tuple(scores.shape)}."
+            )
+        scores = upcast(scores)
+        pair_mask = _pair_mask(data["sample_mask"].to(scores.dtype))
+        margin = scores[0::2] - scores[1::2]
+        loss = (-F.logsigmoid(margin) * pair_mask).sum() / as_tensor_like(global_valid_seqs, scores)
+        with torch.no_grad():
+            metrics = {
+                "loss": float(loss.item()),
+                "accuracy": masked_mean((margin > 0).to(margin.dtype), pair_mask),
+                "margin": masked_mean(margin, pair_mask),
+                "num_valid_pairs": float(pair_mask.sum().item()),
+            }
+        return loss, metrics
