@@ -202,7 +202,7 @@ class DPOLoss:
                 "reward_margin": masked_mean(margin, pair_mask),
                 "num_valid_pairs": float(pair_mask.sum().item()),
             }
-            if loss_margin is not margin:
+            if self.preference_loss_type == "orpo":
                 metrics["log_odds_ratio"] = masked_mean(loss_margin, pair_mask)
             if seq_ref is not None:  # pairs the frozen reference already ranks right
                 metrics["reference_logprob_accuracy"] = masked_mean(
