@@ -188,6 +188,7 @@ class _FusedNextTokenLogprob(torch.autograd.Function):
         n = hidden.shape[0]
         training = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         keep_direction = ctx.needs_input_grad[0] and not ctx.needs_input_grad[1]
+        want_entropy = training or entropy_grad  # asked for: computed even without a gradient
         entropy_grad = entropy_grad and training
         picked = hidden.new_empty(n, dtype=torch.float32)
         lse = hidden.new_empty(n, dtype=torch.float32)
@@ -198,7 +199,7 @@ class _FusedNextTokenLogprob(torch.autograd.Function):
             z = _logits(hidden[c], weight, temperature)  # [c, V]
             lse[c] = torch.logsumexp(z, dim=-1)
             picked[c] = z.gather(-1, targets[c, None]).squeeze(-1) - lse[c]
-            if not training:
+            if not want_entropy:
                 continue
             logp = z.sub_(lse[c, None])  # in place: z is log-softmax now
             p = logp.exp()

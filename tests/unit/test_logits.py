@@ -130,6 +130,9 @@ def test_differentiated_entropy_equals_autograd_through_whole_logits(head, tempe
     torch.testing.assert_close(h2.grad, h1.grad, atol=1e-5, rtol=1e-5)
     if train_weight:
         torch.testing.assert_close(w2.grad, w1.grad, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():  # asked for outside training (an evaluation pass): still computed
+        _, no_grad_ent = token_logprobs_and_entropy(logits, ids, mask)
+    torch.testing.assert_close(no_grad_ent, want_ent.detach(), atol=1e-5, rtol=0)
     # the entropy's own share of the gradient is there (not the log-probs' alone)
     h3 = hidden.clone().requires_grad_()
     lp_only = token_logprobs(F.linear(h3, weight).float() / temperature, ids, mask)
