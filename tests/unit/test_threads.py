@@ -85,11 +85,13 @@ def test_off_by_env_or_for_one_thread(monkeypatch: pytest.MonkeyPatch, two_cores
         torch.set_num_threads(2)
 
 
+@pytest.mark.slow  # the serial tier: the fast tier runs two test processes at once
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) != 2, reason="measured on the 2-core machine")
 def test_a_real_busy_loop_takes_a_thread_and_gives_it_back() -> None:
     """Real /proc/stat, a real busy-loop process, real matmul calls (in a subprocess, so this
-    process's threads are not touched). Needs the machine otherwise idle, as the test tiers
-    run: another job on the cores would rightly keep the worker at one thread."""
+    process's threads are not touched). Needs the machine otherwise idle, as the slow tier
+    runs (one test at a time; the fast tier's two xdist workers would keep each other's
+    governors at one thread, rightly): another job on the cores would keep it at one thread."""
     script = textwrap.dedent(
         """
         import subprocess, sys, torch
