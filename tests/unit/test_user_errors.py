@@ -176,6 +176,8 @@ def test_mistake_is_one_message_before_anything_starts(case, mistakes):
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     for text in expected:
         assert text in proc.stderr, (text, proc.stderr[-2000:])
+    if case == "missing model":  # named before the plan, which could not have sized it
+        assert "placement plan" not in proc.stderr and "is unknown here" not in proc.stderr
 
 
 def test_dataset_names_in_the_schema_are_the_loaders_names():
