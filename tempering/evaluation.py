@@ -354,13 +354,11 @@ def _said(message: dict[str, Any]) -> str:
 
 
 def _max_positions(model_path: str) -> int | None:
-    """The model's ``max_position_embeddings`` (None where its config does not say)."""
-    from tempering.models.registry import resolve_model_path
+    """The positions the model was made for (None where its config does not say)."""
+    from tempering.models.shapes import model_shape
 
-    config = Path(resolve_model_path(model_path)) / "config.json"
-    if not config.is_file():
-        return None
-    return json.loads(config.read_text()).get("max_position_embeddings")
+    shape = model_shape(str(model_path))
+    return shape.max_positions if shape else None
 
 
 def score_pass_at_k(

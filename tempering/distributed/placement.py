@@ -61,18 +61,24 @@ class ModelShape:
     head_dim: int | None = None
     source: str = "config.json"
     max_positions: int | None = None  # max_position_embeddings: the longest trained sequence
+    gpt2: bool = False  # GPT-2's layout: learned positions, LayerNorms, biased 2-matrix MLP
 
     @property
     def params(self) -> int:
         """Parameters of a Llama/Qwen2/Mistral-style model (embeddings, attention, gated MLP,
-        RMSNorms; lm_head unless tied)."""
-        hd = self.head_dim or self.hidden // self.heads
+        RMSNorms; lm_head unless tied), or of a GPT-2 (tied; position table; fused q/k/v,
+        every projection and LayerNorm with a bias)."""
+        h, i = self.hidden, self.intermediate
+        if self.gpt2:
+            layer = (4 * h * h + 4 * h) + (2 * h * i + i + h) + 4 * h
+            return (self.vocab + (self.max_positions or 0)) * h + self.layers * layer + 2 * h
+        hd = self.head_dim or h // self.heads
         q, kv = self.heads * hd, self.kv_heads * hd
-        attn = self.hidden * q + 2 * self.hidden * kv + q * self.hidden
+        attn = h * q + 2 * h * kv + q * h
         attn += (q + 2 * kv) if self.qkv_bias else 0
-        layer = attn + 3 * self.hidden * self.intermediate + 2 * self.hidden
-        embed = self.vocab * self.hidden * (1 if self.tied else 2)
-        return embed + self.layers * layer + self.hidden
+        layer = attn + 3 * h * i + 2 * h
+        embed = self.vocab * h * (1 if self.tied else 2)
+        return embed + self.layers * layer + h
 
     def lora_params(self, dim: int) -> int:
         """Adapter parameters of rank `dim` on every linear layer of the decoder (the most
@@ -80,11 +86,18 @@ class ModelShape:
         hd = self.head_dim or self.hidden // self.heads
         q, kv = self.heads * hd, self.kv_heads * hd
         h, i = self.hidden, self.intermediate
-        per_layer = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h)
-        return dim * per_layer * self.layers
+        attn = (h + q) + 2 * (h + kv) + (q + h)
+        mlp = 2 * (h + i) if self.gpt2 else 2 * (h + i) + (i + h)
+        return dim * (attn + mlp) * self.layers
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelShape:
+        if cfg.get("model_type") == "gpt2":  # its own names (n_inner null: 4 x n_embd)
+            h = cfg["n_embd"]
+            return cls(hidden=h, layers=cfg["n_layer"], heads=cfg["n_head"],
+                       kv_heads=cfg["n_head"], intermediate=cfg.get("n_inner") or 4 * h,
+                       vocab=cfg["vocab_size"], tied=True, qkv_bias=True, source=source,
+                       max_positions=cfg.get("n_positions", 1024), gpt2=True)  # fmt: skip
         return cls(
             hidden=cfg["hidden_size"],
             layers=cfg["num_hidden_layers"],
@@ -243,7 +256,7 @@ def make_plan(cfg: Any, shape: ModelShape | None, teacher_shape: ModelShape | No
     tp = pol.dtensor_cfg.tensor_parallel_size
     if shape is None:
         notes.append(f"the size of {pol.model_name!r} is unknown here (no config.json on this "
-                     "machine, or not a Llama-style one): memory was not checked")  # fmt: skip
+                     "machine, or neither Llama-style nor GPT-2's): memory was not checked")  # fmt: skip
 
     gen_cfg = pol.generation if isinstance(cfg, GRPOMasterConfig) else None
     split = gen_cfg is not None and not gen_cfg.colocated.enabled
@@ -300,12 +313,17 @@ def _check_positions(pol: Any, shape: ModelShape | None, problems: list[str]) ->
     """The sequence budget fits the positions the model was made for."""
     seq = pol.max_total_sequence_length
     if shape and shape.max_positions and seq > shape.max_positions:
+        key, why, extend = (
+            ("n_positions", "its position table has no row past them", "")
+            if shape.gpt2
+            else ("max_position_embeddings", "positions past them were never trained",
+                  " (to extend the model's context on purpose, raise max_position_embeddings "
+                  "in its config.json)")
+        )  # fmt: skip
         problems.append(
             f"policy.max_total_sequence_length={seq} is longer than the {shape.max_positions} "
-            f"positions {pol.model_name!r} was made for (max_position_embeddings, its "
-            f"{shape.source}): positions past them were never trained; use at most "
-            f"{shape.max_positions} (to extend the model's context on purpose, raise "
-            "max_position_embeddings in its config.json)"
+            f"positions {pol.model_name!r} was made for ({key}, its {shape.source}): {why}; "
+            f"use at most {shape.max_positions}{extend}"
         )
 
 

@@ -72,8 +72,9 @@ def model_shape(model_name: str) -> ModelShape | None:
 
 
 def _read_shape(config: dict[str, Any], source: str) -> ModelShape | None:
-    """The shape in a Llama-style config (hidden_size, num_hidden_layers, ...), else None
-    (GPT-2 names them n_embd, n_layer, ...): the planner notes that memory went unchecked."""
+    """The shape in a Llama-style config (hidden_size, num_hidden_layers, ...) or a GPT-2's
+    (n_embd, n_layer, ...), else None (GPT-J, say, names its sizes GPT-2's way but is built
+    otherwise): the planner notes that memory went unchecked."""
     try:
         return ModelShape.from_config(config, source)
     except KeyError:

@@ -89,6 +89,10 @@ def test_the_calculator_task_needs_a_template_and_its_budget_fits_the_model():
 
     with pytest.raises(ValueError, match="--task calculator offers .* --tokenizer FOLDER"):
         eval_settings("calculator", {}, None, None, None, has_template=False)
+    from tempering.evaluation import _max_positions
+    from tempering.models.registry import resolve_model_path
+
+    assert _max_positions(resolve_model_path("tiny-arith")) == 128  # what `tempering eval` passes
     settings = eval_settings("calculator", {}, None, None, None, max_positions=128)
     assert (settings.max_turns, settings.max_len, settings.use_chat_template) == (4, 128, True)
     assert eval_settings("arithmetic", {}, None, None, None, has_template=False).max_len == 4096

@@ -145,17 +145,39 @@ def test_model_sizes_match_published_counts_and_the_real_model():
     assert model_shape("tiny-arith").params == sum(p.numel() for p in model.parameters())
 
 
-def test_a_config_without_llama_style_keys_plans_with_memory_unchecked(tmp_path):
-    """GPT-2 names its sizes n_embd, n_layer, ...: the planner notes it cannot size the model
-    (it raised KeyError 'hidden_size' under a traceback before any worker started)."""
+def test_a_config_of_unknown_layout_plans_with_memory_unchecked(tmp_path):
+    """GPT-J names its sizes as GPT-2 does (n_embd, n_layer, ...) but is built otherwise: the
+    planner notes it cannot size the model (it raised KeyError 'hidden_size' under a traceback
+    before any worker started)."""
     import json
 
     (tmp_path / "config.json").write_text(json.dumps(
-        {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 2, "vocab_size": 269}))  # fmt: skip
+        {"model_type": "gptj", "n_embd": 64, "n_layer": 2, "n_head": 2, "vocab_size": 269}))  # fmt: skip
     assert model_shape(str(tmp_path)) is None
     p = plan("grpo_math_tiny.yaml", f"policy.model_name={tmp_path}")
     assert p.memory is None
-    assert any("not a Llama-style one): memory was not checked" in n for n in p.notes), p.notes
+    assert any("nor GPT-2's): memory was not checked" in n for n in p.notes), p.notes
+
+
+def test_a_gpt2_is_sized_as_the_real_model_and_its_position_table_bounds_the_sequence(tmp_path):
+    """GPT-2 (n_embd, n_layer, a learned position table, biases everywhere) is sized exactly;
+    a sequence budget past its n_positions is refused before anything starts (else the
+    position embedding's lookup fails inside the workers)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2Config(n_embd=64, n_layer=2, n_head=2, n_positions=200, vocab_size=269).save_pretrained(
+        tmp_path
+    )
+    real = GPT2LMHeadModel(GPT2Config.from_pretrained(tmp_path))
+    shape = model_shape(str(tmp_path))
+    assert shape.params == sum(p.numel() for p in real.parameters())
+    assert plan("grpo_math_tiny.yaml", f"policy.model_name={tmp_path}").memory is not None
+    expected = (r"max_total_sequence_length=256 is longer than the 200 positions .* "
+                r"\(n_positions, its config.json\): its position table has no row past them; "
+                r"use at most 200$")  # fmt: skip
+    with pytest.raises(PlanError, match=expected):
+        plan("grpo_math_tiny.yaml", f"policy.model_name={tmp_path}",
+             "policy.max_total_sequence_length=256")  # fmt: skip
 
 
 def test_tempering_plan_command():
