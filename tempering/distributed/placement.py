@@ -86,9 +86,11 @@ class ModelShape:
         hd = self.head_dim or self.hidden // self.heads
         q, kv = self.heads * hd, self.kv_heads * hd
         h, i = self.hidden, self.intermediate
-        attn = (h + q) + 2 * (h + kv) + (q + h)
-        mlp = 2 * (h + i) if self.gpt2 else 2 * (h + i) + (i + h)
-        return dim * (attn + mlp) * self.layers
+        if self.gpt2:  # c_attn (h -> 3h), c_proj, c_fc, the MLP's c_proj (Conv1D layers,
+            # which tempering's LoRA, nn.Linear only, refuses when the workers start)
+            return dim * ((h + 3 * h) + 2 * h + 2 * (h + i)) * self.layers
+        per_layer = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h)
+        return dim * per_layer * self.layers
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelShape:
