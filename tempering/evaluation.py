@@ -355,10 +355,9 @@ def _said(message: dict[str, Any]) -> str:
 
 def _max_positions(model_path: str) -> int | None:
     """The positions the model was made for (None where its config does not say)."""
-    from tempering.models.shapes import model_shape
+    from tempering.models.shapes import max_positions
 
-    shape = model_shape(str(model_path))
-    return shape.max_positions if shape else None
+    return max_positions(str(model_path))
 
 
 def score_pass_at_k(

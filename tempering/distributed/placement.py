@@ -46,6 +46,11 @@ class PlanError(ValueError, UserInputError):
     """The config does not fit the cluster it declares; the message says what to change."""
 
 
+def positions_in(config: dict[str, Any]) -> int | None:
+    """The positions a model's config.json says it was made for (GPT-2: ``n_positions``)."""
+    return config.get("max_position_embeddings", config.get("n_positions"))
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What the memory estimate needs of a decoder-only transformer."""
@@ -99,7 +104,7 @@ class ModelShape:
             return cls(hidden=h, layers=cfg["n_layer"], heads=cfg["n_head"],
                        kv_heads=cfg["n_head"], intermediate=cfg.get("n_inner") or 4 * h,
                        vocab=cfg["vocab_size"], tied=True, qkv_bias=True, source=source,
-                       max_positions=cfg.get("n_positions", 1024), gpt2=True)  # fmt: skip
+                       max_positions=positions_in(cfg), gpt2=True)  # fmt: skip
         return cls(
             hidden=cfg["hidden_size"],
             layers=cfg["num_hidden_layers"],
@@ -111,7 +116,7 @@ class ModelShape:
             qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
             head_dim=cfg.get("head_dim"),
             source=source,
-            max_positions=cfg.get("max_position_embeddings"),
+            max_positions=positions_in(cfg),
         )
 
 

@@ -12,10 +12,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tempering.distributed.placement import ModelShape
+from tempering.distributed.placement import ModelShape, positions_in
 from tempering.models.registry import MODEL_REGISTRY, REPO_ROOT, resolve_model_path
 
-__all__ = ["KNOWN_SHAPES", "model_shape"]
+__all__ = ["KNOWN_SHAPES", "max_positions", "model_shape"]
 
 
 def _shape(**cfg: Any) -> ModelShape:
@@ -54,12 +54,27 @@ def model_shape(model_name: str) -> ModelShape | None:
     """The shape of ``model_name`` without loading (or downloading, or converting) it."""
     if model_name in KNOWN_SHAPES:
         return KNOWN_SHAPES[model_name]
+    found = _config(model_name)
+    return _read_shape(*found) if found else None
+
+
+def max_positions(model_name: str) -> int | None:
+    """The positions ``model_name`` was made for, from any config that names them (a model
+    `model_shape` cannot size, OPT say, included); None where none is found."""
+    if model_name in KNOWN_SHAPES:
+        return KNOWN_SHAPES[model_name].max_positions
+    found = _config(model_name)
+    return positions_in(found[0]) if found else None
+
+
+def _config(model_name: str) -> tuple[dict[str, Any], str] | None:
+    """``model_name``'s config.json and where it was found, without loading the model."""
     folders = [Path(model_name), REPO_ROOT / "models" / model_name]
     if model_name in MODEL_REGISTRY:  # the project's own small models: cheap to resolve
         folders.append(Path(resolve_model_path(model_name)))
     for folder in folders:
         if (folder / "config.json").is_file():
-            return _read_shape(json.loads((folder / "config.json").read_text()), "config.json")
+            return json.loads((folder / "config.json").read_text()), "config.json"
     try:  # a hub id already in the local cache
         from huggingface_hub import try_to_load_from_cache
 
@@ -67,7 +82,7 @@ def model_shape(model_name: str) -> ModelShape | None:
     except Exception:  # not a valid repo id
         return None
     if isinstance(cached, str):
-        return _read_shape(json.loads(Path(cached).read_text()), "HF cache")
+        return json.loads(Path(cached).read_text()), "HF cache"
     return None
 
 

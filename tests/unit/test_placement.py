@@ -159,6 +159,20 @@ def test_a_config_of_unknown_layout_plans_with_memory_unchecked(tmp_path):
     assert any("nor GPT-2's): memory was not checked" in n for n in p.notes), p.notes
 
 
+def test_the_positions_of_a_model_the_planner_cannot_size_are_still_read(tmp_path):
+    """OPT (ffn_dim, no intermediate_size) is not sized, but `tempering eval` still keeps its
+    budget inside the 2048 positions its learned table has."""
+    import json
+
+    from tempering.evaluation import _max_positions
+
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "opt", "hidden_size": 64, "num_hidden_layers": 2, "ffn_dim": 256,
+         "num_attention_heads": 2, "vocab_size": 269, "max_position_embeddings": 2048}))  # fmt: skip
+    assert model_shape(str(tmp_path)) is None
+    assert _max_positions(str(tmp_path)) == 2048
+
+
 def test_a_gpt2_is_sized_as_the_real_model_and_its_position_table_bounds_the_sequence(tmp_path):
     """GPT-2 (n_embd, n_layer, a learned position table, biases everywhere) is sized exactly;
     a sequence budget past its n_positions is refused before anything starts (else the
@@ -171,6 +185,7 @@ def test_a_gpt2_is_sized_as_the_real_model_and_its_position_table_bounds_the_seq
     real = GPT2LMHeadModel(GPT2Config.from_pretrained(tmp_path))
     shape = model_shape(str(tmp_path))
     assert shape.params == sum(p.numel() for p in real.parameters())
+    assert shape.max_positions == 200
     assert plan("grpo_math_tiny.yaml", f"policy.model_name={tmp_path}").memory is not None
     expected = (r"max_total_sequence_length=256 is longer than the 200 positions .* "
                 r"\(n_positions, its config.json\): its position table has no row past them; "
