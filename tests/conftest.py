@@ -100,22 +100,44 @@ def make_worker(tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch):
         built[-1].shutdown()
 
 
-# ---- the release image's build, overlapped with the slow tier (tests/functional/test_container.py)
+# ---- the order of the slow tier: tests that need the machine to themselves first, then the rest
+# with the release image building in the background (tests/functional/test_container.py), the
+# container test last
 
 
 def _container_items(items: list[pytest.Item]) -> list[pytest.Item]:
     return [item for item in items if item.path.name == "test_container.py"]
 
 
+def _alone_items(items: list[pytest.Item]) -> list[pytest.Item]:
+    return [item for item in items if item.get_closest_marker("alone") is not None]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The container test runs last, so the image it checks builds in the background meanwhile."""
-    last = _container_items(items)
-    if last:
-        items[:] = [item for item in items if item not in last] + last
+    """``alone`` tests run first, while no Ray and no image build share the cores (a Ray
+    worker that starts in place of one a test ended imports for seconds: measured, it took a
+    core from the busy-loop thread test); the container test runs last, so the image it
+    checks builds in the background meanwhile."""
+    first, last = _alone_items(items), _container_items(items)
+    rest = [item for item in items if item not in first and item not in last]
+    items[:] = first + rest + last
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """A session that will run the container test starts its image build now."""
+    """A session that will run the container test starts its image build now, or as soon as
+    its ``alone`` tests are done."""
+    if not _alone_items(session.items):
+        _start_image_build(session)
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    if item.get_closest_marker("alone") is not None and (
+        nextitem is None or nextitem.get_closest_marker("alone") is None
+    ):
+        _start_image_build(item.session)
+
+
+def _start_image_build(session: pytest.Session) -> None:
     selected = _container_items(session.items)
     if selected and not session.config.option.collectonly:
         selected[0].module.start_image_build(session.config)

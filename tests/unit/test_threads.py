@@ -86,12 +86,14 @@ def test_off_by_env_or_for_one_thread(monkeypatch: pytest.MonkeyPatch, two_cores
 
 
 @pytest.mark.slow  # the serial tier: the fast tier runs two test processes at once
+@pytest.mark.alone  # first in it: before Ray's workers and the image build take the cores
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) != 2, reason="measured on the 2-core machine")
 def test_a_real_busy_loop_takes_a_thread_and_gives_it_back() -> None:
     """Real /proc/stat, a real busy-loop process, real matmul calls (in a subprocess, so this
     process's threads are not touched). Needs the machine otherwise idle, as the slow tier
-    runs (one test at a time; the fast tier's two xdist workers would keep each other's
-    governors at one thread, rightly): another job on the cores would keep it at one thread."""
+    runs it (first, one test at a time; the fast tier's two xdist workers would keep each
+    other's governors at one thread, rightly): another job on the cores would keep it at one
+    thread, and then it skips, saying what it measured."""
     script = textwrap.dedent(
         """
         import subprocess, sys, torch
