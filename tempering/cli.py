@@ -27,13 +27,13 @@ def _run_plan(args: argparse.Namespace) -> int:
     """`tempering plan`: load CONFIG with its algorithm's schema, print the plan."""
     from tempering.config.loader import load_config
     from tempering.config.schemas import MASTER_CONFIGS
-    from tempering.distributed.placement import make_plan, schema_for
-    from tempering.models.shapes import run_shapes
+    from tempering.distributed.placement import schema_for
+    from tempering.models.shapes import plan_for
 
     cfg, _ = load_config(
         args.config, args.overrides, schema=MASTER_CONFIGS[schema_for(args.config)]
     )
-    print(make_plan(cfg, *run_shapes(cfg)).table())
+    print(plan_for(cfg).table())
     return 0
 
 

@@ -121,14 +121,13 @@ def plan_run(cfg: Any) -> Any:
     """The run's placement plan (`tempering plan` prints the same); a config that does not
     fit its cluster fails here, before Ray starts (`PlanError`, a user error). A model that
     is not there is named first, not after a plan that could not size it."""
-    from tempering.distributed.placement import make_plan
     from tempering.models.registry import resolve_model_path
-    from tempering.models.shapes import run_shapes
+    from tempering.models.shapes import plan_for
 
     for section in (cfg.policy, getattr(cfg, "teacher", None)):
         if section is not None:
             resolve_model_path(section.model_name)
-    plan = make_plan(cfg, *run_shapes(cfg))
+    plan = plan_for(cfg)
     log.info("placement plan:\n%s", plan.table())
     return plan
 

@@ -239,13 +239,22 @@ def _count(n: float) -> str:
     return f"{n:.0f}"
 
 
-def make_plan(cfg: Any, shape: ModelShape | None, teacher_shape: ModelShape | None = None) -> Plan:
+def make_plan(
+    cfg: Any,
+    shape: ModelShape | None,
+    teacher_shape: ModelShape | None = None,
+    *,
+    positions: int | None = None,
+    teacher_positions: int | None = None,
+) -> Plan:
     """The plan of a validated master config (GRPO, SFT, DPO, RM or distillation);
-    `PlanError` on a misfit.
+    `PlanError` on a misfit. `tempering.models.shapes.plan_for` reads all but ``cfg``.
 
     ``shape``: the policy model's shape (`tempering.models.shapes.model_shape`), or None when
     it is unknown here (the plan then says that memory was not checked); ``teacher_shape``:
-    a distillation teacher's, likewise."""
+    a distillation teacher's, likewise. ``positions``, ``teacher_positions``: the positions
+    each model was made for, where its config names them though it cannot be sized (OPT);
+    a shape's own are used otherwise."""
     from tempering.config.schemas import (
         DistillationMasterConfig,
         DPOMasterConfig,
@@ -254,7 +263,8 @@ def make_plan(cfg: Any, shape: ModelShape | None, teacher_shape: ModelShape | No
     )
 
     if isinstance(cfg, DistillationMasterConfig):  # the student's rollouts plan as GRPO's
-        return _with_teacher(make_plan(cfg.grpo_view(), shape), cfg, shape, teacher_shape)
+        plan = make_plan(cfg.grpo_view(), shape, positions=positions)
+        return _with_teacher(plan, cfg, shape, teacher_shape, teacher_positions)
 
     cl, pol = cfg.cluster, cfg.policy
     problems: list[str] = []
@@ -271,23 +281,9 @@ def make_plan(cfg: Any, shape: ModelShape | None, teacher_shape: ModelShape | No
 
     # -- policy: DP x TP, TP inside a node
     world = policy_nodes * policy_per_node
-    if on_gpus and tp > policy_per_node:
-        problems.append(
-            f"policy.dtensor_cfg.tensor_parallel_size={tp} is larger than the {policy_per_node} "
-            f"GPUs the policy has on one node: tensor parallelism stays inside a node; use "
-            f"tensor_parallel_size <= {policy_per_node}"
-        )
-    if world % tp or policy_per_node % tp:
-        problems.append(
-            f"policy.dtensor_cfg.tensor_parallel_size={tp} does not divide the policy's "
-            f"{policy_per_node} workers per node; pick a divisor of {policy_per_node}"
-        )
-    if shape and (shape.heads % tp or shape.kv_heads % tp):
-        problems.append(
-            f"policy.dtensor_cfg.tensor_parallel_size={tp} does not divide the model's "
-            f"{shape.heads} attention heads / {shape.kv_heads} key-value heads"
-        )
-    _check_positions(pol, shape, problems)
+    _check_tensor_parallel(tp, policy_per_node, on_gpus, shape, problems)
+    _check_positions("policy", pol.model_name, pol.max_total_sequence_length, shape, positions,
+                     problems)  # fmt: skip
     dp = max(world // tp, 1)
     for key, value in _batch_sizes(cfg).items():
         if value % dp:
@@ -316,26 +312,55 @@ def make_plan(cfg: Any, shape: ModelShape | None, teacher_shape: ModelShape | No
                 pol.model_name, shape, memory, notes)  # fmt: skip
 
 
-def _check_positions(pol: Any, shape: ModelShape | None, problems: list[str]) -> None:
-    """The sequence budget fits the positions the model was made for."""
-    seq = pol.max_total_sequence_length
-    if shape and shape.max_positions and seq > shape.max_positions:
-        key, why, extend = (
-            ("n_positions", "its position table has no row past them", "")
-            if shape.gpt2
-            else ("max_position_embeddings", "positions past them were never trained",
-                  " (to extend the model's context on purpose, raise max_position_embeddings "
-                  "in its config.json)")
-        )  # fmt: skip
+def _check_tensor_parallel(
+    tp: int, per_node: int, on_gpus: bool, shape: ModelShape | None, problems: list[str]
+) -> None:
+    """The policy's tensor parallelism stays inside a node and divides its workers and heads."""
+    if on_gpus and tp > per_node:
         problems.append(
-            f"policy.max_total_sequence_length={seq} is longer than the {shape.max_positions} "
-            f"positions {pol.model_name!r} was made for ({key}, its {shape.source}): {why}; "
-            f"use at most {shape.max_positions}{extend}"
+            f"policy.dtensor_cfg.tensor_parallel_size={tp} is larger than the {per_node} "
+            f"GPUs the policy has on one node: tensor parallelism stays inside a node; use "
+            f"tensor_parallel_size <= {per_node}"
+        )
+    if per_node % tp:  # (the world is a whole number of nodes of per_node workers)
+        problems.append(
+            f"policy.dtensor_cfg.tensor_parallel_size={tp} does not divide the policy's "
+            f"{per_node} workers per node; pick a divisor of {per_node}"
+        )
+    if shape and (shape.heads % tp or shape.kv_heads % tp):
+        problems.append(
+            f"policy.dtensor_cfg.tensor_parallel_size={tp} does not divide the model's "
+            f"{shape.heads} attention heads / {shape.kv_heads} key-value heads"
         )
 
 
+def _check_positions(
+    role: str,
+    name: str,
+    seq: int,
+    shape: ModelShape | None,
+    positions: int | None,
+    problems: list[str],
+) -> None:
+    """The sequence budget fits the positions the model (the policy, or a teacher, which
+    scores whole sequences) was made for."""
+    limit = shape.max_positions if shape else positions
+    if not limit or seq <= limit:
+        return
+    if shape and shape.gpt2:
+        where, why, extend = "n_positions", "its position table has no row past them", ""
+    else:
+        where, why = "max_position_embeddings", "positions past them were never trained"
+        extend = " (to extend the model's context on purpose, raise it in the model's config.json)"
+    where = f"{where}, its {shape.source}" if shape else "its config.json"
+    problems.append(
+        f"policy.max_total_sequence_length={seq} is longer than the {limit} positions "
+        f"{role}.model_name={name!r} was made for ({where}): {why}; use at most {limit}{extend}"
+    )
+
+
 def _with_teacher(
-    plan: Plan, cfg: Any, shape: ModelShape | None, tshape: ModelShape | None
+    plan: Plan, cfg: Any, shape: ModelShape | None, tshape: ModelShape | None, tpos: int | None
 ) -> Plan:
     """A distillation plan: the student's (GRPO's) plan and the teacher's group. On CPU the
     teacher gets CPU bundles of its own beside the policy's; on GPUs it shares the policy's
@@ -351,6 +376,8 @@ def _with_teacher(
             "top-k token ids must be the student's tokens; use a teacher with the student's "
             "tokenizer (same family)"
         )
+    seq = cfg.policy.max_total_sequence_length
+    _check_positions("teacher", t.model_name, seq, tshape, tpos, problems)
     per_node = plan.policy.bundles_per_node[0]
     if per_node % tp or (tshape and (tshape.heads % tp or tshape.kv_heads % tp)):
         problems.append(

@@ -1,6 +1,7 @@
 """A model's shape (layers, widths, vocabulary) without loading it, for the placement planner.
 
     shape = model_shape("meta-llama/Llama-3.1-8B")   # a `ModelShape`, or None if unknown here
+    plan = plan_for(cfg)                             # `make_plan` with the config's models read
 
 From the model's ``config.json`` when it is on this machine (a folder, one of the project's
 own models, or the HF cache), else from `KNOWN_SHAPES` (hub ids the shipped GPU configs name).
@@ -12,10 +13,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tempering.distributed.placement import ModelShape, positions_in
+from tempering.distributed.placement import ModelShape, Plan, make_plan, positions_in
 from tempering.models.registry import MODEL_REGISTRY, REPO_ROOT, resolve_model_path
 
-__all__ = ["KNOWN_SHAPES", "max_positions", "model_shape"]
+__all__ = ["KNOWN_SHAPES", "max_positions", "model_shape", "plan_for"]
 
 
 def _shape(**cfg: Any) -> ModelShape:
@@ -43,11 +44,14 @@ KNOWN_SHAPES["meta-llama/Llama-3.2-1B-Instruct"] = KNOWN_SHAPES["meta-llama/Llam
 KNOWN_SHAPES["meta-llama/Llama-3.1-8B-Instruct"] = KNOWN_SHAPES["meta-llama/Llama-3.1-8B"]
 
 
-def run_shapes(cfg: Any) -> tuple[ModelShape | None, ModelShape | None]:
-    """The shapes `make_plan` takes for a master config: the policy's and, for on-policy
-    distillation, the teacher's (else None)."""
+def plan_for(cfg: Any) -> Plan:
+    """`make_plan` for a master config, with what it needs of its models read here: the
+    policy's shape and positions and, for on-policy distillation, the teacher's."""
     teacher = getattr(cfg, "teacher", None)
-    return model_shape(cfg.policy.model_name), teacher and model_shape(teacher.model_name)
+    names = [cfg.policy.model_name] + ([teacher.model_name] if teacher else [])
+    shapes = [model_shape(name) for name in names] + [None]
+    limits = [max_positions(name) for name in names] + [None]
+    return make_plan(cfg, shapes[0], shapes[1], positions=limits[0], teacher_positions=limits[1])
 
 
 def model_shape(model_name: str) -> ModelShape | None:

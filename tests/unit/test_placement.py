@@ -12,8 +12,8 @@ import pytest
 
 from tempering.config.loader import load_config
 from tempering.config.schemas import MASTER_CONFIGS, GRPOMasterConfig
-from tempering.distributed.placement import PlanError, make_plan, schema_for
-from tempering.models.shapes import KNOWN_SHAPES, model_shape, run_shapes
+from tempering.distributed.placement import PlanError, schema_for
+from tempering.models.shapes import KNOWN_SHAPES, model_shape, plan_for
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "examples" / "configs").glob("*.yaml"))
@@ -22,7 +22,7 @@ CONFIGS = sorted((REPO / "examples" / "configs").glob("*.yaml"))
 def plan(config: str | Path, *overrides: str):
     path = REPO / "examples" / "configs" / config if isinstance(config, str) else config
     cfg, _ = load_config(path, list(overrides), schema=MASTER_CONFIGS[schema_for(path)])
-    return make_plan(cfg, *run_shapes(cfg))
+    return plan_for(cfg)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
@@ -55,12 +55,12 @@ def test_a_sequence_budget_past_the_models_positions_is_refused():
     config = REPO / "examples/configs/grpo_math_tiny.yaml"
     cfg, _ = load_config(config, ["policy.max_total_sequence_length=128"],
                          schema=GRPOMasterConfig)  # fmt: skip
-    make_plan(cfg, *run_shapes(cfg))  # the model's whole context: fine
+    plan_for(cfg)  # the model's whole context: fine
     cfg, _ = load_config(config, ["policy.max_total_sequence_length=256"],
                          schema=GRPOMasterConfig)  # fmt: skip
     with pytest.raises(PlanError, match="max_total_sequence_length=256 is longer than the 128 "
-                       "positions 'tiny-arith' was made for"):  # fmt: skip
-        make_plan(cfg, *run_shapes(cfg))
+                       "positions policy.model_name='tiny-arith' was made for"):  # fmt: skip
+        plan_for(cfg)
 
 
 def test_gpu_configs_are_colocated_and_keep_vllm_engines_inside_a_node():
@@ -160,17 +160,28 @@ def test_a_config_of_unknown_layout_plans_with_memory_unchecked(tmp_path):
 
 
 def test_the_positions_of_a_model_the_planner_cannot_size_are_still_read(tmp_path):
-    """OPT (ffn_dim, no intermediate_size) is not sized, but `tempering eval` still keeps its
-    budget inside the 2048 positions its learned table has."""
+    """OPT (ffn_dim, no intermediate_size) is not sized, but the planner still refuses a
+    sequence budget past the 64 positions its learned table has -- as policy and as a
+    distillation teacher, which scores the student's whole sequences -- and `tempering eval`
+    keeps its budget inside them."""
     import json
 
     from tempering.evaluation import _max_positions
 
     (tmp_path / "config.json").write_text(json.dumps(
         {"model_type": "opt", "hidden_size": 64, "num_hidden_layers": 2, "ffn_dim": 256,
-         "num_attention_heads": 2, "vocab_size": 269, "max_position_embeddings": 2048}))  # fmt: skip
+         "num_attention_heads": 2, "vocab_size": 269, "max_position_embeddings": 64}))  # fmt: skip
     assert model_shape(str(tmp_path)) is None
-    assert _max_positions(str(tmp_path)) == 2048
+    assert _max_positions(str(tmp_path)) == 64
+    opt = f"policy.model_name={tmp_path}"
+    assert plan("grpo_math_tiny.yaml", opt, "policy.max_total_sequence_length=64").memory is None
+    expected = (rf"max_total_sequence_length=128 is longer than the 64 positions "
+                rf"{{}}.model_name='{tmp_path}' was made for \(its config.json\)")  # fmt: skip
+    with pytest.raises(PlanError, match=expected.format("policy")):
+        plan("grpo_math_tiny.yaml", opt, "policy.max_total_sequence_length=128")
+    with pytest.raises(PlanError, match=expected.format("teacher")):
+        plan("distillation_math_tiny.yaml", f"teacher.model_name={tmp_path}",
+             "policy.max_total_sequence_length=128")  # fmt: skip
 
 
 def test_a_gpt2_is_sized_as_the_real_model_and_its_position_table_bounds_the_sequence(tmp_path):
