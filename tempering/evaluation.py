@@ -407,3 +407,24 @@ def report(result: EvalResult, baseline: EvalResult | None, path: str | None) ->
         atomic_write_text(path, json.dumps(out, indent=1))
         lines.append(f"  report: {path}")
     return "\n".join(lines)
+
+
+def arithmetic_before_after(final_model: str, cfg: Any) -> str | None:
+    """The held-out task accuracy a preference run on tiny-arith data (DPO's or KTO's
+    ``arithmetic`` / ``arithmetic_parity``) ends with: the base model (before) and
+    ``final_model`` (after) on the same problems, with the paired difference; None for other
+    data. The example scripts print it below the run's report."""
+    if cfg.data.dataset_name not in ("arithmetic", "arithmetic_parity"):
+        return None
+    kwargs = {"samples": cfg.data.num_val_samples, "seed": cfg.data.seed, "progress": False,
+              "max_new_tokens": cfg.policy.generation.max_new_tokens}  # fmt: skip
+    after = evaluate(final_model, "arithmetic", **kwargs)
+    before = evaluate(cfg.policy.model_name, "arithmetic", **kwargs)
+    note = ""
+    if cfg.data.dataset_name == "arithmetic_parity":
+        note = (
+            "\n  (arithmetic_parity pairs prefer an even number to an odd one, neither the "
+            "answer: task accuracy is expected to fall)"
+        )
+    head = "  held-out task accuracy, before (baseline) and after (model):\n"
+    return head + report(after, before, None) + note

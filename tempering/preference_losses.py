@@ -1,5 +1,5 @@
 """Preference losses: DPO and its variants (TRL's names: sigmoid, hinge, IPO, robust, and the
-reference-free SimPO and ORPO) for the policy, Bradley-Terry for reward models.
+reference-free SimPO and ORPO) and KTO for the policy, Bradley-Terry for reward models.
 
 The `tempering.losses` contract (docs/CONTRACTS.md) with pairs: a batch interleaves them,
 sample ``2i`` chosen and ``2i + 1`` rejected, and ``global_valid_seqs`` counts valid PAIRS
@@ -23,8 +23,10 @@ __all__ = [
     "DPO_LOSS_TYPES",
     "BradleyTerryLoss",
     "DPOLoss",
+    "KTOLoss",
     "count_valid_pairs",
     "dpo_preference_loss",
+    "kto_losses",
     "orpo_log_odds_ratio",
 ]
 
@@ -208,6 +210,95 @@ class DPOLoss:
                 metrics["reference_logprob_accuracy"] = masked_mean(
                     (seq_ref[0::2] > seq_ref[1::2]).to(margin.dtype), pair_mask
                 )
+        return loss, metrics
+
+
+def kto_losses(
+    log_ratio: Tensor,
+    kl: Tensor,
+    desirable: Tensor,
+    beta: float,
+    desirable_weight: float,
+    undesirable_weight: float,
+) -> Tensor:
+    """Each example's KTO loss (Ethayarajh et al. 2024; TRL's KTOTrainer) from its log-ratio
+    ``r = logp - logp_ref`` (summed over the response) and the reference point ``kl``:
+
+      desirable    lambda_D * (1 - sigmoid(beta * (r - kl)))
+      undesirable  lambda_U * (1 - sigmoid(beta * (kl - r)))
+    """
+    good = desirable_weight * (1 - torch.sigmoid(beta * (log_ratio - kl)))
+    bad = undesirable_weight * (1 - torch.sigmoid(beta * (kl - log_ratio)))
+    return torch.where(desirable > 0.5, good, bad)
+
+
+class KTOLoss:
+    """Kahneman-Tversky Optimisation: unpaired rows, each desirable or not, against a KL
+    reference point.
+
+    The batch (`tempering.data.unpaired.collate_kto`) interleaves each example (row ``2i``)
+    with its KL row (``2i + 1``: the example's prompt with another example's response); `data`
+    needs ``input_ids``, ``token_mask``, ``sample_mask``, ``desirable`` and
+    ``reference_policy_logprobs``. Per row, ``r = sum over the response of (logp - logp_ref)``;
+    the reference point ``kl`` is the mean ``r`` of this micro-batch's KL rows, clamped at 0
+    and detached (no gradient flows through it: TRL's estimate, per forward pass); then
+    `kto_losses` per example, summed over valid examples / ``global_valid_seqs`` (which
+    counts examples with their KL rows, as `count_valid_pairs` counts pairs).
+
+    Metrics: ``loss``, ``kl``, ``reward_accuracy`` (examples whose reward sits on their label's
+    side of the reference point), ``num_valid_pairs`` (examples), and per label the sums
+    ``num_desirable`` / ``rewards_desirable_sum`` (and undesirable's), which add up exactly
+    over micro-batches and ranks for the caller's means (``beta * r``).
+    """
+
+    loss_type: LossType = "sequence"
+    pairwise: bool = True  # an example and its KL row stay in one micro-batch
+    reads_token_mask_only: bool = True  # (the LossFunction protocol)
+    needs_reference: bool = True
+
+    def __init__(
+        self, beta: float = 0.1, desirable_weight: float = 1.0, undesirable_weight: float = 1.0
+    ) -> None:
+        if min(beta, desirable_weight, undesirable_weight) <= 0:
+            raise ValueError(
+                f"KTO beta={beta}, desirable_weight={desirable_weight} and "
+                f"undesirable_weight={undesirable_weight} must all be > 0"
+            )
+        self.beta = beta
+        self.desirable_weight = desirable_weight
+        self.undesirable_weight = undesirable_weight
+
+    def __call__(
+        self,
+        logits: Tensor,
+        data: Mapping[str, Any],
+        global_valid_toks: Tensor,
+        global_valid_seqs: Tensor,
+    ) -> tuple[Tensor, dict[str, float]]:
+        logprobs = token_logprobs(logits, data["input_ids"], data["token_mask"])  # [B, S]
+        token_mask = data["token_mask"].to(logprobs.dtype)
+        valid = _pair_mask(data["sample_mask"].to(logprobs.dtype))  # [B/2]
+        ref = data["reference_policy_logprobs"].to(logprobs.dtype)
+        log_ratio = ((logprobs - ref) * token_mask).sum(-1)  # [B]
+        r, kl_rows = log_ratio[0::2], log_ratio[1::2]
+        kl = ((kl_rows * valid).sum() / valid.sum().clamp(min=1)).detach().clamp(min=0)
+        desirable = data["desirable"][0::2].to(logprobs.dtype)
+        per_example = kto_losses(r, kl, desirable, self.beta, self.desirable_weight,
+                                 self.undesirable_weight)  # fmt: skip
+        loss = (per_example * valid).sum() / as_tensor_like(global_valid_seqs, logprobs)
+        with torch.no_grad():
+            right = torch.where(desirable > 0.5, r > kl, r < kl).to(r.dtype)
+            good, bad = desirable * valid, (1 - desirable) * valid
+            metrics = {
+                "loss": float(loss.item()),
+                "kl": float(kl.item()),
+                "reward_accuracy": masked_mean(right, valid),
+                "num_valid_pairs": float(valid.sum().item()),
+                "num_desirable": float(good.sum().item()),
+                "num_undesirable": float(bad.sum().item()),
+                "rewards_desirable_sum": float((self.beta * r * good).sum().item()),
+                "rewards_undesirable_sum": float((self.beta * r * bad).sum().item()),
+            }
         return loss, metrics
 
 

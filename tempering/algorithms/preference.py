@@ -1,5 +1,6 @@
-"""What DPO and the reward model share: preference pairs, the run they build and the
-training loop both call.
+"""What DPO, KTO and the reward model share: preference pairs, the run they build and the
+training loop they call (KTO brings its own rows and batches: `prepare`'s ``load`` and
+``collate``).
 
     pairs (chosen 2i / rejected 2i+1 interleaved) -> prepare() -> the algorithm builds its
     model -> resume() -> train_loop(step, validate) -> the algorithm's own ending
@@ -27,11 +28,12 @@ from tempering.data.records import data_source, first_n
 # --------------------------------------------------------------------------- data
 @dataclass
 class PreferenceData:
-    train: list[Any]  # PreferencePair
+    train: list[Any]  # PreferencePair (KTO: UnpairedExample)
     val: list[Any]
     num_skipped: int = 0  # bad rows skipped with data.on_bad_row=skip
     skipped_reasons: list[str] = field(default_factory=list)  # "file:line: why"
     val_problems: list[dict[str, str]] = field(default_factory=list)  # {"prompt", "answer"}
+    val_pairs: list[Any] = field(default_factory=list)  # KTO: the held-out pairs it unpaired
 
 
 def load_preference_data(data_cfg: DataConfig) -> PreferenceData:
@@ -41,7 +43,6 @@ def load_preference_data(data_cfg: DataConfig) -> PreferenceData:
     `DataFormatError` naming file and line, or is skipped and counted (`data.on_bad_row`).
     """
     from tempering.data import preference_datasets as pd
-    from tempering.data.records import hold_out
 
     name = data_cfg.dataset_name
     if name in ("arithmetic", "arithmetic_parity"):
@@ -55,9 +56,9 @@ def load_preference_data(data_cfg: DataConfig) -> PreferenceData:
             make(data_cfg.num_val_samples, data_cfg.seed, "test").examples,
             val_problems=make_problems(data_cfg.num_val_samples, data_cfg.seed, "test"),
         )
-    source = data_source(data_cfg.train_data_path, name)
     if name == "gsm8k":
         train, val = pd.load_preference_splits("gsm8k", num_val=data_cfg.num_val_samples)
+        source = data_source(data_cfg.train_data_path, name)
         return PreferenceData(first_n(train, data_cfg.num_train_samples, source, "pairs"), val)
     if name not in pd.PREFERENCE_LOADERS:
         raise ValueError(
@@ -65,27 +66,36 @@ def load_preference_data(data_cfg: DataConfig) -> PreferenceData:
             "arithmetic_parity, gsm8k or "
             f"one of {sorted(pd.PREFERENCE_LOADERS)} with data.train_data_path"
         )
+    return load_data_files(data_cfg, pd.PREFERENCE_LOADERS[name], "pairs")
+
+
+def load_data_files(data_cfg: DataConfig, load: Callable[..., Any], unit: str) -> PreferenceData:
+    """Train/held-out examples from ``data.train_data_path`` (and ``val_data_path``, else
+    ``num_val_samples`` held out of the training file) by ``load(path, prompt_key,
+    on_bad_row)``; ``unit`` names the examples (pairs, rows) in messages."""
+    from tempering.data.records import hold_out
+
+    source = data_source(data_cfg.train_data_path, data_cfg.dataset_name)
     if not data_cfg.train_data_path:
         raise ValueError(
-            f"data.dataset_name={name!r} needs data.train_data_path=<data file: JSONL, JSON, "
-            "Parquet or CSV>"
+            f"data.dataset_name={data_cfg.dataset_name!r} needs data.train_data_path=<data "
+            "file: JSONL, JSON, Parquet or CSV>"
         )
-    load = pd.PREFERENCE_LOADERS[name]
     loaded = [load(data_cfg.train_data_path, data_cfg.prompt_key, data_cfg.on_bad_row)]
     if data_cfg.val_data_path:
         loaded.append(load(data_cfg.val_data_path, data_cfg.prompt_key, data_cfg.on_bad_row))
         train, val = loaded[0].examples, loaded[1].examples
     else:
         train, val = hold_out(
-            loaded[0].examples, data_cfg.num_val_samples, data_cfg.seed, source, "pairs"
+            loaded[0].examples, data_cfg.num_val_samples, data_cfg.seed, source, unit
         )
     reasons = [r for d in loaded for r in d.skipped_reasons]
     if not train or not val:
         raise ValueError(
-            f"{data_cfg.train_data_path}: {len(train)} train / {len(val)} validation pairs left "
-            f"after skipping {len(reasons)} bad row(s); DPO/RM need both"
+            f"{data_cfg.train_data_path}: {len(train)} train / {len(val)} validation {unit} "
+            f"left after skipping {len(reasons)} bad row(s); training needs both"
         )
-    train = first_n(train, data_cfg.num_train_samples, source, "pairs")
+    train = first_n(train, data_cfg.num_train_samples, source, unit)
     return PreferenceData(train, val, sum(d.num_skipped for d in loaded), reasons)
 
 
@@ -105,11 +115,12 @@ def preference_loader(
     seed: int = 0,
     shuffle: bool = True,
     source: str = "the preference pairs",
+    collate: Callable[[Any, Any, int], Any] = preference_batch,
 ) -> Any:
-    """A `StatefulDataLoader` of `preference_batch`es, ``batch_rows // 2`` pairs each (the
-    policy counts rows), that tokenizes the next batch in a background thread while the
-    workers train. The thread gets its own copy of ``tokenizer``: HF fast tokenizers are not
-    safe to call from two threads, and the caller keeps using its own."""
+    """A `StatefulDataLoader` of `preference_batch`es (or ``collate``'s), ``batch_rows // 2``
+    pairs each (the policy counts rows), that tokenizes the next batch in a background thread
+    while the workers train. The thread gets its own copy of ``tokenizer``: HF fast tokenizers
+    are not safe to call from two threads, and the caller keeps using its own."""
     from tempering.data.dataloader import StatefulDataLoader
 
     own = copy.deepcopy(tokenizer)
@@ -118,7 +129,7 @@ def preference_loader(
         batch_rows // 2,
         shuffle=shuffle,
         seed=seed,
-        collate_fn=lambda chunk: preference_batch(chunk, own, max_seq_len),
+        collate_fn=lambda chunk: collate(chunk, own, max_seq_len),
         prefetch=True,
         batch_key="policy.train_global_batch_size",  # rows: a pair is two
         source=source,
@@ -133,19 +144,19 @@ def check_pair_batch_sizes(
         raise ValueError(
             f"{what}: global batch {global_batch_size} rows must be a multiple of 2 x "
             f"data-parallel size ({2 * dp}) and micro batch {micro_batch_size} even; batches "
-            "count rows and each chosen/rejected pair is two rows"
+            "count rows and each chosen/rejected pair (KTO: each row with its KL row) is two"
         )
 
 
 # --------------------------------------------------------------------------- run
 @dataclass
 class PreferenceRun:
-    """A DPO or reward-model run: ``model`` is the `Policy` (DPO, with its frozen reference)
-    or the `RewardModel` (RM) that trains, is checkpointed and is freed by `close`."""
+    """A DPO, KTO or reward-model run: ``model`` is the `Policy` (DPO and KTO, with its frozen
+    reference) or the `RewardModel` (RM) that trains, is checkpointed and is freed by `close`."""
 
-    cfg: Any  # DPOMasterConfig | RMMasterConfig
+    cfg: Any  # DPOMasterConfig | KTOMasterConfig | RMMasterConfig
     resolved: dict[str, Any]
-    name: str  # "dpo" | "rm": the config section, the cluster's and the progress bar's name
+    name: str  # "dpo" | "kto" | "rm": the config section, the cluster's and progress bar's name
     tokenizer: Any
     data: PreferenceData
     dataloader: Any
@@ -156,11 +167,13 @@ class PreferenceRun:
     start_step: int = 0
     final_step: int = 0
     monitor: Any = None  # per-role resource metrics (logger.monitor_gpus)
-    generation: Any = None  # DPO: colocated greedy generation for validation, built on first use
+    generation: Any = (
+        None  # DPO, KTO: colocated greedy generation for validation, built on first use
+    )
 
     @property
     def section(self) -> Any:
-        """This algorithm's config section: ``cfg.dpo`` or ``cfg.rm``."""
+        """This algorithm's config section: ``cfg.dpo``, ``cfg.kto`` or ``cfg.rm``."""
         return getattr(self.cfg, self.name)
 
     def close(self) -> None:
@@ -170,10 +183,18 @@ class PreferenceRun:
         self.cluster.shutdown()
 
 
-def prepare(cfg: Any, resolved: dict[str, Any], name: str) -> PreferenceRun:
-    """Everything before the model: batch-size checks, the pairs, the tokenizer, the
-    prefetching loader, then Ray and the cluster (the inputs are good: now the workers)."""
-    pol, section = cfg.policy, getattr(cfg, name)  # cfg.dpo | cfg.rm
+def prepare(
+    cfg: Any,
+    resolved: dict[str, Any],
+    name: str,
+    load: Callable[[DataConfig], PreferenceData] = load_preference_data,
+    collate: Callable[[Any, Any, int], Any] = preference_batch,
+    unit: str = "pairs",
+) -> PreferenceRun:
+    """Everything before the model: batch-size checks, the pairs (``load``'s ``unit``), the
+    tokenizer, the prefetching loader of ``collate``'s batches, then Ray and the cluster (the
+    inputs are good: now the workers)."""
+    pol, section = cfg.policy, getattr(cfg, name)  # cfg.dpo | cfg.kto | cfg.rm
     dp = cfg.cluster.num_nodes * (cfg.cluster.gpus_per_node or cfg.cluster.workers_per_node)
     check_pair_batch_sizes(
         pol.train_global_batch_size,
@@ -192,10 +213,10 @@ def prepare(cfg: Any, resolved: dict[str, Any], name: str) -> PreferenceRun:
     common.check_resumable(cfg.checkpointing, resolved)
     tokenizer = common.load_run_tokenizer(pol)
     common.check_chat_template(tokenizer, cfg)
-    data = load_preference_data(cfg.data)
+    data = load(cfg.data)
     common.check_validation_batch(  # a pair is two sequences of a batch
         len(data.val), section.val_global_batch_size // 2, section.val_batches, name,
-        section.val_period, cfg.data, "pairs",
+        section.val_period, cfg.data, unit,
     )  # fmt: skip
     dataloader = preference_loader(
         data.train,
@@ -203,8 +224,9 @@ def prepare(cfg: Any, resolved: dict[str, Any], name: str) -> PreferenceRun:
         tokenizer,
         pol.max_total_sequence_length,
         seed=section.seed,
-        source="the training pairs "
+        source=f"the training {unit} "
         f"({data_source(cfg.data.train_data_path, cfg.data.dataset_name)})",
+        collate=collate,
     )
     common.start_ray(cfg.cluster)
     cluster = common.build_cluster(plan.policy, cfg.cluster, name)
@@ -230,7 +252,7 @@ def train_loop(
     validate: Callable[[PreferenceRun, int], dict[str, float]],
     train_metrics: tuple[str, ...],
 ) -> tuple[int, dict[str, float], dict[str, float]]:
-    """The loop DPO and RM share: batch of pairs -> ``train_step`` -> log ``train_metrics`` ->
+    """The loop DPO, KTO and RM share: batch of pairs -> ``train_step`` -> log ``train_metrics`` ->
     validate every ``val_period`` steps -> checkpoint. Returns (last step, first validation
     metrics, last validation metrics); a resumed run's first ones come from its records."""
     from tempering.utils.logger import print_step_summary, track

@@ -15,6 +15,7 @@ from tempering.config.schemas import (
     DistillationMasterConfig,
     DPOMasterConfig,
     GRPOMasterConfig,
+    KTOMasterConfig,
     RMMasterConfig,
     SFTMasterConfig,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "ConfigError",
     "DistillationMasterConfig",
     "DPOMasterConfig",
+    "KTOMasterConfig",
     "GRPOMasterConfig",
     "RMMasterConfig",
     "SFTMasterConfig",

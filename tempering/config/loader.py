@@ -203,6 +203,7 @@ def _suggest(key: str, candidates: list[str]) -> str:
 _ALGORITHM_SCRIPTS = {
     "sft": ("SFT", "examples/run_sft.py"),
     "dpo": ("DPO", "examples/run_dpo.py"),
+    "kto": ("KTO", "examples/run_kto.py"),
     "rm": ("reward-model training", "examples/run_rm.py"),
     "grpo": ("GRPO", "a GRPO script (examples/run_grpo_math.py, run_grpo_multiturn.py, "
              "run_grpo_nemo_gym.py)"),

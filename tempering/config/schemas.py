@@ -41,6 +41,7 @@ from tempering.config.rl_sections import (  # noqa: F401 -- part of this module'
 from tempering.config.section import Section
 from tempering.config.trainer_sections import (  # noqa: F401 -- part of this namespace
     DPOConfig,
+    KTOConfig,
     PreferenceLoopConfig,
     RMConfig,
     SFTConfig,
@@ -340,12 +341,14 @@ GENERATED_TRAIN_SAMPLES = 20000
 class DataConfig(Section):
     dataset_name: str = Field(
         "arithmetic",
-        description="arithmetic | gsm8k | problems | nemo_gym (GRPO) | squad | messages | prompt_response | text | hf | preference | helpsteer3",
+        description="arithmetic | gsm8k | problems | nemo_gym (GRPO) | squad | messages | prompt_response | text | hf | preference | helpsteer3 | messages_preference | unpaired (KTO)",
     )
     train_data_path: str | None = None
     val_data_path: str | None = None
     prompt_key: str = Field(
-        "prompt", description="the prompt column (SFT prompt_response/hf; DPO/RM preference)"
+        "prompt",
+        description="the prompt column (SFT prompt_response/hf; DPO/RM/KTO "
+        "preference; KTO unpaired)",
     )
     response_key: str = Field(
         "response", description="the response column (SFT prompt_response/hf)"
@@ -422,7 +425,7 @@ class _Master(Section):
         """A decaying lr schedule needs steps after its warmup (the worker refused it, under a
         traceback, once Ray had started)."""
         sched = self.policy.scheduler
-        name = next(n for n in ("sft", "dpo", "rm", "grpo", "distillation") if hasattr(self, n))
+        name = next(n for n in MASTER_CONFIGS if hasattr(self, n))
         steps = getattr(self, name).max_num_steps
         if sched.name != "constant" and sched.warmup_steps >= steps:
             raise ValueError(
@@ -461,6 +464,13 @@ _UNREAD_KEYS: dict[str, dict[str, str]] = {
         "data.split_long_texts": "GRPO problems are prompts, not plain text to train on",
     },  # fmt: skip
 }
+_UNREAD_KEYS["KTO"] = {
+    **_UNREAD_KEYS["DPO"],
+    "data.response_key": "a KTO row's response is read from its 'completion' column (a "
+    "preference file's from 'chosen' and 'rejected')",
+    "data.text_key": "a KTO row is a prompt, a response and its label, not plain text",
+    "data.split_long_texts": "a KTO row is a prompt, a response and its label, not plain text",
+}
 _UNREAD_KEYS["RM"] = {
     **_UNREAD_KEYS["DPO"],
     "logger.num_val_samples_to_print": _NO_SAMPLES + " (it scores pairs)",
@@ -469,7 +479,7 @@ _UNREAD_KEYS["RM"] = {
 # Keys only some dataset formats read -> (those formats, what the others lack); set for any
 # other format, refused.
 _FORMAT_KEYS: dict[str, tuple[tuple[str, ...], str]] = {
-    "prompt_key": (("prompt_response", "hf", "preference"), "no such column"),
+    "prompt_key": (("prompt_response", "hf", "preference", "unpaired"), "no such column"),
     "response_key": (("prompt_response", "hf"), "no such column"),
     "text_key": (("text", "hf"), "no such column"),
     "split_long_texts": (("text", "hf"), "no plain text to split"),
@@ -512,6 +522,7 @@ SFT_DATASETS = (
 PREFERENCE_DATASETS = (
     "arithmetic", "arithmetic_parity", "gsm8k", "preference", "helpsteer3", "messages_preference",
 )  # fmt: skip
+KTO_DATASETS = (*PREFERENCE_DATASETS, "unpaired")  # pairs are unpaired: two labelled rows
 _BUILT_IN_DATASETS = ("arithmetic", "arithmetic_calculator", "arithmetic_parity", "gsm8k")
 
 
@@ -562,6 +573,13 @@ class DPOMasterConfig(_DatasetMaster):
     UNREAD_KEYS: ClassVar[dict[str, str]] = _UNREAD_KEYS["DPO"]
     DATASETS: ClassVar[tuple[str, ...]] = PREFERENCE_DATASETS
     dpo: DPOConfig = DPOConfig()
+
+
+class KTOMasterConfig(_DatasetMaster):
+    ALGORITHM: ClassVar[str] = "KTO"
+    UNREAD_KEYS: ClassVar[dict[str, str]] = _UNREAD_KEYS["KTO"]
+    DATASETS: ClassVar[tuple[str, ...]] = KTO_DATASETS
+    kto: KTOConfig = KTOConfig()
 
 
 class RMMasterConfig(_DatasetMaster):
@@ -740,6 +758,7 @@ class DistillationMasterConfig(_Master):
 MASTER_CONFIGS: dict[str, type[_Master]] = {
     "sft": SFTMasterConfig,
     "dpo": DPOMasterConfig,
+    "kto": KTOMasterConfig,
     "rm": RMMasterConfig,
     "grpo": GRPOMasterConfig,
     "distillation": DistillationMasterConfig,

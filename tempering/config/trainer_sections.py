@@ -1,5 +1,5 @@
 """The loop sections of the supervised and preference trainers: ``sft``, ``dpo`` (with its
-preference losses) and ``rm``. `tempering.config.schemas` holds the rest and the master
+preference losses), ``kto`` and ``rm``. `tempering.config.schemas` holds the rest and the master
 configs, and re-exports these."""
 
 from __future__ import annotations
@@ -107,6 +107,17 @@ class DPOConfig(PreferenceLoopConfig):
     def reference_free(self) -> bool:
         """No reference model: SimPO's and ORPO's rewards are the policy's own log-probs."""
         return self.loss_type in REFERENCE_FREE_LOSSES
+
+
+class KTOConfig(PreferenceLoopConfig):
+    """Kahneman-Tversky Optimisation (`tempering.preference_losses.KTOLoss`; TRL's names)."""
+
+    beta: float = Field(0.1, gt=0, description="scale of the implicit reward against the KL")
+    desirable_weight: float = Field(1.0, gt=0, description="lambda_D: weight of desirable rows")
+    undesirable_weight: float = Field(1.0, gt=0, description="lambda_U: weight of undesirable rows")
+    val_greedy_accuracy: bool = Field(
+        True, description="arithmetic data: also report tiny-arith greedy accuracy at validation"
+    )
 
 
 class RMConfig(PreferenceLoopConfig):

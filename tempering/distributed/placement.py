@@ -247,7 +247,7 @@ def make_plan(
     positions: int | None = None,
     teacher_positions: int | None = None,
 ) -> Plan:
-    """The plan of a validated master config (GRPO, SFT, DPO, RM or distillation);
+    """The plan of a validated master config (GRPO, SFT, DPO, KTO, RM or distillation);
     `PlanError` on a misfit. `tempering.models.shapes.plan_for` reads all but ``cfg``.
 
     ``shape``: the policy model's shape (`tempering.models.shapes.model_shape`), or None when
@@ -259,6 +259,7 @@ def make_plan(
         DistillationMasterConfig,
         DPOMasterConfig,
         GRPOMasterConfig,
+        KTOMasterConfig,
         RMMasterConfig,
     )
 
@@ -297,8 +298,10 @@ def make_plan(
 
     memory = None
     if shape is not None:
-        reference = (isinstance(cfg, DPOMasterConfig) and not cfg.dpo.reference_free) or (
-            isinstance(cfg, GRPOMasterConfig) and cfg.loss_fn.reference_policy_kl_penalty > 0
+        reference = (
+            (isinstance(cfg, DPOMasterConfig) and not cfg.dpo.reference_free)
+            or isinstance(cfg, KTOMasterConfig)
+            or (isinstance(cfg, GRPOMasterConfig) and cfg.loss_fn.reference_policy_kl_penalty > 0)
         )
         memory = _memory(cfg, shape, world, tp, reference, generation, split)
         if on_gpus:
@@ -587,15 +590,16 @@ def _check_fit(cfg: Any, memory: MemoryEstimate, problems: list[str]) -> None:
 
 
 def schema_for(config: str | Path) -> str:
-    """Which algorithm a config file is for, by its top-level section (grpo/sft/dpo/rm)."""
+    """Which algorithm a config file is for, by its top-level section (grpo, sft, dpo, ...)."""
     from tempering.config.loader import load_yaml
+    from tempering.config.schemas import MASTER_CONFIGS
 
     keys = set(load_yaml(config))
-    found = [name for name in ("grpo", "dpo", "rm", "sft", "distillation") if name in keys]
+    found = [name for name in MASTER_CONFIGS if name in keys]
     if len(found) != 1:
         raise ValueError(
             f"{config}: cannot tell the algorithm (sections {sorted(keys)}); a config has one "
-            "of the top-level sections grpo, sft, dpo, rm, distillation"
+            f"of the top-level sections {', '.join(MASTER_CONFIGS)}"
         )
     return found[0]
 

@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parents[2]
 MASTERS = (
     schemas.SFTMasterConfig,
     schemas.DPOMasterConfig,
+    schemas.KTOMasterConfig,
     schemas.RMMasterConfig,
     schemas.GRPOMasterConfig,
     schemas.DistillationMasterConfig,
@@ -67,7 +68,20 @@ ALGORITHM_MODULES: dict[type, tuple[str, ...]] = {
         "tempering/data/collate.py",
         "examples/run_sft.py",
     ),
-    schemas.DPOMasterConfig: (*_PREFERENCE, "tempering/algorithms/dpo.py", "examples/run_dpo.py"),
+    schemas.DPOMasterConfig: (
+        *_PREFERENCE,
+        "tempering/algorithms/dpo.py",
+        "tempering/evaluation.py",
+        "examples/run_dpo.py",
+    ),
+    schemas.KTOMasterConfig: (
+        *_PREFERENCE,
+        "tempering/algorithms/kto.py",
+        "tempering/algorithms/dpo.py",  # its greedy accuracy
+        "tempering/data/unpaired.py",
+        "tempering/evaluation.py",
+        "examples/run_kto.py",
+    ),
     schemas.RMMasterConfig: (*_PREFERENCE, "tempering/algorithms/rm.py", "examples/run_rm.py"),
     schemas.GRPOMasterConfig: (
         *_SHARED,
@@ -456,18 +470,19 @@ def test_the_scan_reports_a_deleted_read(master, path, read, replacement, key, s
 
 
 def test_a_read_by_another_algorithm_does_not_count(sources):
-    """data.prompt_key read by SFT's code does not answer for DPO: with DPO/RM's read gone,
-    DPO and RM report it while SFT and GRPO (which refuses it) do not."""
+    """data.prompt_key read by SFT's code does not answer for DPO: with DPO/KTO/RM's read gone,
+    DPO, KTO and RM report it while SFT and GRPO (which refuses it) do not."""
     mutated = _mutated(sources, "tempering/algorithms/preference.py", "data_cfg.prompt_key", "0")
     reported = {m: "data.prompt_key" in unread_fields(m, mutated) for m in MASTERS}
     assert reported == {schemas.SFTMasterConfig: False, schemas.DPOMasterConfig: True,
-                        schemas.RMMasterConfig: True, schemas.GRPOMasterConfig: False,
+                        schemas.KTOMasterConfig: True, schemas.RMMasterConfig: True, schemas.GRPOMasterConfig: False,
                         schemas.DistillationMasterConfig: False}  # fmt: skip
 
 
 EXAMPLE = {
     schemas.SFTMasterConfig: "sft.yaml",
     schemas.DPOMasterConfig: "dpo.yaml",
+    schemas.KTOMasterConfig: "kto.yaml",
     schemas.RMMasterConfig: "rm.yaml",
     schemas.GRPOMasterConfig: "grpo_math_tiny.yaml",
     schemas.DistillationMasterConfig: "distillation_math_tiny.yaml",

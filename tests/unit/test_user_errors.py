@@ -16,7 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from tempering.config.schemas import GRPO_DATASETS, PREFERENCE_DATASETS, SFT_DATASETS
+from tempering.config.schemas import (
+    GRPO_DATASETS,
+    KTO_DATASETS,
+    PREFERENCE_DATASETS,
+    SFT_DATASETS,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -33,6 +38,14 @@ def _run(script: str, *overrides: str) -> subprocess.CompletedProcess:
 def bad_rows(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "problems.jsonl"
     path.write_text('{"problem": "1+1", "expected_answer": "2"}\n{"problem": 5}\n')
+    return path
+
+
+@pytest.fixture(scope="module")
+def bad_labels(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "rows.jsonl"
+    path.write_text('{"prompt": "1+1=?", "completion": " 2", "label": true}\n'
+                    '{"prompt": "1+2=?", "completion": " 5", "label": 0}\n')  # fmt: skip
     return path
 
 
@@ -145,17 +158,22 @@ CASES = {
     "file dataset without its file": (
         "run_rm.py", ["data.dataset_name=preference"], ["data.train_data_path"],
     ),
+    "a KTO row labelled 0, not false": (
+        "run_kto.py", ["data.dataset_name=unpaired", "data.train_data_path={bad_labels}"],
+        ["rows.jsonl:2:", "field 'label' must be bool, got int", "data.on_bad_row=skip"],
+    ),
 }  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def mistakes(bad_rows, two_rows, base_model, no_slot, weights_only, tmp_path_factory) -> dict:
+def mistakes(bad_rows, bad_labels, two_rows, base_model, no_slot, weights_only,
+             tmp_path_factory) -> dict:  # fmt: skip
     """Every case's script run, as many at a time as there are cores (each spends ~12 s
     importing torch and transformers before it refuses: 3.5 minutes one after another), each
     with folders of its own (two runs on one folder are refused: utils/run_lock.py)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    files = {"bad_rows": bad_rows, "two_rows": two_rows, "base_model": base_model,
+    files = {"bad_rows": bad_rows, "bad_labels": bad_labels, "two_rows": two_rows, "base_model": base_model,
              "no_slot": no_slot, "weights_only": weights_only}  # fmt: skip
 
     def run(case: str) -> subprocess.CompletedProcess:
@@ -189,6 +207,7 @@ def test_dataset_names_in_the_schema_are_the_loaders_names():
     assert set(SFT_DATASETS) == {"arithmetic", "arithmetic_calculator", "gsm8k", *SFT_LOADERS}
     assert set(PREFERENCE_DATASETS) == {"arithmetic", "arithmetic_parity", "gsm8k",
                                         *PREFERENCE_LOADERS}  # fmt: skip
+    assert set(KTO_DATASETS) == {*PREFERENCE_DATASETS, "unpaired"}  # kto.load_data's branch
     from tempering.config.schemas import DataConfig
     from tempering.data.grpo_problems import _dataset_problems
 

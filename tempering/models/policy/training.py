@@ -164,13 +164,13 @@ def check_pairwise_batching(
 def aggregate_loss_metrics(all_mbs: list[dict[str, float]]) -> dict[str, float]:
     """Loss metrics over micro-batches (of every rank), following tempering.losses'
     conventions: ``loss``/``kl_penalty``/``entropy_bonus``/``*_loss`` are globally normalised
-    (summed), ``num_*`` are counts (summed), the rest are per-micro-batch means (weighted by
-    num_valid_tokens/pairs)."""
+    (summed), ``num_*`` are counts and ``*_sum`` sums (summed), the rest are per-micro-batch
+    means (weighted by num_valid_tokens/pairs)."""
     keys = sorted({k for m in all_mbs for k in m})
     out: dict[str, float] = {}
     for key in keys:
         rows = [m for m in all_mbs if key in m]
-        if key in _GLOBALLY_NORMALISED or key.endswith("_loss") or key.startswith("num_"):
+        if key in _GLOBALLY_NORMALISED or key.endswith(("_loss", "_sum")) or key.startswith("num_"):
             out[key] = float(sum(m[key] for m in rows))
             continue
         weights = [float(m.get("num_valid_tokens", m.get("num_valid_pairs", 1.0))) for m in rows]
@@ -184,13 +184,14 @@ def aggregate_loss_metrics(all_mbs: list[dict[str, float]]) -> dict[str, float]:
 
 def combine_steps(steps: list[dict[str, float]]) -> dict[str, float]:
     """One dict for a call that ran several global batches: means of per-step values, except
-    token counts (summed), tokens_per_s (total tokens / total time) and lr (the last step's)."""
+    counts and sums (``num_*``, ``*_sum``, step_time_s: summed), tokens_per_s (total tokens /
+    total time) and lr (the last step's)."""
     if len(steps) == 1:
         return {**steps[0], "num_steps": 1.0}
     out: dict[str, float] = {}
     for key in steps[0]:
         values = [s[key] for s in steps if key in s]
-        if key in ("num_tokens", "num_valid_tokens", "step_time_s") or key.startswith("num_"):
+        if key == "step_time_s" or key.startswith("num_") or key.endswith("_sum"):
             out[key] = float(sum(values))
         elif key == "lr":
             out[key] = values[-1]
