@@ -115,13 +115,9 @@ def train(run: PreferenceRun) -> dict[str, Any]:
     """The DPO loop (`preference.train_loop` with `dpo_step`), then the final model.
     Returns {"steps", "start": first val metrics, "end": last val metrics, "final_model"}."""
     loss_fn = make_loss(run.cfg)
-    step, first, val = preference.train_loop(
+    return preference.train_policy(
         run, lambda batch: dpo_step(run.model, batch, loss_fn), validate, TRAIN_METRICS
     )
-    final = common.export_final_model(
-        run.model, run.cfg.checkpointing, run.cfg.policy.dtensor_cfg.lora_cfg.enabled
-    )
-    return {"steps": step, "start": first, "end": val, "final_model": str(final)}
 
 
 def validate(run: PreferenceRun, step: int) -> dict[str, float]:

@@ -303,3 +303,18 @@ def train_loop(
     if step == run.start_step:  # nothing left to do: the checkpoint's validation is the last
         val = val or common.resumed_val(run.checkpointer, step)
     return step, first, val
+
+
+def train_policy(
+    run: PreferenceRun,
+    train_step: Callable[[Any], dict[str, float]],
+    validate: Callable[[PreferenceRun, int], dict[str, float]],
+    train_metrics: tuple[str, ...],
+) -> dict[str, Any]:
+    """DPO's and KTO's whole training: `train_loop`, then the final model. Returns {"steps",
+    "start": first val metrics, "end": last val metrics, "final_model"}."""
+    step, first, val = train_loop(run, train_step, validate, train_metrics)
+    final = common.export_final_model(
+        run.model, run.cfg.checkpointing, run.cfg.policy.dtensor_cfg.lora_cfg.enabled
+    )
+    return {"steps": step, "start": first, "end": val, "final_model": str(final)}
