@@ -167,9 +167,7 @@ class PreferenceRun:
     start_step: int = 0
     final_step: int = 0
     monitor: Any = None  # per-role resource metrics (logger.monitor_gpus)
-    generation: Any = (
-        None  # DPO, KTO: colocated greedy generation for validation, built on first use
-    )
+    generation: Any = None  # DPO, KTO: colocated greedy generation at validation, built once
 
     @property
     def section(self) -> Any:
@@ -252,8 +250,8 @@ def train_loop(
     validate: Callable[[PreferenceRun, int], dict[str, float]],
     train_metrics: tuple[str, ...],
 ) -> tuple[int, dict[str, float], dict[str, float]]:
-    """The loop DPO, KTO and RM share: batch of pairs -> ``train_step`` -> log ``train_metrics`` ->
-    validate every ``val_period`` steps -> checkpoint. Returns (last step, first validation
+    """The loop DPO, KTO and RM share: batch of pairs -> ``train_step`` -> log
+    ``train_metrics`` -> validate every ``val_period`` steps -> checkpoint. Returns (last step, first validation
     metrics, last validation metrics); a resumed run's first ones come from its records."""
     from tempering.utils.logger import print_step_summary, track
 

@@ -48,27 +48,29 @@ def plan_for(cfg: Any) -> Plan:
     """`make_plan` for a master config, with what it needs of its models read here: the
     policy's shape and positions and, for on-policy distillation, the teacher's."""
     teacher = getattr(cfg, "teacher", None)
-    names = [cfg.policy.model_name] + ([teacher.model_name] if teacher else [])
-    shapes = [model_shape(name) for name in names] + [None]
-    limits = [max_positions(name) for name in names] + [None]
-    return make_plan(cfg, shapes[0], shapes[1], positions=limits[0], teacher_positions=limits[1])
+    shape, positions = _shape_and_positions(cfg.policy.model_name)
+    tshape, tpositions = _shape_and_positions(teacher.model_name) if teacher else (None, None)
+    return make_plan(cfg, shape, tshape, positions=positions, teacher_positions=tpositions)
 
 
 def model_shape(model_name: str) -> ModelShape | None:
     """The shape of ``model_name`` without loading (or downloading, or converting) it."""
-    if model_name in KNOWN_SHAPES:
-        return KNOWN_SHAPES[model_name]
-    found = _config(model_name)
-    return _read_shape(*found) if found else None
+    return _shape_and_positions(model_name)[0]
 
 
 def max_positions(model_name: str) -> int | None:
     """The positions ``model_name`` was made for, from any config that names them (a model
     `model_shape` cannot size, OPT say, included); None where none is found."""
+    return _shape_and_positions(model_name)[1]
+
+
+def _shape_and_positions(model_name: str) -> tuple[ModelShape | None, int | None]:
+    """The model's shape (None where unknown or not sizable) and its positions, from one read
+    of its config."""
     if model_name in KNOWN_SHAPES:
-        return KNOWN_SHAPES[model_name].max_positions
+        return KNOWN_SHAPES[model_name], KNOWN_SHAPES[model_name].max_positions
     found = _config(model_name)
-    return positions_in(found[0]) if found else None
+    return (_read_shape(*found), positions_in(found[0])) if found else (None, None)
 
 
 def _config(model_name: str) -> tuple[dict[str, Any], str] | None:
