@@ -224,6 +224,16 @@ def test_no_class_over_12_public_methods():
     assert not CLASSES, "\n".join(CLASSES)
 
 
+def test_test_modules_have_unique_names():
+    """tests/ has no __init__ per folder: pytest imports test modules by basename, and two of
+    one name (tests/unit/test_kto.py and tests/functional/test_kto.py, 2026-12-01) fail the
+    whole tier's collection on a clean clone."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted((PACKAGE.parent / "tests").rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(str(path.relative_to(PACKAGE.parent)))
+    assert not {name: paths for name, paths in seen.items() if len(paths) > 1}
+
+
 @pytest.mark.parametrize(
     "source, expected",
     [

@@ -6,7 +6,7 @@ process (the loss is exactly 0.5 while the policy equals its reference; a fixed 
 learnt: desirable rows' rewards rise above undesirable ones').
 
 The learning run (held-out pairs' log-prob accuracy rising from the reference's) is in
-tests/functional/test_kto.py.
+tests/functional/test_kto_learning.py.
 """
 
 from __future__ import annotations
