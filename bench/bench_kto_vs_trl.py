@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 from bench_dpo_vs_trl import spread, workload  # this folder is on sys.path
-from peers import run_trl
+from peers import run_trl, scaled_args, scaled_parser
 
 BETA = 0.1
 SCALES = {
@@ -138,20 +138,8 @@ def bench_trl(model: str, rows: list, args: argparse.Namespace) -> tuple[list, l
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--scale", choices=list(SCALES), default="tiny")
-    parser.add_argument("--model", help="model name or folder (default: the scale's)")
-    parser.add_argument("--rows", type=int, help="labelled rows per step")
-    parser.add_argument("--max-len", type=int, help="tokens per row at most")
-    parser.add_argument("--lr", type=float, help="learning rate")
-    parser.add_argument("--steps", type=int)
-    parser.add_argument("--warmup", type=int, help="first steps left out")
-    parser.add_argument("--threads", type=int, help="torch threads, both sides")
-    parser.add_argument("--runs", type=int, default=3, help="runs of each side, interleaved")
-    args = parser.parse_args()
-    for key, value in SCALES[args.scale].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    parser = scaled_parser(__doc__, SCALES, "--rows", "labelled rows per step")
+    args = scaled_args(parser, SCALES)
 
     from tempering.models.registry import resolve_model_path
 

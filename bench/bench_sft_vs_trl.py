@@ -38,7 +38,6 @@ placement. A benchmark reports, it never passes or fails.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -48,7 +47,7 @@ import time
 from pathlib import Path
 
 from bench_dpo_vs_trl import spread
-from peers import run_trl  # bench/peers.py (this folder is on sys.path)
+from peers import run_trl, scaled_args, scaled_parser  # bench/peers.py (this folder is on sys.path)
 from placement import PlacementProbe, placement_note, print_by_placement, print_matched
 
 SCALES = {
@@ -170,25 +169,13 @@ def bench_trl(model: str, rows: list[dict], args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--scale", choices=list(SCALES), default="tiny")
-    parser.add_argument("--model", help="model name or folder (default: the scale's)")
-    parser.add_argument("--rows", type=int, help="rows per step")
-    parser.add_argument("--max-len", type=int, help="tokens per row at most")
-    parser.add_argument("--lr", type=float, help="learning rate")
-    parser.add_argument("--steps", type=int)
-    parser.add_argument("--warmup", type=int, help="first steps left out")
-    parser.add_argument("--threads", type=int, help="torch threads, both sides")
-    parser.add_argument("--runs", type=int, default=3, help="runs of each side, interleaved")
+    parser = scaled_parser(__doc__, SCALES, "--rows", "rows per step")
     parser.add_argument(
         "--trl-padding-free", action="store_true",
         help="TRL's padding_free=True (its rows flattened into one; on sdpa transformers masks "
         "them apart densely): the peer's own way past the padding tempering skips",
     )  # fmt: skip
-    args = parser.parse_args()
-    for key, value in SCALES[args.scale].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    args = scaled_args(parser, SCALES)
 
     from tempering.models.registry import resolve_model_path
 

@@ -3,6 +3,7 @@ dependency group, synced from the lock on first use), never in tempering's own `
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -88,3 +89,31 @@ def run_trl(script: str, spec: dict) -> dict:
     if proc.returncode or not lines:
         raise SystemExit(f"TRL run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(lines[-1][len("RESULT ") :])
+
+
+def scaled_parser(
+    doc: str, scales: dict, per_step: str, per_step_help: str
+) -> argparse.ArgumentParser:
+    """The options the peer benchmarks share: ``--scale`` (one of ``scales``), the model, the
+    examples per step (``per_step``: --rows, --pairs), max length, lr, steps, warm-up, threads
+    and interleaved runs; `scaled_args` fills what is not given from the scale."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--scale", choices=list(scales), default="tiny")
+    parser.add_argument("--model", help="model name or folder (default: the scale's)")
+    parser.add_argument(per_step, type=int, help=per_step_help)
+    parser.add_argument("--max-len", type=int, help="tokens per row at most")
+    parser.add_argument("--lr", type=float, help="learning rate")
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--warmup", type=int, help="first steps left out")
+    parser.add_argument("--threads", type=int, help="torch threads, both sides")
+    parser.add_argument("--runs", type=int, default=3, help="runs of each side, interleaved")
+    return parser
+
+
+def scaled_args(parser: argparse.ArgumentParser, scales: dict) -> argparse.Namespace:
+    """The parsed options, each one not given taken from its scale's value."""
+    args = parser.parse_args()
+    for key, value in scales[args.scale].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
