@@ -50,6 +50,12 @@ def prepare_run(deadlines_cfg: DeadlinesConfig | None = None, log_dir: str | Non
     check_container_fingerprint()
 
 
+def whole_batches(count: int, per_batch: int, batches: int) -> int:
+    """How many of ``count`` examples a validation of at most ``batches`` whole batches of
+    ``per_batch`` reads."""
+    return min(count, per_batch * batches) // per_batch * per_batch
+
+
 def check_validation_batch(
     count: int,
     per_batch: int,
@@ -67,7 +73,7 @@ def check_validation_batch(
 
     if not val_period:
         return
-    read = min(count, per_batch * val_batches) // per_batch * per_batch
+    read = whole_batches(count, per_batch, val_batches)
     if per_batch <= count != read:
         log.warning(
             "each validation reads %d of the %d held-out %s (%s.val_batches=%d whole batches "

@@ -125,10 +125,8 @@ def validate(run: PreferenceRun, step: int) -> dict[str, float]:
     (arithmetic), greedy accuracy."""
     cfg = run.cfg.dpo
     gbs = cfg.val_global_batch_size
-    # at least one batch: fewer pairs are refused at set-up (`common.check_validation_batch`)
-    n_pairs = min(len(run.data.val), gbs // 2 * cfg.val_batches) // (gbs // 2) * (gbs // 2)
     batch = preference_batch(
-        run.data.val[:n_pairs], run.tokenizer, run.cfg.policy.max_total_sequence_length
+        preference.held_out(run), run.tokenizer, run.cfg.policy.max_total_sequence_length
     )
     m = dpo_step(
         run.model,
@@ -226,8 +224,7 @@ def report(summary: dict[str, Any], cfg: DPOMasterConfig, task_accuracy: str | N
     start, end = summary["start"], summary["end"]
 
     def fig(key: str) -> str:
-        a, b = start.get(key), end.get(key)
-        return f"{'n/a' if a is None else f'{a:.3f}'} -> {'n/a' if b is None else f'{b:.3f}'}"
+        return preference.before_after(start, end, key)
 
     lines = [f"\nDPO done: {summary['steps']} steps; held-out pairs:"]
     if cfg.dpo.reference_free:

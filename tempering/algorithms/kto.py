@@ -164,11 +164,9 @@ def validate(run: PreferenceRun, step: int) -> dict[str, float]:
     the policy's and the reference's, where the rows came from pairs; greedy accuracy where
     answers are known (arithmetic)."""
     cfg = run.cfg.kto
-    per_batch = cfg.val_global_batch_size // 2
-    # at least one batch: fewer rows are refused at set-up (`common.check_validation_batch`)
-    n_rows = min(len(run.data.val), per_batch * cfg.val_batches) // per_batch * per_batch
+    rows = preference.held_out(run)
     max_len = run.cfg.policy.max_total_sequence_length
-    batch = kto_batch(run.data.val[:n_rows], run.tokenizer, max_len)
+    batch = kto_batch(rows, run.tokenizer, max_len)
     m = kto_step(
         run.model,
         batch,
@@ -179,7 +177,8 @@ def validate(run: PreferenceRun, step: int) -> dict[str, float]:
     )
     out = {k: m[k] for k in VAL_METRICS if k in m}
     if run.data.val_pairs:
-        pairs = preference_batch(run.data.val_pairs[: n_rows // 2], run.tokenizer, max_len)
+        # the pairs the rows came from (unpair keeps a pair's two rows together, in order)
+        pairs = preference_batch(run.data.val_pairs[: len(rows) // 2], run.tokenizer, max_len)
         logprobs = run.model.get_logprobs(pairs)["logprobs"]
         reference = run.model.get_reference_policy_logprobs(pairs)["reference_policy_logprobs"]
         out["logprob_accuracy"] = likelihood_preference_accuracy(logprobs, pairs, False)
@@ -197,8 +196,7 @@ def report(summary: dict[str, Any], cfg: KTOMasterConfig, task_accuracy: str | N
     start, end = summary["start"], summary["end"]
 
     def fig(key: str) -> str:
-        a, b = start.get(key), end.get(key)
-        return f"{'n/a' if a is None else f'{a:.3f}'} -> {'n/a' if b is None else f'{b:.3f}'}"
+        return preference.before_after(start, end, key)
 
     lines = [
         f"\nKTO done: {summary['steps']} steps; held-out rows:",

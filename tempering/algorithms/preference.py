@@ -181,6 +181,23 @@ class PreferenceRun:
         self.cluster.shutdown()
 
 
+def held_out(run: PreferenceRun) -> list[Any]:
+    """The held-out pairs (KTO: rows) a validation reads: whole batches of half
+    ``val_global_batch_size`` (a pair, or a row with its KL row, is two sequences), at most
+    ``val_batches`` of them; at least one (fewer are refused at set-up,
+    `common.check_validation_batch`)."""
+    section = run.section
+    n = common.whole_batches(len(run.data.val), section.val_global_batch_size // 2,
+                             section.val_batches)  # fmt: skip
+    return run.data.val[:n]
+
+
+def before_after(start: dict[str, float], end: dict[str, float], key: str) -> str:
+    """``key`` at the first and the last validation, as a report prints it ("n/a" if absent)."""
+    a, b = start.get(key), end.get(key)
+    return f"{'n/a' if a is None else f'{a:.3f}'} -> {'n/a' if b is None else f'{b:.3f}'}"
+
+
 def prepare(
     cfg: Any,
     resolved: dict[str, Any],

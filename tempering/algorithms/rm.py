@@ -73,11 +73,8 @@ def train(run: PreferenceRun) -> dict[str, Any]:
 def validate(run: PreferenceRun, step: int) -> dict[str, float]:
     """Held-out pair accuracy (share of pairs scored chosen > rejected), loss and margin."""
     cfg = run.cfg.rm
-    half = cfg.val_global_batch_size // 2
-    # at least one batch: fewer pairs are refused at set-up (`common.check_validation_batch`)
-    n_pairs = min(len(run.data.val), half * cfg.val_batches) // half * half
     batch = preference_batch(
-        run.data.val[:n_pairs], run.tokenizer, run.cfg.policy.max_total_sequence_length
+        preference.held_out(run), run.tokenizer, run.cfg.policy.max_total_sequence_length
     )
     m = run.model.train(
         batch,
