@@ -149,6 +149,7 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any], plan: Any = None) -> 
     from tempering.models.generation.builders import (
         build_chat_service,
         build_generation,
+        start_generation,
         start_http_server,
     )
     from tempering.models.registry import resolve_model_path
@@ -194,8 +195,7 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any], plan: Any = None) -> 
         turns = InProcessTurnClient(chat)
     checkpointer = common.build_checkpointer(scoring.checkpoint_ranking(cfg, threshold))
     start_step, info = common.maybe_resume(checkpointer, policy, dataloader, resolved)
-    if start_step:
-        chat.refit(lambda: generation.refit(policy, version=start_step), version=start_step)
+    start_generation(chat, generation, policy, start_step)
     logger = common.build_logger(cfg.logger, resolved, start_step)
     return GRPORun(
         cfg,

@@ -294,8 +294,18 @@ def build_generation(
             group, cluster, refit_dtype=refit_dtype, in_flight=in_flight_weight_updates,
             adapter_refit=adapter_refit,
         )  # fmt: skip
-    generation.refit(policy, version=0)  # start from the policy's current weights
-    return generation
+    return generation  # loaded from the model files: `start_generation` gives it the policy's
+
+
+def start_generation(chat: Any, generation: Any, policy: Any, version: int) -> None:
+    """The generator takes the policy's weights once, as ``version`` (the step a run resumed
+    at, else 0), through the chat service (which keeps the version). Call it after the
+    checkpoint is loaded: a resumed run then moves its weights once, not the model files'
+    and then the checkpoint's. Split workers start from the model files, so they always take
+    them; colocated torch engines start as copies of the policy's weights, so only a resume
+    refits them."""
+    if version or not isinstance(generation, ColocatedGeneration):
+        chat.refit(lambda: generation.refit(policy, version=version), version=version)
 
 
 # Colocated vLLM: the policy worker and the engine on a GPU each take this share of it in
