@@ -257,6 +257,50 @@ class NLLLoss:
 # --------------------------------------------------------------------------------------------
 
 
+class ValueLoss:
+    """PPO's critic loss on a value head's ``[B, S]`` values (`head="value"`, each token's
+    value read at the position before it).
+
+    ``data`` needs ``token_mask``, ``sample_mask``, ``returns`` (the GAE targets) and, with
+    ``value_clip``, ``prev_values`` (the values the advantages were computed from). Per token:
+    ``0.5 * max((v - R)^2, (v_old + clip(v - v_old, -c, c) - R)^2)`` (the clipped term only
+    with ``value_clip``), summed over the valid tokens / ``global_valid_toks``.
+    Metrics: ``loss``, ``value_clip_fraction`` (tokens where the clipped term was larger),
+    ``num_valid_tokens``."""
+
+    loss_type: LossType = "token"
+    pairwise: bool = False
+
+    def __init__(self, value_clip: float | None = 0.2) -> None:
+        if value_clip is not None and value_clip <= 0:
+            raise ValueError(f"value_clip={value_clip} must be > 0 (None: no clipping)")
+        self.value_clip = value_clip
+
+    def __call__(
+        self,
+        values: Tensor,
+        data: Mapping[str, Any],
+        global_valid_toks: Tensor,
+        global_valid_seqs: Tensor,
+    ) -> tuple[Tensor, dict[str, float]]:
+        mask = _valid_token_mask(data, values)
+        returns = data["returns"].to(values.device, values.dtype)[:, : values.shape[1]]
+        loss_tokens = (values - returns) ** 2
+        clipped_larger = torch.zeros_like(mask)
+        if self.value_clip is not None:
+            old = data["prev_values"].to(values.device, values.dtype)[:, : values.shape[1]]
+            clipped = old + (values - old).clamp(-self.value_clip, self.value_clip)
+            clipped_loss = (clipped - returns) ** 2
+            clipped_larger = (clipped_loss > loss_tokens).to(values.dtype)
+            loss_tokens = torch.maximum(loss_tokens, clipped_loss)
+        loss = 0.5 * (loss_tokens * mask).sum() / as_tensor_like(global_valid_toks, values)
+        return loss, {
+            "loss": float(loss.item()),
+            "value_clip_fraction": masked_mean(clipped_larger, mask),
+            "num_valid_tokens": float(mask.sum().item()),
+        }
+
+
 class ClippedPGLoss:
     """Clipped policy-gradient loss (PPO / GRPO / DAPO / GSPO) with an optional KL penalty and
     off-policy importance-sampling correction (NeMo RL's ``ClippedPGLossFn`` semantics).

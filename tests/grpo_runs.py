@@ -3,14 +3,22 @@ config for a number of steps (synchronous or asynchronous, as its config says) a
 `grpo.train`'s summary; `assert_ran_async` checks from a run's own logs that it overlapped
 generation with training with samples one weight version old, so a test fails when an
 asynchronous run silently ran the synchronous schedule; `gym_standin` routes a run's rollouts
-through our NeMo Gym protocol stand-in.
+through our NeMo Gym protocol stand-in. `run_job` runs the GRPO script in a process of its own
+(to be killed, resumed, compared): `records` reads its metrics without timings, and
+`assert_same_run` compares two runs' records.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
+import os
+import signal
 import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -94,3 +102,77 @@ def gym_standin() -> Iterator[tuple[Any, list[str]]]:
                 f"policy.generation.http_server.port={port}",
             ],
         )
+
+
+class Finished(subprocess.CompletedProcess):
+    left: list[str]  # processes of the run's session still alive after it exited
+
+
+def run_job(args: list[str], env: dict[str, str] | None = None, script: str = "run_grpo_math.py"
+            ) -> Finished:  # fmt: skip
+    """``examples/<script> *args`` in its own process group (a fault from ``env``'s
+    TEMPERING_FAULT, none by default), killed whole afterwards: a run that hangs, or a killed
+    run's stragglers, cannot load the machine under the tests that follow."""
+    import pytest
+
+    cmd = [sys.executable, f"examples/{script}", *args]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "TEMPERING_FAULT": "", **(env or {})}, start_new_session=True,
+    )  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=900)
+        left = _left_behind(proc.pid)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{cmd} ran past 900 s:\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    done = Finished(cmd, proc.returncode, stdout, stderr)
+    done.left = left
+    return done
+
+
+def _left_behind(session: int, wait_s: float = 10.0) -> list[str]:
+    """The live processes of `session` (the run's, started in its own), once they have had
+    `wait_s` to end after the run exited: Ray's node processes are tied to the driver and end
+    within a second of it."""
+    from tempering.utils.stopping import process_table
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = []
+        for pid, (state, _ppid, sid) in process_table().items():
+            if sid == session and state != "Z":  # not a zombie
+                with contextlib.suppress(OSError):
+                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                    left.append(f"{pid} {cmdline.decode(errors='replace')[:80]}")
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
+def records(out: Path) -> list[dict]:
+    """A run's metrics.jsonl without what differs run to run (timings, throughput)."""
+    rows = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not _is_timing(k)} for r in rows]
+
+
+def _is_timing(key: str) -> bool:  # and resource use (CPU time, peak memory)
+    return key.startswith(("timing/", "throughput/", "resources/")) or key.endswith(("_s", "per_s"))
+
+
+def assert_same_run(got: list[dict], want: list[dict], what: str) -> None:
+    """Every record of ``want`` once in ``got`` with the same numbers (rel. 1e-5)."""
+    key = lambda r: (r["step"], tuple(sorted(r)))  # noqa: E731 - one record per step and kind
+    assert sorted(map(key, got)) == sorted(map(key, want)), f"{what}: steps lost or repeated"
+    by_key = {key(r): r for r in want}
+    for row in got:
+        ref = by_key[key(row)]
+        for k, v in row.items():
+            if isinstance(v, float):
+                assert math.isclose(v, ref[k], rel_tol=1e-5, abs_tol=1e-6), (what, row["step"], k)
+            else:
+                assert v == ref[k], (what, row["step"], k)

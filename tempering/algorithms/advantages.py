@@ -25,7 +25,14 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["Advantages", "group_std", "leave_one_out_advantages", "mean_baseline_advantages"]
+__all__ = [
+    "Advantages",
+    "gae_advantages",
+    "group_std",
+    "leave_one_out_advantages",
+    "mean_baseline_advantages",
+    "whiten",
+]
 
 
 class Advantages(NamedTuple):
@@ -119,3 +126,50 @@ def mean_baseline_advantages(
     v = ok.to(grouped.dtype)
     mean = (grouped * v).sum(dim=1, keepdim=True) / v.sum(dim=1, keepdim=True).clamp(min=1)
     return _finish(grouped, mean.expand_as(grouped), normalize_std, eps, ok)
+
+
+def gae_advantages(
+    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """PPO's generalised advantage estimate over each episode's own tokens: ``(advantages,
+    returns)``, ``[B, S]``, 0 where ``mask`` is 0.
+
+    rewards: ``[B]``, each episode's reward, given at its last token where ``mask`` is 1 (every
+    other token's reward 0). values: ``[B, S]``, the critic's value of the state before each
+    token. mask: ``[B, S]``, the tokens the policy generated; the others (prompt, padding, a
+    tool's reply between turns) are skipped, so a multi-turn episode is one trajectory of its
+    generated tokens. With ``delta_t = r_t + gamma * V_next - V_t`` (``V_next`` = 0 after the
+    last token): ``A_t = delta_t + gamma * lam * A_next`` and ``returns = A + V``. With
+    gamma = lam = 1 (the default, as verl's), ``A_t = reward - V_t``."""
+    if values.shape != mask.shape or rewards.shape != values.shape[:1]:
+        raise ValueError(
+            f"gae_advantages: rewards {tuple(rewards.shape)}, values {tuple(values.shape)} and "
+            f"mask {tuple(mask.shape)} must be [B], [B, S] and [B, S]"
+        )
+    m = mask.to(values.dtype)
+    width = m.shape[1]
+    last = width - 1 - torch.flip(m, dims=[1]).argmax(dim=1)  # [B] each row's last token
+    token_rewards = torch.zeros_like(values)
+    token_rewards[torch.arange(m.shape[0]), last] = rewards.to(values.dtype) * m.amax(dim=1)
+    advantages = torch.zeros_like(values)
+    next_value = torch.zeros_like(values[:, 0])
+    next_adv = torch.zeros_like(values[:, 0])
+    for t in range(width - 1, -1, -1):
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        adv = delta + gamma * lam * next_adv
+        on = m[:, t] > 0
+        advantages[:, t] = torch.where(on, adv, 0.0)
+        next_value = torch.where(on, values[:, t], next_value)
+        next_adv = torch.where(on, adv, next_adv)
+    returns = (advantages + values) * m
+    return advantages, returns
+
+
+def whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+    """``values`` shifted and scaled to mean 0 and std 1 over the tokens where ``mask`` is 1
+    (PPO's advantage normalisation across the batch); 0 elsewhere."""
+    m = mask.to(values.dtype)
+    n = m.sum().clamp(min=1)
+    mean = (values * m).sum() / n
+    var = (((values - mean) * m) ** 2).sum() / n
+    return (values - mean) * torch.rsqrt(var + eps) * m

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from tempering.algorithms import common
+from tempering.algorithms import common, ppo_critic
 from tempering.algorithms import grpo_scoring as scoring
 from tempering.algorithms.dynamic_sampling import DynamicSampler, mask_overlong_samples
 from tempering.algorithms.reward_shaping import shape_rewards, shaping_metrics
@@ -67,6 +67,7 @@ class GRPORun:
     monitor: Any = None  # per-role resource metrics (logger.monitor_gpus)
     signal: SignalWatch = field(default_factory=SignalWatch)  # warns of no-signal steps
     correct_above: float | None = 0.5  # a correct answer's reward (`scoring.reward_threshold`)
+    critic: Any = None  # PPO's value model (`critic.enabled`, ppo_critic.py)
 
     def close(self) -> None:
         """Free what the run started: server, logger, generation, environments, policy
@@ -90,6 +91,8 @@ class GRPORun:
             self.server.stop()
         self.logger.close()
         self.generation.shutdown()
+        if self.critic is not None:
+            self.critic.shutdown()
         self.policy.shutdown()
         self.cluster.shutdown()
 
@@ -145,7 +148,6 @@ def _check_chat_template(cfg: GRPOMasterConfig, tokenizer: Any, tasks: set[str])
 def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any], plan: Any = None) -> GRPORun:
     """Everything a GRPO run needs, started; ``plan``: the placement plan when the caller made
     it (distillation's, which adds the teacher), else made here."""
-    from tempering.experience.rollouts import HttpTurnClient, InProcessTurnClient
     from tempering.models.generation.builders import (
         build_chat_service,
         build_generation,
@@ -174,7 +176,9 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any], plan: Any = None) -> 
         init_reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0,
         seed=cfg.grpo.seed,
         gpu_share=plan.gpu_share,
+        optimizer_steps_per_step=optimizer_steps_per_step(cfg, cfg.policy.train_global_batch_size),
     )
+    critic = ppo_critic.build(cfg, cluster, plan)  # None without critic.enabled
     _warn_uncorrected_precision(cfg)
     generation = build_generation(
         cfg.policy, policy, model_path, tokenizer, plan, cfg.cluster,
@@ -186,15 +190,10 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any], plan: Any = None) -> 
     server = start_http_server(cfg.policy.generation, chat, cfg.logger.log_dir)
     if "nemo_gym" in tasks:
         environments["nemo_gym"] = scoring.build_gym(cfg, server, tokenizer)
-    if cfg.grpo.rollout_transport == "http":
-        _check_http_prompts(cfg, tokenizer, train_problems[0].prompt)
-        turns = HttpTurnClient(
-            server.base_url, chat.settings.model_name, server.api_key, ca_file=server.ca_file
-        )
-    else:
-        turns = InProcessTurnClient(chat)
+    turns = _turn_client(cfg, chat, server, tokenizer, train_problems[0].prompt)
     checkpointer = common.build_checkpointer(scoring.checkpoint_ranking(cfg, threshold))
     start_step, info = common.maybe_resume(checkpointer, policy, dataloader, resolved)
+    ppo_critic.resume(critic, checkpointer, start_step)
     start_generation(chat, generation, policy, start_step)
     logger = common.build_logger(cfg.logger, resolved, start_step)
     return GRPORun(
@@ -216,10 +215,17 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any], plan: Any = None) -> 
         server,
         prior_wall_time_s=float(info.get("wall_time_s", 0.0)),
         correct_above=threshold,
+        critic=critic,
         monitor=common.build_resource_monitor(
             cfg.logger, policy=policy, generation=generation, environments=environments.values()
         ),
     )
+
+
+def optimizer_steps_per_step(cfg: GRPOMasterConfig, global_batch_size: int) -> int:
+    """Optimizer steps a model takes per GRPO step: the step's samples (prompts x
+    generations) in global batches of ``global_batch_size``."""
+    return cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt // global_batch_size
 
 
 def _warn_uncorrected_precision(cfg: GRPOMasterConfig) -> None:
@@ -237,6 +243,20 @@ def _warn_uncorrected_precision(cfg: GRPOMasterConfig) -> None:
             "pi_sampler",
             sampler, cfg.policy.precision,
         )  # fmt: skip
+
+
+def _turn_client(cfg: GRPOMasterConfig, chat: Any, server: Any, tokenizer: Any, prompt: str) -> Any:
+    """How rollouts reach the chat service: over HTTP through the run's server
+    (``grpo.rollout_transport=http``; raw prompts checked, `_check_http_prompts`), or in
+    process."""
+    from tempering.experience.rollouts import HttpTurnClient, InProcessTurnClient
+
+    if cfg.grpo.rollout_transport != "http":
+        return InProcessTurnClient(chat)
+    _check_http_prompts(cfg, tokenizer, prompt)
+    return HttpTurnClient(
+        server.base_url, chat.settings.model_name, server.api_key, ca_file=server.ca_file
+    )
 
 
 def _check_http_prompts(cfg: GRPOMasterConfig, tokenizer: Any, prompt: str) -> None:
@@ -290,8 +310,8 @@ class SyncSteps:
 
     @contextlib.contextmanager
     def saving(self) -> Iterator[Any]:
-        """Around a checkpoint: yields what writes the steps' own files (none)."""
-        yield None
+        """Around a checkpoint: yields what writes the steps' own files (a critic's, if any)."""
+        yield ppo_critic.writer(self.run.critic)
 
     def paused(self) -> contextlib.AbstractContextManager[None]:
         """Around validation: nothing else generates (nothing does here)."""
@@ -416,8 +436,9 @@ def summary_text(s: dict[str, Any], cfg: GRPOMasterConfig) -> str:
 
     resumed = s["steps"] - s["steps_this_run"]
     where = f" ({s['steps_this_run']} in this run, resumed at step {resumed})" if resumed else ""
+    name = "PPO" if cfg.critic.enabled else "GRPO"  # PPO: the critic's advantages
     lines = [
-        f"\nGRPO summary: {s['steps']} steps{where} in {s['wall_time_s']:.0f} s of training; "
+        f"\n{name} summary: {s['steps']} steps{where} in {s['wall_time_s']:.0f} s of training; "
         + held_out_line(s)
     ]
     if cfg.grpo.max_rollout_turns > 1:
@@ -473,16 +494,24 @@ def grpo_step(run: GRPORun, loss_fn: Any, step: int | None = None) -> dict[str, 
     if cfg.overlong_filtering:
         batch, n_masked = mask_overlong_samples(batch)
         extra["train/overlong_masked"] = float(n_masked)
+    critic_metrics = {}
+    if run.critic is not None:  # PPO: GAE advantages from the critic's values
+        with timer.time("values"):
+            critic_metrics = ppo_critic.advantages(run.cfg, run.critic, batch)
     data = BatchedDataDict({k: batch[k] for k in TRAIN_KEYS})
     # asked now, answered while the policy trains
     env_metrics = scoring.environment_metrics(run.environments, rewards_seen)
     behaviour_logprobs(run, data, timer)
     train_metrics = train_policy(run, data, loss_fn, timer)
+    if run.critic is not None:
+        with timer.time("critic"):
+            critic_metrics.update(ppo_critic.train(run.critic, batch))
     refit_generation(run, timer)
     step_s = time.perf_counter() - t0
 
     metrics = step_metrics(run, batch, data, rewards_seen, train_metrics, timer, step_s)
     metrics.update(extra)
+    metrics.update(critic_metrics)
     metrics.update(env_metrics())
     metrics.update(server_metrics(run.chat, server_before))
     watch_signal(run, step or 0, problems, logs_seen, rewards_seen, metrics)
@@ -506,14 +535,16 @@ def watch_signal(
     run: GRPORun, step: int, problems: list[Problem], logs: list[Any], rewards: Any, metrics: Any
 ) -> None:
     """Feed the step (as first sampled) to ``run.signal`` (signal_watch.py), which warns once
-    when the run has had no learning signal for several steps."""
+    when the run has had no learning signal for several steps. With a critic (PPO) the
+    signal is any difference between the batch's rewards: the batch is one group."""
     G = run.cfg.grpo.num_generations_per_prompt
+    group = len(rewards) if run.cfg.critic.enabled else G
 
     def sample(i: int) -> str:
         p = problems[i // G]
         return f"{p.prompt[-120:]!r} -> {completion_text(logs[i])[:120]!r} -> {p.answer!r}"
 
-    warning = run.signal.observe(step, step_signal(rewards, G, metrics, sample))
+    warning = run.signal.observe(step, step_signal(rewards, group, metrics, sample))
     if warning:
         log.warning("GRPO: %s", warning)
 
@@ -683,6 +714,8 @@ def rollout_batch(
             cfg.grpo.reward_shaping, overlong_limit(cfg),
         ))  # fmt: skip
         rewards = batch["shaped_rewards"]
+    if cfg.critic.enabled:  # PPO: the critic's GAE advantages, set by grpo_step
+        return batch
     baseline = (
         leave_one_out_advantages
         if cfg.grpo.use_leave_one_out_baseline

@@ -147,7 +147,10 @@ class GRPOConfig(Section):
         description="rollouts call the chat service directly, or over HTTP through "
         "policy.generation.http_server (which must be enabled)",
     )
-    normalize_rewards: bool = Field(True, description="divide advantages by the group std")
+    normalize_rewards: bool = Field(
+        True, description="divide advantages by the group std (with critic.enabled: whiten "
+        "them over the batch's generated tokens)",
+    )  # fmt: skip
     use_leave_one_out_baseline: bool = True
     val_period: int = Field(10, ge=0)
     val_at_start: bool = True
@@ -162,6 +165,68 @@ class GRPOConfig(Section):
     async_grpo: AsyncGRPOConfig = AsyncGRPOConfig()
     reward_scaling: RewardScalingConfig = RewardScalingConfig()
     reward_shaping: RewardShapingConfig = RewardShapingConfig()
+
+
+class CriticConfig(Section):
+    """PPO with a learned critic (verl's and OpenRLHF's PPO): a value model, built from the
+    policy's (or ``model_name``'s) body with a new value head, gives each generated token's
+    advantage by GAE in place of the group baseline; it trains on the returns each step
+    beside the policy, on the policy's bundles, with the policy's batch sizes, precision,
+    optimizer and schedule (its own learning rate)."""
+
+    enabled: bool = False
+    model_name: str | None = Field(
+        None, description="the critic's starting model (its body; the value head is new); "
+        "null: the policy's",
+    )  # fmt: skip
+    learning_rate: float = Field(1e-5, gt=0, description="the critic's optimizer learning rate")
+    train_global_batch_size: int | None = Field(
+        None, ge=1, description="samples per critic optimizer step (a step's samples are split "
+        "into several: more value updates per rollout); null: the policy's",
+    )  # fmt: skip
+    value_clip: float | None = Field(
+        0.2, gt=0, description="clip each value's move from the one the advantages used "
+        "(PPO's clipped value loss); null: unclipped",
+    )  # fmt: skip
+    gamma: float = Field(1.0, ge=0, le=1, description="GAE's discount")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE's lambda")
+
+
+def critic_problems(cfg: Any) -> list[str]:
+    """What a run with ``critic.enabled`` cannot do (a GRPO master config), each with its fix."""
+    c, g = cfg.critic, cfg.grpo
+    if not c.enabled:
+        return []
+    problems = []
+    if g.use_leave_one_out_baseline:
+        problems.append(
+            "critic.enabled=true: the critic's values are the baseline, so "
+            "grpo.use_leave_one_out_baseline=true would not be read: set it to false"
+        )
+    if g.async_grpo.enabled or g.use_dynamic_sampling:
+        problems.append(
+            "critic.enabled=true is not supported with grpo.async_grpo.enabled or "
+            "grpo.use_dynamic_sampling yet: set those to false"
+        )
+    n, gbs = g.num_prompts_per_step * g.num_generations_per_prompt, c.train_global_batch_size
+    if gbs is not None and n % gbs:
+        problems.append(
+            f"critic.train_global_batch_size={gbs} does not divide a step's {n} samples "
+            "(grpo.num_prompts_per_step x num_generations_per_prompt): use a divisor of it"
+        )
+    if cfg.policy.dtensor_cfg.tensor_parallel_size > 1:
+        problems.append(
+            "critic.enabled=true with policy.dtensor_cfg.tensor_parallel_size > 1 is not "
+            "supported yet (the critic's value head is not split, as a reward model's score "
+            "head is not): set tensor_parallel_size=1"
+        )
+    if cfg.policy.sequence_packing.enabled or cfg.policy.dynamic_batching.enabled:
+        problems.append(
+            "critic.enabled=true: the critic takes its rows whole (the policy's batch sizes), "
+            "so set policy.sequence_packing.enabled=false and policy.dynamic_batching.enabled="
+            "false"
+        )
+    return problems
 
 
 TRUNCATED_IS_TYPES = ("tis", "icepop", "seq-mask-tis")

@@ -30,12 +30,14 @@ from tempering.config.rl_sections import (  # noqa: F401 -- part of this module'
     ArithmeticRetryEnvConfig,
     AsyncGRPOConfig,
     CalculatorEnvConfig,
+    CriticConfig,
     EnvConfig,
     FaultToleranceConfig,
     GRPOConfig,
     LossFnConfig,
     MathEnvConfig,
     NemoGymConfig,
+    critic_problems,
     off_policy_loss_problems,
 )
 from tempering.config.section import Section
@@ -592,6 +594,7 @@ class RMMasterConfig(_DatasetMaster):
 class GRPOMasterConfig(_Master):
     UNREAD_KEYS: ClassVar[dict[str, str]] = _UNREAD_KEYS["GRPO"]
     grpo: GRPOConfig = GRPOConfig()
+    critic: CriticConfig = CriticConfig()
     fault_tolerance: FaultToleranceConfig = FaultToleranceConfig()
     loss_fn: LossFnConfig = LossFnConfig()
     env: EnvConfig = EnvConfig()
@@ -633,6 +636,8 @@ class GRPOMasterConfig(_Master):
             )
         _check_async(self)
         _check_reward_shaping(self)
+        if critic_problems(self):
+            raise ValueError("; ".join(critic_problems(self)))
         if self.data.dataset_name == "nemo_gym" or self.env.task_name == "nemo_gym":
             gym = self.env.nemo_gym
             if bool(gym.head_server_url) == bool(gym.config_paths):

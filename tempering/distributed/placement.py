@@ -168,6 +168,7 @@ class Plan:
     memory: MemoryEstimate | None
     notes: list[str] = field(default_factory=list)
     teacher: GroupPlan | None = None  # on-policy distillation's frozen scorer
+    critic: GroupPlan | None = None  # PPO's value model, on the policy's bundles
 
     @property
     def on_gpus(self) -> bool:
@@ -180,7 +181,8 @@ class Plan:
         alone, or on CPU. (The memory is shared in time: vLLM sleeps while the policy trains.)"""
         if not self.on_gpus:
             return None
-        on_policy = [g for g in (self.generation, self.teacher) if g and g.colocated_with]
+        groups = (self.generation, self.teacher, self.critic)
+        on_policy = [g for g in groups if g and g.colocated_with]
         return 1.0 / (1 + len(on_policy)) if on_policy else None
 
     def table(self) -> str:
@@ -198,7 +200,7 @@ class Plan:
         lines = [f"model {self.model}: {size}", f"cluster: {where}", ""]
         lines.append(f"{'group':<11} {'nodes':>5} {'workers':>7} {'GPUs/worker':>11} "
                      f"{'DP':>3} {'TP':>3}  placement")  # fmt: skip
-        for g in (self.policy, self.generation, self.teacher):
+        for g in (self.policy, self.generation, self.teacher, self.critic):
             if g is None:
                 continue
             nodes = sum(1 for n in g.bundles_per_node if n)
@@ -311,8 +313,29 @@ def make_plan(
                         "reward models (their score head is not split); set it to 1")  # fmt: skip
     if problems:
         raise PlanError("the config does not fit its cluster:\n  - " + "\n  - ".join(problems))
-    return Plan(cl.num_nodes, cl.gpus_per_node, cl.gpu_memory_gb, policy, generation,
+    plan = Plan(cl.num_nodes, cl.gpus_per_node, cl.gpu_memory_gb, policy, generation,
                 pol.model_name, shape, memory, notes)  # fmt: skip
+    if isinstance(cfg, GRPOMasterConfig) and cfg.critic.enabled:
+        _with_critic(plan, cfg)
+    return plan
+
+
+def _with_critic(plan: Plan, cfg: Any) -> None:
+    """PPO's critic: a worker per policy bundle, beside the policy's (on CPU they take turns
+    with its cores; on GPUs a share of each GPU). Its memory (weights, gradients and AdamW's
+    moments in fp32) is counted as the policy model's when it starts from the policy."""
+    p = plan.policy
+    plan.critic = GroupPlan("critic", list(p.bundles_per_node), p.gpus_per_bundle, p.dp, p.tp,
+                            colocated_with="policy", gpu_ids=list(p.gpu_ids))  # fmt: skip
+    if cfg.critic.model_name not in (None, cfg.policy.model_name):
+        plan.notes.append(f"critic {cfg.critic.model_name!r}: its memory was not estimated")
+    elif plan.memory is not None and plan.shape is not None:
+        plan.memory.parts["critic"] = 16 * plan.shape.params / p.workers / GIB
+        problems: list[str] = []
+        if plan.on_gpus:
+            _check_fit(cfg, plan.memory, problems)
+        if problems:
+            raise PlanError("the config does not fit its cluster:\n  - " + problems[0])
 
 
 def _check_tensor_parallel(
@@ -419,6 +442,8 @@ def _batch_sizes(cfg: Any) -> dict[str, int]:
     if isinstance(cfg, GRPOMasterConfig):
         n = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
         sizes["grpo.num_prompts_per_step * num_generations_per_prompt"] = n
+        if cfg.critic.enabled and cfg.critic.train_global_batch_size:
+            sizes["critic.train_global_batch_size"] = cfg.critic.train_global_batch_size
     return sizes
 
 

@@ -101,6 +101,29 @@ def load_sequence_classifier(
     )
 
 
+def value_head_config(config: Any) -> Any:
+    """``config`` for a PPO critic: one label (a value per token) and no dropout before the
+    head (transformers' token classifiers default to 0.1, which would make a critic's values
+    random in training)."""
+    config.num_labels = 1
+    config.classifier_dropout = 0.0
+    return config
+
+
+def load_token_classifier(
+    name_or_path: str | os.PathLike[str], dtype: torch.dtype = torch.float32
+) -> PreTrainedModel:
+    """``AutoModelForTokenClassification`` with one label (a PPO critic: a value per token),
+    on CPU. From a causal-LM folder the body is the LM's and the ``score`` head is new."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    path = resolve_model_path(name_or_path)
+    config = value_head_config(AutoConfig.from_pretrained(path, local_files_only=hub_offline()))
+    return AutoModelForTokenClassification.from_pretrained(
+        path, config=config, dtype=dtype, local_files_only=hub_offline()
+    )
+
+
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """``model``'s decoder layers in order: the modules whose class, or a class it derives
     from, is named in ``model._no_split_modules`` (FSDP2's ``fully_shard`` turns a

@@ -15,18 +15,18 @@ replace a killed worker within the same process and finish.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import math
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from tests.grpo_runs import assert_same_run, records, run_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 REPO = Path(__file__).resolve().parents[2]
@@ -56,76 +56,9 @@ PHASES = {
 }
 
 
-class _Finished(subprocess.CompletedProcess):
-    left: list[str]  # processes of the run's session still alive after it exited
-
-
-def _run(out: Path, *extra: str, env: dict[str, str] | None = None) -> _Finished:
-    cmd = [
-        sys.executable, "examples/run_grpo_math.py", *COMMON,
-        f"logger.log_dir={out}/logs", f"checkpointing.checkpoint_dir={out}/ckpt", *extra,
-    ]  # fmt: skip
-    # Its own process group, killed whole afterwards: a run that hangs, or a killed run's
-    # stragglers, cannot load the machine under the tests that follow.
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "TEMPERING_FAULT": "", **(env or {})}, start_new_session=True,
-    )  # fmt: skip
-    try:
-        stdout, stderr = proc.communicate(timeout=900)
-        left = _left_behind(proc.pid)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"{cmd} ran past 900 s:\n{stdout[-3000:]}\n{stderr[-3000:]}")
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    done = _Finished(cmd, proc.returncode, stdout, stderr)
-    done.left = left
-    return done
-
-
-def _left_behind(session: int, wait_s: float = 10.0) -> list[str]:
-    """The live processes of `session` (the run's, started in its own), once they have had
-    `wait_s` to end after the run exited: Ray's node processes are tied to the driver and end
-    within a second of it."""
-    from tempering.utils.stopping import process_table
-
-    deadline = time.monotonic() + wait_s
-    while True:
-        left = []
-        for pid, (state, _ppid, sid) in process_table().items():
-            if sid == session and state != "Z":  # not a zombie
-                with contextlib.suppress(OSError):
-                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-                    left.append(f"{pid} {cmdline.decode(errors='replace')[:80]}")
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.2)
-
-
-def _records(out: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
-    # Timings and throughput differ run to run; everything else must not.
-    return [{k: v for k, v in r.items() if not _is_timing(k)} for r in rows]
-
-
-def _is_timing(key: str) -> bool:  # and resource use (CPU time, peak memory)
-    return key.startswith(("timing/", "throughput/", "resources/")) or key.endswith(("_s", "per_s"))
-
-
-def _assert_same_run(got: list[dict], want: list[dict], what: str) -> None:
-    key = lambda r: (r["step"], tuple(sorted(r)))  # noqa: E731 - one record per step and kind
-    assert sorted(map(key, got)) == sorted(map(key, want)), f"{what}: steps lost or repeated"
-    by_key = {key(r): r for r in want}
-    for row in got:
-        ref = by_key[key(row)]
-        for k, v in row.items():
-            if isinstance(v, float):
-                assert math.isclose(v, ref[k], rel_tol=1e-5, abs_tol=1e-6), (what, row["step"], k)
-            else:
-                assert v == ref[k], (what, row["step"], k)
+def _run(out: Path, *extra: str, env: dict[str, str] | None = None) -> Any:
+    return run_job([*COMMON, f"logger.log_dir={out}/logs",
+                    f"checkpointing.checkpoint_dir={out}/ckpt", *extra], env)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +67,7 @@ def baseline(tmp_path_factory) -> list[dict]:
     proc = _run(out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.left == [], proc.left
-    rows = _records(out)
+    rows = records(out)
     assert max(r["step"] for r in rows) == STEPS
     return rows
 
@@ -166,7 +99,7 @@ def test_kill_and_rerun_reproduces_the_uninterrupted_run(role, phase, baseline, 
     rerun = _run(tmp_path)
     assert rerun.returncode == 0, what + "\n" + rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert "resuming from" in rerun.stderr, what
-    _assert_same_run(_records(tmp_path), baseline, what)
+    assert_same_run(records(tmp_path), baseline, what)
 
 
 def test_kill_during_checkpoint_save_keeps_the_previous_one(baseline, tmp_path):
@@ -184,7 +117,7 @@ def test_kill_during_checkpoint_save_keeps_the_previous_one(baseline, tmp_path):
     assert "resuming from" in rerun.stderr and "step_2" in rerun.stderr
     assert "a checkpoint save that never finished" in rerun.stderr
     assert not [p for p in ckpt.iterdir() if ".tmp-" in p.name]
-    _assert_same_run(_records(tmp_path), baseline, "killed mid-save")
+    assert_same_run(records(tmp_path), baseline, "killed mid-save")
 
 
 def test_ctrl_c_and_sigterm_stop_cleanly_and_the_reruns_resume(baseline, tmp_path):
@@ -209,7 +142,7 @@ def test_ctrl_c_and_sigterm_stop_cleanly_and_the_reruns_resume(baseline, tmp_pat
     rerun = _run(tmp_path)
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert rerun.left == [], rerun.left
-    _assert_same_run(_records(tmp_path), baseline, "stopped by SIGINT, then by SIGTERM")
+    assert_same_run(records(tmp_path), baseline, "stopped by SIGINT, then by SIGTERM")
 
 
 def test_max_restarts_replaces_a_killed_worker_in_process(baseline, tmp_path):
@@ -225,7 +158,7 @@ def test_max_restarts_replaces_a_killed_worker_in_process(baseline, tmp_path):
     restart = [line for line in proc.stdout.splitlines() if "restart 1:" in line]
     assert restart and "after step 2" in restart[0] and "resumed at step 2" in restart[0]
     assert f"GRPO summary: {STEPS} steps" in proc.stdout
-    _assert_same_run(_records(tmp_path), baseline, "restarted in process")
+    assert_same_run(records(tmp_path), baseline, "restarted in process")
     print(f"\nrun with one in-process restart: {took:.0f} s; {restart[0].strip()}")
 
 
@@ -241,7 +174,7 @@ def async_baseline(tmp_path_factory) -> tuple[Path, list[dict]]:
     out = tmp_path_factory.mktemp("async_baseline")
     proc = _run(out, *ASYNC)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out, _records(out)
+    return out, records(out)
 
 
 def test_async_run_keeps_staleness_within_its_bound_and_overlaps(async_baseline):
@@ -280,4 +213,4 @@ def test_async_kill_in_the_collector_and_rerun_reproduces_the_run(async_baseline
     rerun = _run(tmp_path, *ASYNC)
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert "resuming from" in rerun.stderr and "step_2" in rerun.stderr
-    _assert_same_run(_records(tmp_path), baseline_rows, "async, killed in the collector")
+    assert_same_run(records(tmp_path), baseline_rows, "async, killed in the collector")

@@ -90,6 +90,7 @@ ALGORITHM_MODULES: dict[type, tuple[str, ...]] = {
         "tempering/algorithms/launch.py",
         "tempering/algorithms/dynamic_sampling.py",
         "tempering/algorithms/advantages.py",
+        "tempering/algorithms/ppo_critic.py",
         "tempering/experience/*.py",
         "tempering/data/problems.py",
         "tempering/data/grpo_problems.py",

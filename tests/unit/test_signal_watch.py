@@ -118,3 +118,28 @@ def test_grpo_logs_the_warning_once_and_its_summary_repeats_it(caplog):
     summary = {"steps": 9, "steps_this_run": 9, "wall_time_s": 1.0, "start_accuracy": 0.0,
                "end_accuracy": 0.0, "final_model": "x", "warning": run.signal.warning}  # fmt: skip
     assert f"WARNING: {warnings[0].removeprefix('GRPO: ')}" in grpo.summary_text(summary, cfg)
+
+
+def test_with_a_critic_the_batch_is_one_group(caplog):
+    """PPO (critic.enabled) learns from any difference between the batch's rewards: one
+    sample per prompt is no missing signal (each "group" of one has zero variance), a batch
+    of equal rewards is."""
+    from tempering.algorithms import grpo
+    from tempering.config import GRPOMasterConfig
+
+    cfg = GRPOMasterConfig(critic={"enabled": True}, grpo={
+        "num_prompts_per_step": 32, "num_generations_per_prompt": 1,
+        "use_leave_one_out_baseline": False})  # fmt: skip
+    problems = [grpo.Problem(f"{i}+1", str(i + 1), "math") for i in range(4)]
+    logs = [[{"role": "assistant", "content": "1"}] for _ in problems]
+
+    def warned(rewards: torch.Tensor) -> bool:
+        run = SimpleNamespace(cfg=cfg, signal=SignalWatch())
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tempering.algorithms.grpo"):
+            for step in range(1, 2 * NO_SIGNAL_STEPS):
+                grpo.watch_signal(run, step, problems, logs, rewards, {})
+        return any("no learning signal" in r.getMessage() for r in caplog.records)
+
+    assert not warned(torch.tensor([0.0, 1.0, 0.0, 0.0]))
+    assert warned(torch.zeros(4))

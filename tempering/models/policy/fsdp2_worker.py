@@ -93,7 +93,8 @@ class FSDP2PolicyWorker:
         init_reference_model: keep a frozen, sharded copy of the initial weights.
         seed: torch seed on every rank.
         num_threads: ``torch.set_num_threads`` (CPU tests use 1).
-        head: "causal_lm" (a policy) or "score" (a reward model: `forward` gives ``[B]``
+        head: "causal_lm" (a policy), "value" (a PPO critic: ``[B, S]`` values, `values`) or
+            "score" (a reward model: `forward` gives ``[B]``
             scores, pooled at the last non-pad token, so ``pad_token_id`` is required).
         pad_token_id: the tokenizer's pad id (for ``head="score"``).
         tokenizer_path, chat_template: the run's tokenizer (default: the model's) and the
@@ -437,6 +438,28 @@ class FSDP2PolicyWorker:
             else:  # padding pass, result dropped
                 self.forward_pass.padding(model)
         return BatchedDataDict(scores=torch.cat(out))
+
+    @torch.no_grad()
+    def values(self, data: BatchedDataDict, micro_batch_size: int) -> BatchedDataDict:
+        """``{"values": [B, S]}`` (CPU float32) of a PPO critic (``head="value"``), in order,
+        in the log-probs' layout (token t's value is read at t - 1; 0 at t = 0 and past
+        each row's end)."""
+        require_head(self.state.source.head, "value", "values")
+        model, topo = self.state.model, self.state.topo
+        model.eval()
+        view = BatchedDataDict(input_ids=data["input_ids"], input_lengths=data["input_lengths"])
+        mbs, layouts, _ = (
+            self.forward_pass.split(view, micro_batch_size, None) if view.size else ([], [], None)
+        )
+        width = view["input_ids"].shape[1] if view.size else 0
+        out = [torch.zeros(0, width)]
+        for i in range(self.state.topo.equalise(len(mbs))):
+            if i < len(mbs):
+                v = self.forward_pass.logits(model, mbs[i].to(topo.device), layouts[i]).cpu()
+                out.append(torch.nn.functional.pad(v, (0, width - v.shape[1])))
+            else:  # padding pass, result dropped
+                self.forward_pass.padding(model)
+        return BatchedDataDict(values=torch.cat(out))
 
     def get_topk_logprobs(
         self,

@@ -65,7 +65,8 @@ class ForwardPass:
     """How this rank splits a batch and runs a micro-batch through a model.
 
     Args:
-        head: "causal_lm" (``[B, S, V]`` logits) or "score" (``[B]`` scores).
+        head: "causal_lm" (``[B, S, V]`` logits), "score" (``[B]`` scores) or "value"
+            (``[B, S]`` values, each token's from the position before it).
         device: where micro-batches are computed.
         shared_prefix: the cost ratio of `plan_shared_prefix`; None: rows computed whole.
         over_rows: the model attends over rows (`PACKED_SDPA`), so a shared-prefix plan may
@@ -145,7 +146,7 @@ class ForwardPass:
         """``[B, S, V]`` float logits of micro-batch ``mb``, computed in its ``layout`` (see
         `split`; None: the padded rows) -- as `HiddenLogits` (the last hidden states and the
         output projection, reduced chunk by chunk by the loss) where `chunked` says so;
-        ``[B]`` scores for ``head="score"``. ``router`` (a mixture-of-experts model in
+        ``[B]`` scores for ``head="score"``, ``[B, S]`` values for ``head="value"``. ``router`` (a mixture-of-experts model in
         training, `moe.py`): the padded and packed layouts append ``(aux_loss,
         router_logits, token mask or None)`` to it. ``reads`` (``[B, S]`` bool): the only rows
         of the logits the caller reads (`read_rows`); None: any."""
@@ -156,6 +157,13 @@ class ForwardPass:
             seq = torch.arange(ids.shape[1], device=ids.device)
             attention_mask = (seq[None, :] < mb["input_lengths"][:, None]).long()
             return model(input_ids=ids, attention_mask=attention_mask).logits.float()[:, 0]
+        if self.head == "value":  # padded rows or a shared-prefix plan, as a policy's logits
+            if isinstance(layout, PackedBin):
+                raise ValueError("a critic (head='value') takes no packed micro-batches")
+            out = self._computed(model, mb, layout, None, {}, None)[..., 0]  # [B, S]
+            # a value per token t, the token log-probs' layout: read at t - 1 (the state
+            # before token t), 0 at t = 0
+            return torch.nn.functional.pad(out[:, :-1], (1, 0))
         moe = {"output_router_logits": True} if router is not None else {}
         last = LastLayer.of(model) if self.read_rows and self.chunk_rows is not None else None
         if reads is None or last is None:

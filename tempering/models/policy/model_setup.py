@@ -54,9 +54,11 @@ PRECISIONS = ("float32", "bfloat16")
 # step), so it keeps the savings, as does the 4 x 384 LoRA micro-batch of README "LoRA" (6.75
 # and 9 MiB a layer).
 LEAN_MIN_BYTES = 4 << 20
-# What the model ends in: next-token logits (a policy), or one score per sequence (a reward
-# model: AutoModelForSequenceClassification with one label, trained with BradleyTerryLoss).
-HEADS = ("causal_lm", "score")
+# What the model ends in: next-token logits (a policy), one score per sequence (a reward
+# model: AutoModelForSequenceClassification with one label, trained with BradleyTerryLoss), or
+# one value per token (a PPO critic: AutoModelForTokenClassification with one label, trained
+# with ValueLoss).
+HEADS = ("causal_lm", "score", "value")
 
 
 def check_options(precision: str, head: str, pad_token_id: int | None) -> None:
@@ -278,11 +280,17 @@ class ModelSource:
 
     def read(self) -> torch.nn.Module:
         """The model with its weights, read from disk (fp32)."""
-        from tempering.models.hf import load_causal_lm, load_sequence_classifier
+        from tempering.models.hf import (
+            load_causal_lm,
+            load_sequence_classifier,
+            load_token_classifier,
+        )
 
         if self.head == "score":
             assert self.pad_token_id is not None
             return load_sequence_classifier(self.model_path, self.pad_token_id)
+        if self.head == "value":
+            return load_token_classifier(self.model_path)
         return load_causal_lm(self.model_path, dtype=torch.float32)
 
     def config(self) -> Any:
@@ -297,13 +305,21 @@ class ModelSource:
 
     def empty(self) -> torch.nn.Module:
         """The model's architecture on the meta device: no weights read, no memory used."""
-        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+        from transformers import (
+            AutoModelForCausalLM,
+            AutoModelForSequenceClassification,
+            AutoModelForTokenClassification,
+        )
+
+        from tempering.models.hf import value_head_config
 
         config = self.config()
         auto = AutoModelForCausalLM
         if self.head == "score":
             config.num_labels, config.pad_token_id = 1, self.pad_token_id
             auto = AutoModelForSequenceClassification
+        elif self.head == "value":
+            config, auto = value_head_config(config), AutoModelForTokenClassification
         with torch.device("meta"):
             return auto.from_config(config, dtype=torch.float32).eval()
 
@@ -455,8 +471,9 @@ def shared_prefix_ratio(model: torch.nn.Module, head: str) -> float | None:
     """The cost ratio `plan_shared_prefix` weighs groups with; None (rows computed apart,
     logged) where the attention cannot take the tree mask or the model routes to experts;
     None for a score head (a
-    sequence's score reads its last token, which a shared prefix does not change)."""
-    if head != "causal_lm":
+    sequence's score reads its last token, which a shared prefix does not change); a value
+    head reads every token, as logits are read."""
+    if head == "score":
         return None
     from tempering.models.policy.moe import MoERouting
 

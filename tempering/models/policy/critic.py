@@ -1,0 +1,82 @@
+"""PPO's critic: the policy worker with a value head, trained with `ValueLoss`.
+
+A critic is ``AutoModelForTokenClassification`` with one label, built from a causal-LM
+folder (the body is the LM's, the ``score`` head is new and starts random) with no dropout
+before the head. It runs in the same `FSDP2PolicyWorker` as a policy, built with
+``head="value"``: the same sharding, micro-batching, numerics guard and checkpoints (DCP); only
+the forward differs (a value per token, in the log-probs' layout: token t's value is read at
+position t - 1, the state before the token was chosen). `Critic` is the controller's handle:
+
+    critic = build_critic(cluster, "tiny-arith", train_global_batch_size=64,
+                          train_micro_batch_size=8, learning_rate=1e-4)
+    values = critic.values(batch)["values"]            # [B, S]
+    metrics = critic.train(batch_with_returns)         # {"loss", "value_clip_fraction", ...}
+
+Rows are taken whole (no sequence packing or token budgets), as a reward model's are.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tempering.distributed.batched_data_dict import BatchedDataDict
+from tempering.losses import ValueLoss
+from tempering.models.policy.lm_policy import Policy, build_policy
+
+# What a critic's training step reads of a batch.
+CRITIC_KEYS = ("input_ids", "input_lengths", "token_mask", "sample_mask", "returns", "prev_values")
+
+
+class Critic:
+    """Values and `ValueLoss` steps over a `Policy` whose workers have a value head."""
+
+    def __init__(self, policy: Policy, value_clip: float | None = 0.2) -> None:
+        self.policy = policy
+        self.worker_group = policy.worker_group
+        self.loss_fn = ValueLoss(value_clip)
+
+    def values(self, data: BatchedDataDict) -> BatchedDataDict:
+        """``{"values": [B, S]}`` in the order of `data` (each data-parallel rank its shard)."""
+        n, dp = data.size, self.worker_group.dp_size
+        view = BatchedDataDict(input_ids=data["input_ids"], input_lengths=data["input_lengths"])
+        if n % dp:
+            view = BatchedDataDict.from_batches([view, view.select_indices([0] * (dp - n % dp))])
+        futures = self.worker_group.run_all_workers_sharded_data(
+            "values", view, micro_batch_size=self.policy.logprob_micro_batch_size
+        )
+        values = torch.cat([r["values"] for r in self.worker_group.get_dp_results(futures)])
+        return BatchedDataDict(values=values[:n])
+
+    def train(self, data: BatchedDataDict) -> dict[str, float]:
+        """`ValueLoss` optimizer steps on `data` (`CRITIC_KEYS`), as the policy's batch sizes
+        split it."""
+        return self.policy.train(BatchedDataDict({k: data[k] for k in CRITIC_KEYS}), self.loss_fn)
+
+    def save_checkpoint(self, path: str) -> None:
+        self.policy.save_checkpoint(path)
+
+    def load_checkpoint(self, path: str) -> None:
+        self.policy.load_checkpoint(path)
+
+    def shutdown(self) -> None:
+        self.policy.shutdown()
+
+
+def build_critic(
+    cluster: Any,
+    model_path: str,
+    *,
+    value_clip: float | None = 0.2,
+    name_prefix: str = "critic",
+    **policy_kwargs: Any,
+) -> Critic:
+    """One value-head `FSDP2PolicyWorker` per bundle of `cluster` (kwargs: `build_policy`)."""
+    policy = build_policy(
+        cluster, model_path, head="value", name_prefix=name_prefix, **policy_kwargs
+    )
+    return Critic(policy, value_clip)
+
+
+__all__ = ["CRITIC_KEYS", "Critic", "build_critic"]

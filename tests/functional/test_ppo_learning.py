@@ -1,0 +1,69 @@
+"""PPO with a learned critic (examples/configs/grpo_math_tiny_ppo.yaml) learns, keeps its critic in
+its checkpoints, and resumes exactly after kill -9 (slow tier).
+
+One uninterrupted run of 60 steps (validated at 0, 30 and 60; checkpoints at 20, 40, 60) is
+the baseline for every assertion: the held-out accuracy moves (measured 39.8% -> 62.5% at 60
+steps; GRPO on the same batch shape: 58.2%), the critic's values follow the rewards, both lr
+schedules span the run though the critic takes 4 optimizer steps a step, and a run killed in
+step 45's training and rerun from its step-40 checkpoint (policy and critic) logs what the
+baseline logged, number for number.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.grpo_runs import assert_same_run, records, run_job
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+STEPS = 60
+ARGS = [
+    "--config", "examples/configs/grpo_math_tiny_ppo.yaml", f"grpo.max_num_steps={STEPS}",
+    "grpo.val_period=30", "grpo.max_wall_time_s=null", "checkpointing.save_period=20",
+    "checkpointing.keep_top_k=null", "logger.tensorboard_enabled=false",
+]  # fmt: skip
+
+
+def _run(out, env=None):
+    return run_job([*ARGS, f"logger.log_dir={out}/logs", f"checkpointing.checkpoint_dir={out}/ckpt"],
+                   env)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ppo")
+    done = _run(out)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out, records(out)
+
+
+def test_ppo_learns_and_its_critic_follows_the_rewards(baseline):
+    out, rows = baseline
+    val = {r["step"]: r["val/accuracy"] for r in rows if "val/accuracy" in r}
+    assert 0.3 < val[0] < 0.5, val  # tiny-arith's start: neither trivially low nor high
+    assert val[STEPS] >= val[0] + 0.10, val
+    steps = [r for r in rows if "critic/loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    # A new head starts near 0; trained, the values track the mean reward (a critic that never
+    # trained stays near 0 while the rewards' mean is ~0.2-0.3).
+    late = steps[-10:]
+    gap = sum(abs(r["critic/values_mean"] - r["train/reward_mean"]) for r in late) / len(late)
+    assert gap < 0.08, gap
+    assert sum(r["critic/loss"] for r in late) / len(late) < steps[0]["critic/loss"]
+    # cosine to 0.1 x the peak over the whole run, for the policy (1 optimizer step a step)
+    # and the critic (4): a schedule counting optimizer steps as the run's would sit at its
+    # floor from step 15 on
+    for key, peak in (("train/lr", 5e-5), ("critic/lr", 1e-3)):
+        mid, last = steps[STEPS // 2 - 1][key] / peak, steps[-1][key] / peak
+        assert 0.4 < mid < 0.7 and last < 0.15, (key, mid, last)
+    assert (out / "ckpt" / f"step_{STEPS}" / "critic").is_dir()
+
+
+def test_a_killed_ppo_run_resumes_its_policy_and_critic_exactly(baseline, tmp_path):
+    _, want = baseline
+    killed = _run(tmp_path, env={"TEMPERING_FAULT": "controller:train:45:0"})
+    assert killed.returncode != 0, "the fault never fired"
+    rerun = _run(tmp_path)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert "resuming from" in rerun.stderr
+    assert_same_run(records(tmp_path), want, "PPO killed in step 45, rerun from step 40")
