@@ -19,8 +19,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from tempering.distributed.batched_data_dict import BatchedDataDict
 from tempering.losses import ValueLoss
 from tempering.models.policy.lm_policy import Policy, build_policy
@@ -39,15 +37,9 @@ class Critic:
 
     def values(self, data: BatchedDataDict) -> BatchedDataDict:
         """``{"values": [B, S]}`` in the order of `data` (each data-parallel rank its shard)."""
-        n, dp = data.size, self.worker_group.dp_size
         view = BatchedDataDict(input_ids=data["input_ids"], input_lengths=data["input_lengths"])
-        if n % dp:
-            view = BatchedDataDict.from_batches([view, view.select_indices([0] * (dp - n % dp))])
-        futures = self.worker_group.run_all_workers_sharded_data(
-            "values", view, micro_batch_size=self.policy.logprob_micro_batch_size
-        )
-        values = torch.cat([r["values"] for r in self.worker_group.get_dp_results(futures)])
-        return BatchedDataDict(values=values[:n])
+        size = self.policy.logprob_micro_batch_size
+        return self.policy.sharded("values", view, micro_batch_size=size)
 
     def train(self, data: BatchedDataDict) -> dict[str, float]:
         """`ValueLoss` optimizer steps on `data` (`CRITIC_KEYS`), as the policy's batch sizes

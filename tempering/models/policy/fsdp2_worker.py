@@ -421,45 +421,42 @@ class FSDP2PolicyWorker:
                 reference_policy_logprobs=self._logprobs(reference, data, batching, temperature)
             )
 
-    @torch.no_grad()
     def score(self, data: BatchedDataDict, micro_batch_size: int) -> BatchedDataDict:
         """``{"scores": [B]}`` (CPU float32) of a reward model (``head="score"``), in order."""
         require_head(self.state.source.head, "score", "score")
-        model, topo = self.state.model, self.state.topo
-        model.eval()
-        view = BatchedDataDict(input_ids=data["input_ids"], input_lengths=data["input_lengths"])
-        mbs, _, _ = (
-            self.forward_pass.split(view, micro_batch_size, None) if view.size else ([], [], None)
+        return BatchedDataDict(
+            scores=torch.cat([torch.zeros(0), *self._head(data, micro_batch_size)])
         )
-        out = [torch.zeros(0)]
-        for i in range(self.state.topo.equalise(len(mbs))):
-            if i < len(mbs):
-                out.append(self.forward_pass.logits(model, mbs[i].to(topo.device)).cpu())
-            else:  # padding pass, result dropped
-                self.forward_pass.padding(model)
-        return BatchedDataDict(scores=torch.cat(out))
 
-    @torch.no_grad()
     def values(self, data: BatchedDataDict, micro_batch_size: int) -> BatchedDataDict:
         """``{"values": [B, S]}`` (CPU float32) of a PPO critic (``head="value"``), in order,
         in the log-probs' layout (token t's value is read at t - 1; 0 at t = 0 and past
         each row's end)."""
         require_head(self.state.source.head, "value", "values")
+        width = data["input_ids"].shape[1] if data.size else 0
+        pad = torch.nn.functional.pad
+        out = [pad(v, (0, width - v.shape[1])) for v in self._head(data, micro_batch_size)]
+        return BatchedDataDict(values=torch.cat([torch.zeros(0, width), *out]))
+
+    @torch.no_grad()
+    def _head(self, data: BatchedDataDict, micro_batch_size: int) -> list[torch.Tensor]:
+        """The head's outputs (CPU) micro-batch by micro-batch, in order (each trimmed to its
+        longest row), every rank joining the same number of passes."""
         model, topo = self.state.model, self.state.topo
         model.eval()
         view = BatchedDataDict(input_ids=data["input_ids"], input_lengths=data["input_lengths"])
         mbs, layouts, _ = (
             self.forward_pass.split(view, micro_batch_size, None) if view.size else ([], [], None)
         )
-        width = view["input_ids"].shape[1] if view.size else 0
-        out = [torch.zeros(0, width)]
-        for i in range(self.state.topo.equalise(len(mbs))):
+        out = []
+        for i in range(topo.equalise(len(mbs))):
             if i < len(mbs):
-                v = self.forward_pass.logits(model, mbs[i].to(topo.device), layouts[i]).cpu()
-                out.append(torch.nn.functional.pad(v, (0, width - v.shape[1])))
+                out.append(
+                    self.forward_pass.logits(model, mbs[i].to(topo.device), layouts[i]).cpu()
+                )
             else:  # padding pass, result dropped
                 self.forward_pass.padding(model)
-        return BatchedDataDict(values=torch.cat(out))
+        return out
 
     def get_topk_logprobs(
         self,

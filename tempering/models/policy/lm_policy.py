@@ -149,20 +149,24 @@ class Policy(PolicyInterface):
     def _sharded_logprobs(
         self, method: str, data: BatchedDataDict, temperature: float, **extra: Any
     ) -> BatchedDataDict:
-        n = data.size
-        view = BatchedDataDict({k: data[k] for k in _LOGPROB_KEYS})
-        pad = (-n) % self.dp_size
-        if pad:  # shards must be equal: repeat row 0, drop the extra results below
-            view = BatchedDataDict.from_batches([view, view.select_indices([0] * pad)])
-        futures = self.worker_group.run_all_workers_sharded_data(
+        return self.sharded(
             method,
-            view,
+            BatchedDataDict({k: data[k] for k in _LOGPROB_KEYS}),
             micro_batch_size=self.logprob_micro_batch_size,
             max_tokens_per_microbatch=self.logprob_max_tokens_per_microbatch,
             pack_sequences=self.sequence_packing,
             temperature=temperature,
             **extra,
         )
+
+    def sharded(self, method: str, view: BatchedDataDict, **kwargs: Any) -> BatchedDataDict:
+        """The workers' ``method(shard, **kwargs)``, each data-parallel rank on its shard of
+        ``view``'s rows, merged in the order of ``view``."""
+        n = view.size
+        pad = (-n) % self.dp_size
+        if pad:  # shards must be equal: repeat row 0, drop the extra results below
+            view = BatchedDataDict.from_batches([view, view.select_indices([0] * pad)])
+        futures = self.worker_group.run_all_workers_sharded_data(method, view, **kwargs)
         merged = BatchedDataDict.from_batches(self.worker_group.get_dp_results(futures))
         return merged.slice(0, n) if pad else merged
 

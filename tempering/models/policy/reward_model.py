@@ -24,8 +24,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from tempering.distributed.batched_data_dict import BatchedDataDict
 from tempering.models.policy.lm_policy import Policy, build_policy
 from tempering.preference_losses import BradleyTerryLoss
@@ -58,15 +56,9 @@ class RewardModel:
 
     def score(self, data: BatchedDataDict, micro_batch_size: int | None = None) -> BatchedDataDict:
         """``{"scores": [B]}`` in the order of `data`."""
-        n, dp = data.size, self.worker_group.dp_size
         view = BatchedDataDict(input_ids=data["input_ids"], input_lengths=data["input_lengths"])
-        if n % dp:
-            view = BatchedDataDict.from_batches([view, view.select_indices([0] * (dp - n % dp))])
-        futures = self.worker_group.run_all_workers_sharded_data(
-            "score", view, micro_batch_size=micro_batch_size or self.policy.train_micro_batch_size
-        )
-        scores = torch.cat([r["scores"] for r in self.worker_group.get_dp_results(futures)])
-        return BatchedDataDict(scores=scores[:n])
+        size = micro_batch_size or self.policy.train_micro_batch_size
+        return self.policy.sharded("score", view, micro_batch_size=size)
 
     def save_checkpoint(self, path: str) -> None:
         self.policy.save_checkpoint(path)
