@@ -236,6 +236,22 @@ def test_lora_plan_counts_adapters_alone_and_no_reference_copy():
     assert lora["optimizer"] == pytest.approx(full["optimizer"] * share)
 
 
+def test_ppo_plans_its_critic_on_the_policy_bundles():
+    """A critic sits on the policy's bundles (CPU: they take turns with its cores), and on GPUs
+    takes an equal share of each policy GPU in Ray's books; its training state is counted."""
+    cpu = plan("grpo_math_tiny_ppo.yaml")
+    c = cpu.critic
+    assert c.colocated_with == "policy" and (c.workers, c.dp, c.tp) == (cpu.policy.workers, 1, 1)
+    assert cpu.gpu_share is None and "\ncritic " in cpu.table()
+    assert cpu.memory.parts["critic"] == pytest.approx(16 * cpu.shape.params / 2**30)
+    gpus = ("cluster.gpus_per_node=8", "cluster.gpu_memory_gb=80")
+    torch_gen = plan("grpo_math_tiny_ppo.yaml", *gpus)  # torch generation in the policy
+    assert torch_gen.gpu_share == 0.5 and torch_gen.critic.gpu_ids == torch_gen.policy.gpu_ids
+    vllm = plan("grpo_math_tiny_ppo.yaml", *gpus, "policy.generation.backend=vllm")
+    assert vllm.gpu_share == pytest.approx(1 / 3)  # policy, vLLM engine, critic
+    assert plan("grpo_math_tiny.yaml").critic is None
+
+
 def test_distillation_plans_the_teacher_beside_the_student():
     """On CPU the teacher gets bundles of its own; on GPUs it shares the policy's GPUs (each
     group on a GPU takes an equal share in Ray's books), and what does not fit is refused."""

@@ -120,18 +120,6 @@ def test_the_value_head_reads_each_token_at_the_position_before_it():
     assert values.tolist() == [[0, 1, 2, 3], [0, 1, 2, 3]]  # token t's value from t - 1
 
 
-def test_the_planner_puts_the_critic_on_the_policy_bundles():
-    from tempering.config.schemas import GRPOMasterConfig
-    from tempering.models.shapes import plan_for
-
-    cfg = GRPOMasterConfig(critic={"enabled": True}, grpo={"use_leave_one_out_baseline": False},
-                           policy={"model_name": "tiny-arith",
-                                   "max_total_sequence_length": 32})  # fmt: skip
-    plan = plan_for(cfg)
-    assert plan.critic.colocated_with == "policy" and plan.critic.workers == plan.policy.workers
-    assert plan.memory.parts["critic"] > 0 and "critic" in plan.table()
-
-
 def test_the_lr_schedule_spans_the_run_when_a_step_takes_several_optimizer_steps(monkeypatch):
     """A GRPO step of 256 samples in global batches of 64 is 4 optimizer steps: the worker's
     cosine schedule must count 4 x max_num_steps of them (it counted max_num_steps, so the lr
