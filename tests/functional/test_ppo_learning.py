@@ -2,8 +2,8 @@
 its checkpoints, and resumes exactly after kill -9 (slow tier).
 
 One uninterrupted run of 60 steps (validated at 0, 30 and 60; checkpoints at 20, 40, 60) is
-the baseline for every assertion: the held-out accuracy moves (measured 39.8% -> 62.5% at 60
-steps; GRPO on the same batch shape: 58.2%), the critic's values follow the rewards, both lr
+the baseline for every assertion: the held-out accuracy moves (measured 39.8% -> 60.5-62.5%
+at 60 steps; GRPO on the same batch shape: 58.2%), the critic's values follow the rewards, both lr
 schedules span the run though the critic takes 4 optimizer steps a step, and a run killed in
 step 45's training and rerun from its step-40 checkpoint (policy and critic) logs what the
 baseline logged, number for number.
