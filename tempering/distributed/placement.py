@@ -248,6 +248,8 @@ def make_plan(
     *,
     positions: int | None = None,
     teacher_positions: int | None = None,
+    critic_shape: ModelShape | None = None,
+    critic_positions: int | None = None,
 ) -> Plan:
     """The plan of a validated master config (GRPO, SFT, DPO, KTO, RM or distillation);
     `PlanError` on a misfit. `tempering.models.shapes.plan_for` reads all but ``cfg``.
@@ -316,26 +318,38 @@ def make_plan(
     plan = Plan(cl.num_nodes, cl.gpus_per_node, cl.gpu_memory_gb, policy, generation,
                 pol.model_name, shape, memory, notes)  # fmt: skip
     if isinstance(cfg, GRPOMasterConfig) and cfg.critic.enabled:
-        _with_critic(plan, cfg)
+        _with_critic(plan, cfg, critic_shape, critic_positions)
     return plan
 
 
-def _with_critic(plan: Plan, cfg: Any) -> None:
+def _with_critic(plan: Plan, cfg: Any, cshape: ModelShape | None, cpos: int | None) -> None:
     """PPO's critic: a worker per policy bundle, beside the policy's (on CPU they take turns
     with its cores; on GPUs a share of each GPU). Its memory (weights, gradients and AdamW's
-    moments in fp32) is counted as the policy model's when it starts from the policy."""
-    p = plan.policy
+    moments in fp32) is counted; a ``critic.model_name`` of its own (``cshape``, ``cpos``: its
+    shape and positions, None where unknown) must read the policy's tokens and sequences."""
+    p, name, problems = plan.policy, cfg.critic.model_name, []
     plan.critic = GroupPlan("critic", list(p.bundles_per_node), p.gpus_per_bundle, p.dp, p.tp,
                             colocated_with="policy", gpu_ids=list(p.gpu_ids))  # fmt: skip
-    if cfg.critic.model_name not in (None, cfg.policy.model_name):
-        plan.notes.append(f"critic {cfg.critic.model_name!r}: its memory was not estimated")
-    elif plan.memory is not None and plan.shape is not None:
-        plan.memory.parts["critic"] = 16 * plan.shape.params / p.workers / GIB
-        problems: list[str] = []
+    if name not in (None, cfg.policy.model_name):
+        if cshape and plan.shape and cshape.vocab != plan.shape.vocab:
+            problems.append(
+                f"critic.model_name={name!r} has a vocabulary of {cshape.vocab} tokens and "
+                f"policy.model_name={cfg.policy.model_name!r} has {plan.shape.vocab}: the "
+                "critic reads the policy's token ids; use a critic with the policy's tokenizer "
+                "(or leave critic.model_name null: the policy's own)"
+            )
+        _check_positions("critic", name, cfg.policy.max_total_sequence_length, cshape, cpos,
+                         problems)  # fmt: skip
+    else:
+        cshape = plan.shape
+    if cshape is None or plan.memory is None:
+        plan.notes.append(f"critic {name!r}: its size is unknown here, its memory not estimated")
+    else:
+        plan.memory.parts["critic"] = 16 * cshape.params / p.workers / GIB
         if plan.on_gpus:
             _check_fit(cfg, plan.memory, problems)
-        if problems:
-            raise PlanError("the config does not fit its cluster:\n  - " + problems[0])
+    if problems:
+        raise PlanError("the config does not fit its cluster:\n  - " + "\n  - ".join(problems))
 
 
 def _check_tensor_parallel(

@@ -46,11 +46,15 @@ KNOWN_SHAPES["meta-llama/Llama-3.1-8B-Instruct"] = KNOWN_SHAPES["meta-llama/Llam
 
 def plan_for(cfg: Any) -> Plan:
     """`make_plan` for a master config, with what it needs of its models read here: the
-    policy's shape and positions and, for on-policy distillation, the teacher's."""
-    teacher = getattr(cfg, "teacher", None)
+    policy's shape and positions and, for on-policy distillation, the teacher's; for PPO
+    with a critic of its own, the critic's."""
+    teacher, critic = getattr(cfg, "teacher", None), getattr(cfg, "critic", None)
     shape, positions = _shape_and_positions(cfg.policy.model_name)
     tshape, tpositions = _shape_and_positions(teacher.model_name) if teacher else (None, None)
-    return make_plan(cfg, shape, tshape, positions=positions, teacher_positions=tpositions)
+    own = critic is not None and critic.enabled and critic.model_name
+    cshape, cpositions = _shape_and_positions(critic.model_name) if own else (None, None)
+    return make_plan(cfg, shape, tshape, positions=positions, teacher_positions=tpositions,
+                     critic_shape=cshape, critic_positions=cpositions)  # fmt: skip
 
 
 def model_shape(model_name: str) -> ModelShape | None:

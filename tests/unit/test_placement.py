@@ -252,6 +252,24 @@ def test_ppo_plans_its_critic_on_the_policy_bundles():
     assert plan("grpo_math_tiny.yaml").critic is None
 
 
+def test_a_critic_of_its_own_reads_the_policy_tokens_and_is_counted():
+    with pytest.raises(PlanError, match="critic.model_name='Qwen/Qwen2.5-1.5B' has a vocab"):
+        plan("grpo_math_tiny_ppo.yaml", "critic.model_name=Qwen/Qwen2.5-1.5B")
+    gpus = ("cluster.gpus_per_node=8", "cluster.gpu_memory_gb=80")
+    one_b = ("policy.model_name=meta-llama/Llama-3.2-1B-Instruct", *gpus)
+    small = plan("grpo_math_tiny_ppo.yaml", *one_b)  # the policy's own body
+    big = plan("grpo_math_tiny_ppo.yaml", *one_b, "critic.model_name=meta-llama/Llama-3.1-8B")
+    ratio = (KNOWN_SHAPES["meta-llama/Llama-3.1-8B"].params
+             / KNOWN_SHAPES["meta-llama/Llama-3.2-1B-Instruct"].params)  # fmt: skip
+    assert big.memory.parts["critic"] / small.memory.parts["critic"] == pytest.approx(ratio)
+    one_gpu = ("cluster.gpus_per_node=1", "policy.train_global_batch_size=256")
+    plan("grpo_math_tiny_ppo.yaml", *one_b, *one_gpu)  # a 1B critic fits beside its policy
+    with pytest.raises(PlanError, match="largest part: critic"):  # an 8B one does not
+        plan(
+            "grpo_math_tiny_ppo.yaml", *one_b, *one_gpu, "critic.model_name=meta-llama/Llama-3.1-8B"
+        )
+
+
 def test_distillation_plans_the_teacher_beside_the_student():
     """On CPU the teacher gets bundles of its own; on GPUs it shares the policy's GPUs (each
     group on a GPU takes an equal share in Ray's books), and what does not fit is refused."""
