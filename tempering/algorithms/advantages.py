@@ -129,7 +129,12 @@ def mean_baseline_advantages(
 
 
 def gae_advantages(
-    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 1.0
+    rewards: Tensor,
+    values: Tensor,
+    mask: Tensor,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    token_rewards: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """PPO's generalised advantage estimate over each episode's own tokens: ``(advantages,
     returns)``, ``[B, S]``, 0 where ``mask`` is 0.
@@ -140,7 +145,8 @@ def gae_advantages(
     tool's reply between turns) are skipped, so a multi-turn episode is one trajectory of its
     generated tokens. With ``delta_t = r_t + gamma * V_next - V_t`` (``V_next`` = 0 after the
     last token): ``A_t = delta_t + gamma * lam * A_next`` and ``returns = A + V``. With
-    gamma = lam = 1 (the default, as verl's), ``A_t = reward - V_t``."""
+    gamma = lam = 1 (the default, as verl's), ``A_t = reward - V_t``. ``token_rewards``
+    (``[B, S]``, optional): a reward on every token besides (PPO-RLHF's KL penalty)."""
     if values.shape != mask.shape or rewards.shape != values.shape[:1]:
         raise ValueError(
             f"gae_advantages: rewards {tuple(rewards.shape)}, values {tuple(values.shape)} and "
@@ -149,8 +155,9 @@ def gae_advantages(
     m = mask.to(values.dtype)
     width = m.shape[1]
     last = width - 1 - torch.flip(m, dims=[1]).argmax(dim=1)  # [B] each row's last token
-    token_rewards = torch.zeros_like(values)
-    token_rewards[torch.arange(m.shape[0]), last] = rewards.to(values.dtype) * m.amax(dim=1)
+    token_rewards = (token_rewards.to(values.dtype) * m if token_rewards is not None
+                     else torch.zeros_like(values))  # fmt: skip
+    token_rewards[torch.arange(m.shape[0]), last] += rewards.to(values.dtype) * m.amax(dim=1)
     advantages = torch.zeros_like(values)
     next_value = torch.zeros_like(values[:, 0])
     next_adv = torch.zeros_like(values[:, 0])

@@ -173,7 +173,8 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any], plan: Any = None) -> 
         cfg.policy,
         cluster,
         total_steps=cfg.grpo.max_num_steps,
-        init_reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0,
+        init_reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0
+        or cfg.critic.reward_kl_coef > 0,
         seed=cfg.grpo.seed,
         gpu_share=plan.gpu_share,
         optimizer_steps_per_step=optimizer_steps_per_step(cfg, cfg.policy.train_global_batch_size),
@@ -497,7 +498,7 @@ def grpo_step(run: GRPORun, loss_fn: Any, step: int | None = None) -> dict[str, 
     critic_metrics = {}
     if run.critic is not None:  # PPO: GAE advantages from the critic's values
         with timer.time("values"):
-            critic_metrics = ppo_critic.advantages(run.cfg, run.critic, batch)
+            critic_metrics = ppo_critic.advantages(run.cfg, run.critic, batch, run.policy)
     data = BatchedDataDict({k: batch[k] for k in TRAIN_KEYS})
     # asked now, answered while the policy trains
     env_metrics = scoring.environment_metrics(run.environments, rewards_seen)

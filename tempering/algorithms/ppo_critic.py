@@ -4,7 +4,8 @@ Everything else is GRPO's: the rollouts, rewards, clipped policy loss, refit, va
 checkpoints. What the critic changes, per step (`grpo.grpo_step`):
   1. after the rollouts, the critic's values of every generated token (`advantages`): GAE over
      each episode's own tokens (`tempering.algorithms.advantages.gae_advantages`, the reward at
-     its last token) gives per-token advantages, whitened over the batch with
+     its last token, and with ``critic.reward_kl_coef`` a KL penalty on every token) gives
+     per-token advantages, whitened over the batch with
      ``grpo.normalize_rewards``, in place of the group baseline -- one sample per prompt is
      enough (``grpo.num_generations_per_prompt=1``);
   2. after the policy's step, the critic's (`train`): `ValueLoss` toward the returns, each
@@ -51,22 +52,33 @@ def build(cfg: GRPOMasterConfig, cluster: Any, plan: Any) -> Any:
     return Critic(policy, cfg.critic.value_clip)
 
 
-def advantages(cfg: GRPOMasterConfig, critic: Any, batch: Any) -> dict[str, float]:
+def advantages(cfg: GRPOMasterConfig, critic: Any, batch: Any, policy: Any) -> dict[str, float]:
     """Sets ``batch["advantages"]`` (GAE from the critic's values, whitened with
     ``grpo.normalize_rewards``), ``batch["returns"]`` and ``batch["prev_values"]``; returns
-    ``critic/*`` metrics of the values before this step's update."""
+    ``critic/*`` metrics of the values before this step's update. With
+    ``critic.reward_kl_coef``, each generated token's reward is less that x its KL estimate
+    against ``policy``'s frozen reference (the sampler's log-prob less the reference's)."""
     from tempering.algorithms.advantages import gae_advantages, whiten
 
     values = critic.values(batch)["values"]
     rewards = batch["shaped_rewards"] if "shaped_rewards" in batch else batch["rewards"]
     mask = batch["token_mask"] * batch["sample_mask"][:, None]
-    adv, returns = gae_advantages(rewards, values, mask, cfg.critic.gamma, cfg.critic.lam)
+    metrics, penalty = {}, None
+    if cfg.critic.reward_kl_coef > 0:
+        temperature = cfg.policy.generation.temperature
+        ref = policy.get_reference_policy_logprobs(batch, temperature)["reference_policy_logprobs"]
+        kl = (batch["generation_logprobs"] - ref) * mask
+        penalty = -cfg.critic.reward_kl_coef * kl
+        metrics["critic/reward_kl"] = float(kl.sum() / mask.sum().clamp(min=1))  # per token
+    adv, returns = gae_advantages(
+        rewards, values, mask, cfg.critic.gamma, cfg.critic.lam, token_rewards=penalty
+    )
     batch["advantages"] = whiten(adv, mask) if cfg.grpo.normalize_rewards else adv
     batch["returns"], batch["prev_values"] = returns, values * mask
     on = mask > 0
     v, r = values[on], returns[on]
     explained = 1 - (r - v).var() / r.var() if r.numel() > 1 and r.var() > 0 else 0.0
-    return {
+    return metrics | {
         "critic/values_mean": float(v.mean()) if v.numel() else 0.0,
         "critic/returns_mean": float(r.mean()) if r.numel() else 0.0,
         "critic/explained_variance": float(explained),

@@ -190,13 +190,23 @@ class CriticConfig(Section):
     )  # fmt: skip
     gamma: float = Field(1.0, ge=0, le=1, description="GAE's discount")
     lam: float = Field(1.0, ge=0, le=1, description="GAE's lambda")
+    reward_kl_coef: float = Field(
+        0.0, ge=0, description="PPO-RLHF's KL penalty in the reward: each generated token's "
+        "reward less this x (its log-prob - the reference's), as TRL's kl_coef and verl's "
+        "use_kl_in_reward (0: off; loss_fn.reference_policy_kl_penalty puts KL in the loss)",
+    )  # fmt: skip
 
 
 def critic_problems(cfg: Any) -> list[str]:
     """What a run with ``critic.enabled`` cannot do (a GRPO master config), each with its fix."""
     c, g = cfg.critic, cfg.grpo
     if not c.enabled:
-        return []
+        fields = type(c).model_fields
+        unread = [k for k in fields if k != "enabled" and getattr(c, k) != fields[k].default]
+        return [
+            f"critic.{unread[0]} is read only by PPO: set critic.enabled=true, or remove "
+            f"critic.{', critic.'.join(unread)}"
+        ] if unread else []  # fmt: skip
     problems = []
     if g.use_leave_one_out_baseline:
         problems.append(

@@ -305,7 +305,10 @@ def make_plan(
         reference = (
             (isinstance(cfg, DPOMasterConfig) and not cfg.dpo.reference_free)
             or isinstance(cfg, KTOMasterConfig)
-            or (isinstance(cfg, GRPOMasterConfig) and cfg.loss_fn.reference_policy_kl_penalty > 0)
+            or (
+                isinstance(cfg, GRPOMasterConfig)
+                and (cfg.loss_fn.reference_policy_kl_penalty > 0 or cfg.critic.reward_kl_coef > 0)
+            )
         )
         memory = _memory(cfg, shape, world, tp, reference, generation, split)
         if on_gpus:

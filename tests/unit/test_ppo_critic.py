@@ -102,6 +102,8 @@ def test_config_refuses_what_a_critic_would_not_read():
     with pytest.raises(ValidationError, match="value head is not split"):
         GRPOMasterConfig(critic={"enabled": True}, grpo={"use_leave_one_out_baseline": False},
                          policy={"dtensor_cfg": {"tensor_parallel_size": 2}})  # fmt: skip
+    with pytest.raises(ValidationError, match="critic.learning_rate is read only by PPO"):
+        GRPOMasterConfig(critic={"learning_rate": 1e-3})  # not enabled: nothing reads it
     with pytest.raises(ValidationError, match="critic.bogus|bogus"):
         GRPOMasterConfig(critic={"enabled": True, "bogus": 1})
 
@@ -239,3 +241,19 @@ def test_a_critic_shares_a_group_prompt_as_the_policy_does(over_rows):
         (values * valid).sum().backward(retain_graph=True)
         grads.append(model.score.weight.grad.clone())
     torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-4)
+
+
+def test_gae_takes_a_reward_on_every_token_too():
+    """PPO-RLHF's KL penalty: a reward on each generated token besides the episode's at its
+    last; the recursion's advantages with per-token rewards, the prompt's ignored."""
+    values = torch.tensor([[0.0, 0.3, 0.1, 0.2, 0.0]])
+    mask = torch.tensor([[0, 1, 1, 1, 0]])
+    per_token = torch.tensor([[5.0, -0.1, -0.2, -0.3, 7.0]])  # 5 and 7 fall outside the mask
+    adv, ret = gae_advantages(torch.tensor([1.0]), values, mask, 0.9, 0.8, per_token)
+    want, nv, na = [0.0] * 5, 0.0, 0.0
+    for t, r in ((3, 1.0 - 0.3), (2, -0.2), (1, -0.1)):
+        delta = r + 0.9 * nv - float(values[0, t])
+        na = delta + 0.9 * 0.8 * na
+        want[t], nv = na, float(values[0, t])
+    torch.testing.assert_close(adv[0], torch.tensor(want))
+    torch.testing.assert_close(ret, (adv + values) * mask)
