@@ -636,8 +636,9 @@ class GRPOMasterConfig(_Master):
             )
         _check_async(self)
         _check_reward_shaping(self)
-        if critic_problems(self):
-            raise ValueError("; ".join(critic_problems(self)))
+        problems = critic_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
         if self.data.dataset_name == "nemo_gym" or self.env.task_name == "nemo_gym":
             gym = self.env.nemo_gym
             if bool(gym.head_server_url) == bool(gym.config_paths):
