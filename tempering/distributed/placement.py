@@ -261,9 +261,7 @@ def make_plan(
     a shape's own are used otherwise."""
     from tempering.config.schemas import (
         DistillationMasterConfig,
-        DPOMasterConfig,
         GRPOMasterConfig,
-        KTOMasterConfig,
         RMMasterConfig,
     )
 
@@ -302,15 +300,7 @@ def make_plan(
 
     memory = None
     if shape is not None:
-        reference = (
-            (isinstance(cfg, DPOMasterConfig) and not cfg.dpo.reference_free)
-            or isinstance(cfg, KTOMasterConfig)
-            or (
-                isinstance(cfg, GRPOMasterConfig)
-                and (cfg.loss_fn.reference_policy_kl_penalty > 0 or cfg.critic.reward_kl_coef > 0)
-            )
-        )
-        memory = _memory(cfg, shape, world, tp, reference, generation, split)
+        memory = _memory(cfg, shape, world, tp, _has_reference(cfg), generation, split)
         if on_gpus:
             _check_fit(cfg, memory, problems)
     if isinstance(cfg, RMMasterConfig) and tp > 1:
@@ -323,6 +313,18 @@ def make_plan(
     if isinstance(cfg, GRPOMasterConfig) and cfg.critic.enabled:
         _with_critic(plan, cfg, critic_shape, critic_positions)
     return plan
+
+
+def _has_reference(cfg: Any) -> bool:
+    """Whether the policy's workers keep a frozen reference copy: DPO's (unless
+    reference-free), KTO's, GRPO's with a KL penalty in the loss or in PPO's reward."""
+    from tempering.config.schemas import DPOMasterConfig, GRPOMasterConfig, KTOMasterConfig
+
+    if isinstance(cfg, GRPOMasterConfig):
+        return cfg.loss_fn.reference_policy_kl_penalty > 0 or cfg.critic.reward_kl_coef > 0
+    return isinstance(cfg, KTOMasterConfig) or (
+        isinstance(cfg, DPOMasterConfig) and not cfg.dpo.reference_free
+    )
 
 
 def _with_critic(plan: Plan, cfg: Any, cshape: ModelShape | None, cpos: int | None) -> None:

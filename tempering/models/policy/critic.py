@@ -21,7 +21,7 @@ from typing import Any
 
 from tempering.distributed.batched_data_dict import BatchedDataDict
 from tempering.losses import ValueLoss
-from tempering.models.policy.lm_policy import Policy, build_policy
+from tempering.models.policy.lm_policy import Policy, build_policy, sharded
 
 # What a critic's training step reads of a batch.
 CRITIC_KEYS = ("input_ids", "input_lengths", "token_mask", "sample_mask", "returns", "prev_values")
@@ -39,7 +39,7 @@ class Critic:
         """``{"values": [B, S]}`` in the order of `data` (each data-parallel rank its shard)."""
         view = BatchedDataDict(input_ids=data["input_ids"], input_lengths=data["input_lengths"])
         size = self.policy.logprob_micro_batch_size
-        return self.policy.sharded("values", view, micro_batch_size=size)
+        return sharded(self.policy, "values", view, micro_batch_size=size)
 
     def train(self, data: BatchedDataDict) -> dict[str, float]:
         """`ValueLoss` optimizer steps on `data` (`CRITIC_KEYS`), as the policy's batch sizes

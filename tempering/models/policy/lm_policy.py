@@ -149,7 +149,8 @@ class Policy(PolicyInterface):
     def _sharded_logprobs(
         self, method: str, data: BatchedDataDict, temperature: float, **extra: Any
     ) -> BatchedDataDict:
-        return self.sharded(
+        return sharded(
+            self,
             method,
             BatchedDataDict({k: data[k] for k in _LOGPROB_KEYS}),
             micro_batch_size=self.logprob_micro_batch_size,
@@ -158,17 +159,6 @@ class Policy(PolicyInterface):
             temperature=temperature,
             **extra,
         )
-
-    def sharded(self, method: str, view: BatchedDataDict, **kwargs: Any) -> BatchedDataDict:
-        """The workers' ``method(shard, **kwargs)``, each data-parallel rank on its shard of
-        ``view``'s rows, merged in the order of ``view``."""
-        n = view.size
-        pad = (-n) % self.dp_size
-        if pad:  # shards must be equal: repeat row 0, drop the extra results below
-            view = BatchedDataDict.from_batches([view, view.select_indices([0] * pad)])
-        futures = self.worker_group.run_all_workers_sharded_data(method, view, **kwargs)
-        merged = BatchedDataDict.from_batches(self.worker_group.get_dp_results(futures))
-        return merged.slice(0, n) if pad else merged
 
     # ------------------------------------------------------------- checkpoints
     def save_checkpoint(self, path: str) -> None:
@@ -231,6 +221,19 @@ def _run_all(worker_group: RayWorkerGroup, method: str, *args: Any) -> list[Any]
     """``method`` (a worker's, or ``"component.method"``) on every worker, in rank order."""
     futures = worker_group.run_all_workers_single_data(method, *args)
     return worker_group.get_all_worker_results(futures)
+
+
+def sharded(policy: Policy, method: str, view: BatchedDataDict, **kwargs: Any) -> BatchedDataDict:
+    """The workers' ``method(shard, **kwargs)``, each data-parallel rank of ``policy`` on its
+    shard of ``view``'s rows, merged in the order of ``view`` (log-probs, a reward model's
+    scores, a critic's values)."""
+    n = view.size
+    pad = (-n) % policy.dp_size
+    if pad:  # shards must be equal: repeat row 0, drop the extra results below
+        view = BatchedDataDict.from_batches([view, view.select_indices([0] * pad)])
+    futures = policy.worker_group.run_all_workers_sharded_data(method, view, **kwargs)
+    merged = BatchedDataDict.from_batches(policy.worker_group.get_dp_results(futures))
+    return merged.slice(0, n) if pad else merged
 
 
 def build_policy(

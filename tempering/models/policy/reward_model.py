@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from tempering.distributed.batched_data_dict import BatchedDataDict
-from tempering.models.policy.lm_policy import Policy, build_policy
+from tempering.models.policy.lm_policy import Policy, build_policy, sharded
 from tempering.preference_losses import BradleyTerryLoss
 
 
@@ -58,7 +58,7 @@ class RewardModel:
         """``{"scores": [B]}`` in the order of `data`."""
         view = BatchedDataDict(input_ids=data["input_ids"], input_lengths=data["input_lengths"])
         size = micro_batch_size or self.policy.train_micro_batch_size
-        return self.policy.sharded("score", view, micro_batch_size=size)
+        return sharded(self.policy, "score", view, micro_batch_size=size)
 
     def save_checkpoint(self, path: str) -> None:
         self.policy.save_checkpoint(path)
