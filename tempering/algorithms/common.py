@@ -157,17 +157,21 @@ def build_policy_from_config(
     pad_token_id: int | None = None,
     gpu_share: float | None = None,
     cpu_share: float | None = None,
-    optimizer_steps_per_step: int = 1,
+    samples_per_step: int | None = None,
 ) -> Any:
     """An FSDP2 `Policy` over `cluster` with the optimizer and schedule of `policy_cfg`
     (``head="score"``: a reward model's workers, see `tempering.models.policy.reward_model`;
     ``head="value"``: a PPO critic's). ``cpu_share=0``: on bundles another group holds.
-    ``optimizer_steps_per_step``: optimizer steps in each of the loop's ``total_steps`` (GRPO
-    with a step's batch several global batches): the lr schedule, warmup included, counts the
-    loop's steps, so it spans the run however the batch is split."""
+    ``samples_per_step``: the samples each of the loop's ``total_steps`` trains on (GRPO:
+    prompts x generations), which may be several global batches: the lr schedule, warmup
+    included, counts the loop's steps, so it spans the run however the batch is split (None:
+    one global batch a step)."""
     from tempering.models.policy.lm_policy import build_policy
     from tempering.models.registry import resolve_model_path
 
+    per_step = (samples_per_step or policy_cfg.train_global_batch_size) // (
+        policy_cfg.train_global_batch_size
+    )  # optimizer steps in one of the loop's
     opt = policy_cfg.optimizer
     if opt.name not in _OPTIMIZERS:
         raise ValueError(
@@ -198,8 +202,8 @@ def build_policy_from_config(
         max_grad_norm=policy_cfg.max_grad_norm,
         max_consecutive_nonfinite=policy_cfg.max_consecutive_nonfinite_steps,
         lr_schedule=policy_cfg.scheduler.name,
-        warmup_steps=policy_cfg.scheduler.warmup_steps * optimizer_steps_per_step,
-        total_steps=total_steps * optimizer_steps_per_step,
+        warmup_steps=policy_cfg.scheduler.warmup_steps * per_step,
+        total_steps=total_steps * per_step,
         min_lr_ratio=policy_cfg.scheduler.min_lr_ratio,
         precision=policy_cfg.precision,
         activation_checkpointing=policy_cfg.dtensor_cfg.activation_checkpointing,

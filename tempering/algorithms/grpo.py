@@ -148,6 +148,7 @@ def _check_chat_template(cfg: GRPOMasterConfig, tokenizer: Any, tasks: set[str])
 def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any], plan: Any = None) -> GRPORun:
     """Everything a GRPO run needs, started; ``plan``: the placement plan when the caller made
     it (distillation's, which adds the teacher), else made here."""
+    from tempering.distributed.placement import has_reference
     from tempering.models.generation.builders import (
         build_chat_service,
         build_generation,
@@ -173,11 +174,10 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any], plan: Any = None) -> 
         cfg.policy,
         cluster,
         total_steps=cfg.grpo.max_num_steps,
-        init_reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0
-        or cfg.critic.reward_kl_coef > 0,
+        init_reference_model=has_reference(cfg),  # a KL penalty in the loss or PPO's reward
         seed=cfg.grpo.seed,
         gpu_share=plan.gpu_share,
-        optimizer_steps_per_step=optimizer_steps_per_step(cfg, cfg.policy.train_global_batch_size),
+        samples_per_step=cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt,
     )
     critic = ppo_critic.build(cfg, cluster, plan)  # None without critic.enabled
     _warn_uncorrected_precision(cfg)
@@ -221,12 +221,6 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any], plan: Any = None) -> 
             cfg.logger, policy=policy, generation=generation, environments=environments.values()
         ),
     )
-
-
-def optimizer_steps_per_step(cfg: GRPOMasterConfig, global_batch_size: int) -> int:
-    """Optimizer steps a model takes per GRPO step: the step's samples (prompts x
-    generations) in global batches of ``global_batch_size``."""
-    return cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt // global_batch_size
 
 
 def _warn_uncorrected_precision(cfg: GRPOMasterConfig) -> None:

@@ -43,11 +43,10 @@ def build(cfg: GRPOMasterConfig, cluster: Any, plan: Any) -> Any:
         "optimizer": pol.optimizer.model_copy(update={"kwargs": kwargs}),
         "dtensor_cfg": pol.dtensor_cfg.model_copy(update={"lora_cfg": lora}),
     })  # fmt: skip
-    samples = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
     policy = build_policy_from_config(
         critic_cfg, cluster, total_steps=cfg.grpo.max_num_steps, seed=cfg.grpo.seed,
         name_prefix="critic", head="value", gpu_share=plan.gpu_share, cpu_share=0,
-        optimizer_steps_per_step=samples // gbs,
+        samples_per_step=cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt,
     )  # fmt: skip
     return Critic(policy, cfg.critic.value_clip)
 

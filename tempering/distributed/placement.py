@@ -300,7 +300,7 @@ def make_plan(
 
     memory = None
     if shape is not None:
-        memory = _memory(cfg, shape, world, tp, _has_reference(cfg), generation, split)
+        memory = _memory(cfg, shape, world, tp, has_reference(cfg), generation, split)
         if on_gpus:
             _check_fit(cfg, memory, problems)
     if isinstance(cfg, RMMasterConfig) and tp > 1:
@@ -315,7 +315,7 @@ def make_plan(
     return plan
 
 
-def _has_reference(cfg: Any) -> bool:
+def has_reference(cfg: Any) -> bool:
     """Whether the policy's workers keep a frozen reference copy: DPO's (unless
     reference-free), KTO's, GRPO's with a KL penalty in the loss or in PPO's reward."""
     from tempering.config.schemas import DPOMasterConfig, GRPOMasterConfig, KTOMasterConfig

@@ -126,7 +126,7 @@ def test_the_lr_schedule_spans_the_run_when_a_step_takes_several_optimizer_steps
     """A GRPO step of 256 samples in global batches of 64 is 4 optimizer steps: the worker's
     cosine schedule must count 4 x max_num_steps of them (it counted max_num_steps, so the lr
     hit its floor a quarter of the way through the run)."""
-    from tempering.algorithms import common, grpo
+    from tempering.algorithms import common
     from tempering.config.schemas import GRPOMasterConfig
     from tempering.models.policy import lm_policy
 
@@ -137,11 +137,11 @@ def test_the_lr_schedule_spans_the_run_when_a_step_takes_several_optimizer_steps
         policy={"train_global_batch_size": 64, "train_micro_batch_size": 64,
                 "scheduler": {"name": "cosine", "warmup_steps": 5}},
     )  # fmt: skip
-    per_step = grpo.optimizer_steps_per_step(cfg, cfg.policy.train_global_batch_size)
-    assert per_step == 4
     common.build_policy_from_config(cfg.policy, None, total_steps=50,
-                                    optimizer_steps_per_step=per_step)  # fmt: skip
-    assert (seen["total_steps"], seen["warmup_steps"]) == (200, 20)
+                                    samples_per_step=32 * 8)  # fmt: skip
+    assert (seen["total_steps"], seen["warmup_steps"]) == (200, 20)  # 4 optimizer steps a step
+    common.build_policy_from_config(cfg.policy, None, total_steps=50)  # SFT, DPO: one a step
+    assert (seen["total_steps"], seen["warmup_steps"]) == (50, 5)
 
 
 @pytest.fixture

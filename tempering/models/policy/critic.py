@@ -5,10 +5,10 @@ folder (the body is the LM's, the ``score`` head is new and starts random) with 
 before the head. It runs in the same `FSDP2PolicyWorker` as a policy, built with
 ``head="value"``: the same sharding, micro-batching, numerics guard and checkpoints (DCP); only
 the forward differs (a value per token, in the log-probs' layout: token t's value is read at
-position t - 1, the state before the token was chosen). `Critic` is the controller's handle:
+position t - 1, the state before the token was chosen). `Critic` is the controller's handle
+over such a `Policy` (`tempering.algorithms.ppo_critic.build` makes one from the config):
 
-    critic = build_critic(cluster, "tiny-arith", train_global_batch_size=64,
-                          train_micro_batch_size=8, learning_rate=1e-4)
+    critic = Critic(policy, value_clip=0.2)
     values = critic.values(batch)["values"]            # [B, S]
     metrics = critic.train(batch_with_returns)         # {"loss", "value_clip_fraction", ...}
 
@@ -17,11 +17,9 @@ Rows are taken whole (no sequence packing or token budgets), as a reward model's
 
 from __future__ import annotations
 
-from typing import Any
-
 from tempering.distributed.batched_data_dict import BatchedDataDict
 from tempering.losses import ValueLoss
-from tempering.models.policy.lm_policy import Policy, build_policy, sharded
+from tempering.models.policy.lm_policy import Policy, sharded
 
 # What a critic's training step reads of a batch.
 CRITIC_KEYS = ("input_ids", "input_lengths", "token_mask", "sample_mask", "returns", "prev_values")
@@ -32,7 +30,6 @@ class Critic:
 
     def __init__(self, policy: Policy, value_clip: float | None = 0.2) -> None:
         self.policy = policy
-        self.worker_group = policy.worker_group
         self.loss_fn = ValueLoss(value_clip)
 
     def values(self, data: BatchedDataDict) -> BatchedDataDict:
@@ -56,19 +53,4 @@ class Critic:
         self.policy.shutdown()
 
 
-def build_critic(
-    cluster: Any,
-    model_path: str,
-    *,
-    value_clip: float | None = 0.2,
-    name_prefix: str = "critic",
-    **policy_kwargs: Any,
-) -> Critic:
-    """One value-head `FSDP2PolicyWorker` per bundle of `cluster` (kwargs: `build_policy`)."""
-    policy = build_policy(
-        cluster, model_path, head="value", name_prefix=name_prefix, **policy_kwargs
-    )
-    return Critic(policy, value_clip)
-
-
-__all__ = ["CRITIC_KEYS", "Critic", "build_critic"]
+__all__ = ["CRITIC_KEYS", "Critic"]

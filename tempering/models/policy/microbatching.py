@@ -146,8 +146,8 @@ class ForwardPass:
         """``[B, S, V]`` float logits of micro-batch ``mb``, computed in its ``layout`` (see
         `split`; None: the padded rows) -- as `HiddenLogits` (the last hidden states and the
         output projection, reduced chunk by chunk by the loss) where `chunked` says so;
-        ``[B]`` scores for ``head="score"``, ``[B, S]`` values for ``head="value"``. ``router`` (a mixture-of-experts model in
-        training, `moe.py`): the padded and packed layouts append ``(aux_loss,
+        ``[B]`` scores for ``head="score"``, ``[B, S]`` values for ``head="value"``. ``router``
+        (a mixture-of-experts model in training, `moe.py`): the padded and packed layouts append ``(aux_loss,
         router_logits, token mask or None)`` to it. ``reads`` (``[B, S]`` bool): the only rows
         of the logits the caller reads (`read_rows`); None: any."""
         if self.head == "score":
