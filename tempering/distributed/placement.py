@@ -336,15 +336,9 @@ def _with_critic(plan: Plan, cfg: Any, cshape: ModelShape | None, cpos: int | No
     plan.critic = GroupPlan("critic", list(p.bundles_per_node), p.gpus_per_bundle, p.dp, p.tp,
                             colocated_with="policy", gpu_ids=list(p.gpu_ids))  # fmt: skip
     if name not in (None, cfg.policy.model_name):
-        if cshape and plan.shape and cshape.vocab != plan.shape.vocab:
-            problems.append(
-                f"critic.model_name={name!r} has a vocabulary of {cshape.vocab} tokens and "
-                f"policy.model_name={cfg.policy.model_name!r} has {plan.shape.vocab}: the "
-                "critic reads the policy's token ids; use a critic with the policy's tokenizer "
-                "(or leave critic.model_name null: the policy's own)"
-            )
-        _check_positions("critic", name, cfg.policy.max_total_sequence_length, cshape, cpos,
-                         problems)  # fmt: skip
+        why = ("the critic reads the policy's token ids; use a critic with the policy's "
+               "tokenizer (or leave critic.model_name null: the policy's own)")  # fmt: skip
+        _check_reads_policy("critic", name, cfg, plan.shape, cshape, cpos, why, problems)
     else:
         cshape = plan.shape
     if cshape is None or plan.memory is None:
@@ -404,6 +398,27 @@ def _check_positions(
     )
 
 
+def _check_reads_policy(
+    role: str,
+    name: str,
+    cfg: Any,
+    policy_shape: ModelShape | None,
+    shape: ModelShape | None,
+    positions: int | None,
+    why: str,
+    problems: list[str],
+) -> None:
+    """A second model (a distillation teacher, a PPO critic) reads the policy's token ids and
+    whole sequences: its vocabulary must be the policy's (``why``: what breaks, and the fix)
+    and its positions must cover the sequence budget."""
+    if shape and policy_shape and shape.vocab != policy_shape.vocab:
+        problems.append(
+            f"{role}.model_name={name!r} has a vocabulary of {shape.vocab} tokens and "
+            f"policy.model_name={cfg.policy.model_name!r} has {policy_shape.vocab}: {why}"
+        )
+    _check_positions(role, name, cfg.policy.max_total_sequence_length, shape, positions, problems)
+
+
 def _with_teacher(
     plan: Plan, cfg: Any, shape: ModelShape | None, tshape: ModelShape | None, tpos: int | None
 ) -> Plan:
@@ -414,15 +429,9 @@ def _with_teacher(
     t = cfg.teacher
     tp = t.dtensor_cfg.tensor_parallel_size
     problems: list[str] = []
-    if shape and tshape and shape.vocab != tshape.vocab:
-        problems.append(
-            f"teacher.model_name={t.model_name!r} has a vocabulary of {tshape.vocab} tokens and "
-            f"policy.model_name={cfg.policy.model_name!r} has {shape.vocab}: the teacher's "
-            "top-k token ids must be the student's tokens; use a teacher with the student's "
-            "tokenizer (same family)"
-        )
-    seq = cfg.policy.max_total_sequence_length
-    _check_positions("teacher", t.model_name, seq, tshape, tpos, problems)
+    why = ("the teacher's top-k token ids must be the student's tokens; use a teacher with the "
+           "student's tokenizer (same family)")  # fmt: skip
+    _check_reads_policy("teacher", t.model_name, cfg, shape, tshape, tpos, why, problems)
     per_node = plan.policy.bundles_per_node[0]
     if per_node % tp or (tshape and (tshape.heads % tp or tshape.kv_heads % tp)):
         problems.append(
