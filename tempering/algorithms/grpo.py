@@ -173,7 +173,7 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any], plan: Any = None) -> 
     policy = common.build_policy_from_config(
         cfg.policy,
         cluster,
-        total_steps=cfg.grpo.max_num_steps,
+        total_steps=cfg.grpo.max_num_steps - cfg.critic.warmup_steps,  # PPO: steps it trains
         init_reference_model=has_reference(cfg),  # a KL penalty in the loss or PPO's reward
         seed=cfg.grpo.seed,
         gpu_share=plan.gpu_share,
@@ -490,18 +490,23 @@ def grpo_step(run: GRPORun, loss_fn: Any, step: int | None = None) -> dict[str, 
         batch, n_masked = mask_overlong_samples(batch)
         extra["train/overlong_masked"] = float(n_masked)
     critic_metrics = {}
+    warming = ppo_critic.warming_up(run.cfg, step)  # PPO's first steps: the critic's only
     if run.critic is not None:  # PPO: GAE advantages from the critic's values
         with timer.time("values"):
             critic_metrics = ppo_critic.advantages(run.cfg, run.critic, batch, run.policy)
+        critic_metrics["critic/warming_up"] = float(warming)
     data = BatchedDataDict({k: batch[k] for k in TRAIN_KEYS})
     # asked now, answered while the policy trains
     env_metrics = scoring.environment_metrics(run.environments, rewards_seen)
-    behaviour_logprobs(run, data, timer)
-    train_metrics = train_policy(run, data, loss_fn, timer)
+    train_metrics = {}
+    if not warming:
+        behaviour_logprobs(run, data, timer)
+        train_metrics = train_policy(run, data, loss_fn, timer)
     if run.critic is not None:
         with timer.time("critic"):
             critic_metrics.update(ppo_critic.train(run.critic, batch))
-    refit_generation(run, timer)
+    if not warming:
+        refit_generation(run, timer)
     step_s = time.perf_counter() - t0
 
     metrics = step_metrics(run, batch, data, rewards_seen, train_metrics, timer, step_s)

@@ -10,6 +10,9 @@ checkpoints. What the critic changes, per step (`grpo.grpo_step`):
      enough (``grpo.num_generations_per_prompt=1``);
   2. after the policy's step, the critic's (`train`): `ValueLoss` toward the returns, each
      value's move clipped around the one the advantages used (``critic.value_clip``).
+With ``critic.warmup_steps`` the run's first steps train the critic only (verl's
+``critic_warmup``): the policy, and so the sampler, stays as it started until the values it
+will learn from have seen that many batches; its lr schedule spans the steps left.
 The critic (`tempering.models.policy.critic`) is built from the policy's body (or
 ``critic.model_name``) with a new value head, on the policy's bundles, with the policy's batch
 sizes (``critic.train_global_batch_size``: its own, for more value updates per rollout),
@@ -49,6 +52,12 @@ def build(cfg: GRPOMasterConfig, cluster: Any, plan: Any) -> Any:
         samples_per_step=cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt,
     )  # fmt: skip
     return Critic(policy, cfg.critic.value_clip)
+
+
+def warming_up(cfg: GRPOMasterConfig, step: int | None) -> bool:
+    """Whether loop step ``step`` (1-based) trains the critic only (``critic.warmup_steps``);
+    a step without a number (a direct `grpo_step` call) never does."""
+    return cfg.critic.enabled and step is not None and step <= cfg.critic.warmup_steps
 
 
 def advantages(cfg: GRPOMasterConfig, critic: Any, batch: Any, policy: Any) -> dict[str, float]:

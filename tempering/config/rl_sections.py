@@ -195,6 +195,10 @@ class CriticConfig(Section):
         "reward less this x (its log-prob - the reference's), as TRL's kl_coef and verl's "
         "use_kl_in_reward (0: off; loss_fn.reference_policy_kl_penalty puts KL in the loss)",
     )  # fmt: skip
+    warmup_steps: int = Field(
+        0, ge=0, description="the run's first N steps train the critic only: the policy (and "
+        "so the generator) waits until the values mean something (verl's trainer.critic_warmup)",
+    )  # fmt: skip
 
 
 def critic_problems(cfg: Any) -> list[str]:
@@ -217,6 +221,11 @@ def critic_problems(cfg: Any) -> list[str]:
         problems.append(
             "critic.enabled=true is not supported with grpo.async_grpo.enabled or "
             "grpo.use_dynamic_sampling yet: set those to false"
+        )
+    if c.warmup_steps >= g.max_num_steps:
+        problems.append(
+            f"critic.warmup_steps={c.warmup_steps} leaves no step of grpo.max_num_steps="
+            f"{g.max_num_steps} to train the policy: use fewer warm-up steps"
         )
     n, gbs = g.num_prompts_per_step * g.num_generations_per_prompt, c.train_global_batch_size
     if gbs is not None and n % gbs:

@@ -106,6 +106,20 @@ def test_config_refuses_what_a_critic_would_not_read():
         GRPOMasterConfig(critic={"learning_rate": 1e-3})  # not enabled: nothing reads it
     with pytest.raises(ValidationError, match="critic.bogus|bogus"):
         GRPOMasterConfig(critic={"enabled": True, "bogus": 1})
+    with pytest.raises(ValidationError, match="critic.warmup_steps=200 leaves no step"):
+        GRPOMasterConfig(critic={"enabled": True, "warmup_steps": 200},
+                         grpo={"use_leave_one_out_baseline": False, "max_num_steps": 200})  # fmt: skip
+
+
+def test_the_warm_up_counts_the_loop_steps_it_holds_the_policy_for():
+    from tempering.algorithms.ppo_critic import warming_up
+    from tempering.config.schemas import GRPOMasterConfig
+
+    cfg = GRPOMasterConfig(critic={"enabled": True, "warmup_steps": 2},
+                           grpo={"use_leave_one_out_baseline": False})  # fmt: skip
+    assert [warming_up(cfg, step) for step in (1, 2, 3)] == [True, True, False]
+    assert not warming_up(cfg, None)  # a direct grpo_step call trains the policy
+    assert not warming_up(GRPOMasterConfig(), 1)  # GRPO: no critic, no warm-up
 
 
 def test_the_value_head_reads_each_token_at_the_position_before_it():
