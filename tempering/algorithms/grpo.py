@@ -496,6 +496,8 @@ def grpo_step(run: GRPORun, loss_fn: Any, step: int | None = None) -> dict[str, 
             critic_metrics = ppo_critic.advantages(run.cfg, run.critic, batch, run.policy)
         critic_metrics["critic/warming_up"] = float(warming)
     data = BatchedDataDict({k: batch[k] for k in TRAIN_KEYS})
+    if "reference_policy_logprobs" in batch and run.cfg.loss_fn.reference_policy_kl_penalty:
+        data["reference_policy_logprobs"] = batch["reference_policy_logprobs"]  # PPO's, reused
     # asked now, answered while the policy trains
     env_metrics = scoring.environment_metrics(run.environments, rewards_seen)
     train_metrics = {}
@@ -590,10 +592,11 @@ def behaviour_logprobs(run: GRPORun, data: Any, timer: Any) -> None:
 def train_policy(run: GRPORun, data: Any, loss_fn: Any, timer: Any) -> dict[str, float]:
     """`policy.train` on the batch. The KL term's reference log-probs are computed by the
     workers per micro-batch, right before its forward (the reference is frozen, so when does
-    not matter)."""
+    not matter), unless the batch has them already (PPO's KL in the reward)."""
     with timer.time("train"):
         faults.maybe_fault("controller", "train")
         kl = run.cfg.loss_fn.reference_policy_kl_penalty > 0
+        kl = kl and "reference_policy_logprobs" not in data
         return run.policy.train(data, loss_fn, with_reference=kl)
 
 

@@ -65,7 +65,8 @@ def advantages(cfg: GRPOMasterConfig, critic: Any, batch: Any, policy: Any) -> d
     ``grpo.normalize_rewards``), ``batch["returns"]`` and ``batch["prev_values"]``; returns
     ``critic/*`` metrics of the values before this step's update. With
     ``critic.reward_kl_coef``, each generated token's reward is less that x its KL estimate
-    against ``policy``'s frozen reference (the sampler's log-prob less the reference's)."""
+    against ``policy``'s frozen reference (the sampler's log-prob less the reference's); those
+    log-probs stay in ``batch["reference_policy_logprobs"]`` for the loss's KL term."""
     from tempering.algorithms.advantages import gae_advantages, whiten
 
     values = critic.values(batch)["values"]
@@ -75,6 +76,7 @@ def advantages(cfg: GRPOMasterConfig, critic: Any, batch: Any, policy: Any) -> d
     if cfg.critic.reward_kl_coef > 0:
         temperature = cfg.policy.generation.temperature
         ref = policy.get_reference_policy_logprobs(batch, temperature)["reference_policy_logprobs"]
+        batch["reference_policy_logprobs"] = ref  # a KL term in the loss reads them too
         kl = (batch["generation_logprobs"] - ref) * mask
         penalty = -cfg.critic.reward_kl_coef * kl
         metrics["critic/reward_kl"] = float(kl.sum() / mask.sum().clamp(min=1))  # per token

@@ -271,3 +271,44 @@ def test_gae_takes_a_reward_on_every_token_too():
         want[t], nv = na, float(values[0, t])
     torch.testing.assert_close(adv[0], torch.tensor(want))
     torch.testing.assert_close(ret, (adv + values) * mask)
+
+
+def test_the_reward_kls_reference_log_probs_serve_the_losss_kl_term_too():
+    """With both ``critic.reward_kl_coef`` and the loss's KL penalty, the frozen reference's
+    log-probs are computed once a step: `ppo_critic.advantages` leaves them in the batch and
+    `grpo.train_policy` trains without asking the workers for them again."""
+    from types import SimpleNamespace
+
+    from tempering.algorithms import grpo, ppo_critic
+    from tempering.config.schemas import GRPOMasterConfig
+    from tempering.distributed.batched_data_dict import BatchedDataDict
+    from tempering.utils.timers import Timer
+
+    cfg = GRPOMasterConfig(critic={"enabled": True, "reward_kl_coef": 0.1},
+                           grpo={"use_leave_one_out_baseline": False},
+                           loss_fn={"reference_policy_kl_penalty": 0.01})  # fmt: skip
+    calls = []
+
+    class Policy:  # the two calls the step makes of the policy, counted
+        def get_reference_policy_logprobs(self, data, temperature):
+            calls.append("reference")
+            return {"reference_policy_logprobs": torch.full((2, 4), -1.0)}
+
+        def train(self, data, loss_fn, with_reference=False):
+            calls.append(("train", with_reference, "reference_policy_logprobs" in data))
+            return {}
+
+    critic = SimpleNamespace(values=lambda batch: {"values": torch.zeros(2, 4)})
+    batch = {
+        "rewards": torch.tensor([1.0, 0.0]), "sample_mask": torch.ones(2),
+        "token_mask": torch.tensor([[0, 1, 1, 0], [0, 1, 1, 1]]),
+        "generation_logprobs": torch.full((2, 4), -1.5),
+    }  # fmt: skip
+    metrics = ppo_critic.advantages(cfg, critic, batch, Policy())
+    assert metrics["critic/reward_kl"] == pytest.approx(-0.5)
+    data = BatchedDataDict({"reference_policy_logprobs": batch["reference_policy_logprobs"]})
+    run = SimpleNamespace(cfg=cfg, policy=Policy())
+    grpo.train_policy(run, data, None, Timer())
+    assert calls == ["reference", ("train", False, True)]
+    grpo.train_policy(run, BatchedDataDict({}), None, Timer())  # GRPO's KL: the workers' call
+    assert calls[-1] == ("train", True, False)
