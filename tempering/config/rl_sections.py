@@ -233,12 +233,6 @@ def critic_problems(cfg: Any) -> list[str]:
             f"critic.train_global_batch_size={gbs} does not divide a step's {n} samples "
             "(grpo.num_prompts_per_step x num_generations_per_prompt): use a divisor of it"
         )
-    if cfg.policy.dtensor_cfg.tensor_parallel_size > 1:
-        problems.append(
-            "critic.enabled=true with policy.dtensor_cfg.tensor_parallel_size > 1 is not "
-            "supported yet (the critic's value head is not split, as a reward model's score "
-            "head is not): set tensor_parallel_size=1"
-        )
     if cfg.policy.sequence_packing.enabled or cfg.policy.dynamic_batching.enabled:
         problems.append(
             "critic.enabled=true: the critic takes its rows whole (the policy's batch sizes), "

@@ -339,6 +339,13 @@ def _with_critic(plan: Plan, cfg: Any, cshape: ModelShape | None, cpos: int | No
         why = ("the critic reads the policy's token ids; use a critic with the policy's "
                "tokenizer (or leave critic.model_name null: the policy's own)")  # fmt: skip
         _check_reads_policy("critic", name, cfg, plan.shape, cshape, cpos, why, problems)
+        if cshape and p.tp > 1 and (cshape.heads % p.tp or cshape.kv_heads % p.tp):
+            problems.append(
+                f"policy.dtensor_cfg.tensor_parallel_size={p.tp} splits the critic too, and "
+                f"does not divide the {cshape.heads} attention heads / {cshape.kv_heads} "
+                f"key-value heads of critic.model_name={name!r}; pick a critic whose heads "
+                "it divides"
+            )
     else:
         cshape = plan.shape
     if cshape is None or plan.memory is None:

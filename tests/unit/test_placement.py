@@ -270,6 +270,28 @@ def test_a_critic_of_its_own_reads_the_policy_tokens_and_is_counted():
         )
 
 
+def test_tensor_parallelism_splits_a_critic_of_its_own_too():
+    """TP splits the critic's body as the policy's (its value head whole on every rank, a unit
+    test in test_policy_parity.py): a critic whose heads TP does not divide is refused."""
+    from dataclasses import replace
+
+    from tempering.distributed.placement import make_plan
+
+    overrides = ["policy.model_name=meta-llama/Llama-3.2-1B-Instruct", "cluster.gpus_per_node=8",
+                 "cluster.gpu_memory_gb=80", "policy.dtensor_cfg.tensor_parallel_size=2",
+                 "critic.model_name=my-critic"]  # fmt: skip
+    path = REPO / "examples" / "configs" / "grpo_math_tiny_ppo.yaml"
+    cfg, _ = load_config(path, overrides, schema=MASTER_CONFIGS["grpo"])
+    llama = KNOWN_SHAPES["meta-llama/Llama-3.2-1B-Instruct"]
+    tp2 = make_plan(cfg, llama, critic_shape=llama, critic_positions=131072)
+    assert (tp2.critic.dp, tp2.critic.tp) == (tp2.policy.dp, 2) == (4, 2)
+    odd = replace(llama, heads=9, kv_heads=3)
+    with pytest.raises(
+        PlanError, match="does not divide the 9 attention heads / 3 key-value heads of critic"
+    ):
+        make_plan(cfg, llama, critic_shape=odd, critic_positions=131072)
+
+
 def test_distillation_plans_the_teacher_beside_the_student():
     """On CPU the teacher gets bundles of its own; on GPUs it shares the policy's GPUs (each
     group on a GPU takes an equal share in Ray's books), and what does not fit is refused."""

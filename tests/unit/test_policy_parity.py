@@ -170,3 +170,45 @@ def test_tensor_parallel_adamw_step_with_clipping_equals_one_worker(
     assert tp_metrics["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-5)
     for name, want in params.items():
         torch.testing.assert_close(tp_params[name], want, atol=1e-5, rtol=0, msg=name)
+
+
+def test_tensor_parallel_value_head_equals_one_worker(ray_session, model_dir, batch, monkeypatch):
+    """A PPO critic (``head="value"``: a new head on the split body, itself whole on every
+    rank) with TP = 2: its values, and a clipped `ValueLoss` AdamW step, equal one rank's."""
+    from tempering.losses import ValueLoss
+    from tempering.models.policy.critic import Critic
+
+    g = torch.Generator().manual_seed(3)
+    data = BatchedDataDict(dict(batch))
+    data["returns"] = torch.rand(batch["input_ids"].shape, generator=g)
+    data["prev_values"] = torch.zeros(batch["input_ids"].shape)
+    kwargs = {"learning_rate": 1e-2, "max_grad_norm": 0.5, "num_threads": 1, "seed": 0,
+              "head": "value"}  # fmt: skip
+    cluster = RayVirtualCluster([2], num_cpus_per_bundle=0.5, name="tp_value")
+    policy = build_policy(cluster, model_dir, train_global_batch_size=len(LENGTHS),
+                          train_micro_batch_size=4, logprob_micro_batch_size=3,
+                          tensor_parallel_size=2, **kwargs)  # fmt: skip
+    try:
+        critic = Critic(policy, value_clip=0.2)
+        tp_before = critic.values(data)["values"]
+        tp_metrics = critic.train(data)
+        tp_after = critic.values(data)["values"]
+    finally:
+        policy.shutdown()
+        cluster.shutdown()
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv("TEMPERING_DIST_INIT_METHOD", raising=False)
+    single = FSDP2PolicyWorker(model_dir, **kwargs)
+    try:
+        before = single.values(data, 3)["values"]
+        metrics = single.train(data, ValueLoss(0.2), global_batch_size=len(LENGTHS))
+        after = single.values(data, 3)["values"]
+    finally:
+        single.shutdown()
+    assert (after - before).abs().max() > 1e-3  # the step moved the values
+    assert metrics["value_clip_fraction"] > 0  # and the clip was active
+    torch.testing.assert_close(tp_before, before, atol=1e-5, rtol=0)
+    for key in ("loss", "grad_norm", "value_clip_fraction"):
+        assert tp_metrics[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-7), key
+    torch.testing.assert_close(tp_after, after, atol=1e-5, rtol=0)

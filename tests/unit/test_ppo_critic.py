@@ -99,9 +99,6 @@ def test_config_refuses_what_a_critic_would_not_read():
     with pytest.raises(ValidationError, match="takes its rows whole"):
         GRPOMasterConfig(critic={"enabled": True}, grpo={"use_leave_one_out_baseline": False},
                          policy={"sequence_packing": {"enabled": True}})  # fmt: skip
-    with pytest.raises(ValidationError, match="value head is not split"):
-        GRPOMasterConfig(critic={"enabled": True}, grpo={"use_leave_one_out_baseline": False},
-                         policy={"dtensor_cfg": {"tensor_parallel_size": 2}})  # fmt: skip
     with pytest.raises(ValidationError, match="critic.learning_rate is read only by PPO"):
         GRPOMasterConfig(critic={"learning_rate": 1e-3})  # not enabled: nothing reads it
     with pytest.raises(ValidationError, match="critic.bogus|bogus"):
