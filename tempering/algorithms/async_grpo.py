@@ -5,7 +5,8 @@ The loop is GRPO's own (`grpo.train`: validation, checkpoints, wall-clock budget
 what differs is each step, made by :class:`AsyncSteps`:
 
     take the step's groups from the replay buffer (waiting: timing/idle/buffer_starvation)
-    -> advantages came with the groups -> train -> wait for the collector to drain
+    -> advantages came with the groups (PPO: the critic's, now) -> train -> wait for the
+    collector to drain
     (timing/idle/refit_bubble) -> refit -> the collector goes on with the new weights
 
 The collector (`tempering.experience.collector`) is a thread of this process that rolls out
@@ -30,7 +31,7 @@ from typing import Any
 
 import torch
 
-from tempering.algorithms import grpo, grpo_scoring
+from tempering.algorithms import grpo, grpo_scoring, ppo_critic
 from tempering.algorithms.dynamic_sampling import mask_overlong_samples
 from tempering.distributed.batched_data_dict import BatchedDataDict
 from tempering.experience.collector import RolloutCollector
@@ -166,10 +167,10 @@ class AsyncSteps:
             extra["train/deadline_cut_episodes"] = float(cut.sum())
             extra["train/deadline_cut_groups"] = float(cut.any(1).sum())
         rewards_seen = batch["rewards"]
-        data = BatchedDataDict({k: batch[k] for k in grpo.TRAIN_KEYS})
-        with self.phases.phase("trainer", "train", step):
-            grpo.behaviour_logprobs(run, data, timer)
-            train_metrics = grpo.train_policy(run, data, self.loss_fn, timer)
+        with self.phases.phase("trainer", "train", step):  # (PPO: the critic's turns too)
+            data, train_metrics, critic_metrics = grpo.learn_from(
+                run, batch, self.loss_fn, timer, step
+            )
         if self.in_flight:  # the refit goes to the batch in progress: nothing to wait for
             timer.record("idle/refit_bubble", 0.0)
         else:  # drain-then-refit: no batch mixes weight versions
@@ -190,6 +191,7 @@ class AsyncSteps:
         timer.record("generation", made.pop("timing/generation_s"))  # the collector's
         metrics = grpo.step_metrics(run, batch, data, rewards_seen, train_metrics, timer, step_s)
         metrics.update(extra)
+        metrics.update(critic_metrics)
         metrics.update(taken)
         metrics.update(made)  # the environments' and the server's counters of this batch
         problems = [grpo.Problem(*p) for p in self.problems.pop(step)]
@@ -213,8 +215,12 @@ class AsyncSteps:
                 "problems": dict(self.problems),
             }
 
+            critic = ppo_critic.writer(self.run.critic)
+
             def write(folder: Path) -> None:
                 torch.save(state, folder / STATE_FILE)
+                if critic is not None:
+                    critic(folder)
 
             yield write
 

@@ -489,25 +489,10 @@ def grpo_step(run: GRPORun, loss_fn: Any, step: int | None = None) -> dict[str, 
     if cfg.overlong_filtering:
         batch, n_masked = mask_overlong_samples(batch)
         extra["train/overlong_masked"] = float(n_masked)
-    critic_metrics = {}
-    warming = ppo_critic.warming_up(run.cfg, step)  # PPO's first steps: the critic's only
-    if run.critic is not None:  # PPO: GAE advantages from the critic's values
-        with timer.time("values"):
-            critic_metrics = ppo_critic.advantages(run.cfg, run.critic, batch, run.policy)
-        critic_metrics["critic/warming_up"] = float(warming)
-    data = BatchedDataDict({k: batch[k] for k in TRAIN_KEYS})
-    if "reference_policy_logprobs" in batch and run.cfg.loss_fn.reference_policy_kl_penalty:
-        data["reference_policy_logprobs"] = batch["reference_policy_logprobs"]  # PPO's, reused
     # asked now, answered while the policy trains
     env_metrics = scoring.environment_metrics(run.environments, rewards_seen)
-    train_metrics = {}
-    if not warming:
-        behaviour_logprobs(run, data, timer)
-        train_metrics = train_policy(run, data, loss_fn, timer)
-    if run.critic is not None:
-        with timer.time("critic"):
-            critic_metrics.update(ppo_critic.train(run.critic, batch))
-    if not warming:
+    data, train_metrics, critic_metrics = learn_from(run, batch, loss_fn, timer, step)
+    if not ppo_critic.warming_up(run.cfg, step):  # (a critic's warm-up keeps the weights)
         refit_generation(run, timer)
     step_s = time.perf_counter() - t0
 
@@ -518,6 +503,32 @@ def grpo_step(run: GRPORun, loss_fn: Any, step: int | None = None) -> dict[str, 
     metrics.update(server_metrics(run.chat, server_before))
     watch_signal(run, step or 0, problems, logs_seen, rewards_seen, metrics)
     return metrics
+
+
+def learn_from(
+    run: GRPORun, batch: Any, loss_fn: Any, timer: Any, step: int | None
+) -> tuple[Any, dict[str, float], dict[str, float]]:
+    """What a step learns from its scored batch (synchronous and asynchronous GRPO alike):
+    with a critic (PPO), its GAE advantages first and its value steps last; the policy's
+    update between, except in the critic's warm-up. Returns (the policy's train data, its
+    metrics, the ``critic/*`` metrics)."""
+    critic_metrics: dict[str, float] = {}
+    warming = ppo_critic.warming_up(run.cfg, step)  # PPO's first steps: the critic's only
+    if run.critic is not None:  # PPO: GAE advantages from the critic's values
+        with timer.time("values"):
+            critic_metrics = ppo_critic.advantages(run.cfg, run.critic, batch, run.policy)
+        critic_metrics["critic/warming_up"] = float(warming)
+    data = BatchedDataDict({k: batch[k] for k in TRAIN_KEYS})
+    if "reference_policy_logprobs" in batch and run.cfg.loss_fn.reference_policy_kl_penalty:
+        data["reference_policy_logprobs"] = batch["reference_policy_logprobs"]  # PPO's, reused
+    train_metrics: dict[str, float] = {}
+    if not warming:
+        behaviour_logprobs(run, data, timer)
+        train_metrics = train_policy(run, data, loss_fn, timer)
+    if run.critic is not None:
+        with timer.time("critic"):
+            critic_metrics.update(ppo_critic.train(run.critic, batch))
+    return data, train_metrics, critic_metrics
 
 
 def sample_batch(run: GRPORun, timer: Any, step: int | None) -> tuple[list[Problem], Any]:

@@ -13,6 +13,10 @@ checkpoints. What the critic changes, per step (`grpo.grpo_step`):
 With ``critic.warmup_steps`` the run's first steps train the critic only (verl's
 ``critic_warmup``): the policy, and so the sampler, stays as it started until the values it
 will learn from have seen that many batches; its lr schedule spans the steps left.
+Asynchronous GRPO (``grpo.async_grpo.enabled``) works the same: the critic scores a batch
+when the trainer takes it from the buffer (this step's critic, the samples of the weights
+that made them; the policy's loss corrects their age as GRPO's does), and a warm-up step
+still refits, with unchanged weights, to keep the collector's schedule of weight versions.
 The critic (`tempering.models.policy.critic`) is built from the policy's body (or
 ``critic.model_name``) with a new value head, on the policy's bundles, with the policy's batch
 sizes (``critic.train_global_batch_size``: its own, for more value updates per rollout),

@@ -217,10 +217,10 @@ def critic_problems(cfg: Any) -> list[str]:
             "critic.enabled=true: the critic's values are the baseline, so "
             "grpo.use_leave_one_out_baseline=true would not be read: set it to false"
         )
-    if g.async_grpo.enabled or g.use_dynamic_sampling:
+    if g.use_dynamic_sampling:
         problems.append(
-            "critic.enabled=true is not supported with grpo.async_grpo.enabled or "
-            "grpo.use_dynamic_sampling yet: set those to false"
+            "critic.enabled=true is not supported with grpo.use_dynamic_sampling (it refills "
+            "groups of equal rewards, which a critic's advantages do not need): set it false"
         )
     if c.warmup_steps >= g.max_num_steps:
         problems.append(
