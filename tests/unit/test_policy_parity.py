@@ -100,16 +100,23 @@ def _plain_step(model_dir: str, data: BatchedDataDict) -> tuple[float, dict[str,
     return float(loss.detach()), updated
 
 
+def _one_rank(monkeypatch, model_dir: str, **kwargs) -> FSDP2PolicyWorker:
+    """A worker built in this process as a lone rank (the Ray workers' variables cleared)."""
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv("TEMPERING_DIST_INIT_METHOD", raising=False)
+    return FSDP2PolicyWorker(model_dir, **kwargs)
+
+
 def test_two_workers_two_microbatches_equal_one_batch(
     two_worker_result, model_dir, batch, monkeypatch
 ) -> None:
     plain_loss, plain_params = _plain_step(model_dir, batch)
 
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
-    single = FSDP2PolicyWorker(
-        model_dir, optimizer="sgd", learning_rate=1.0, max_grad_norm=None, num_threads=1
-    )
+    single = _one_rank(
+        monkeypatch, model_dir, optimizer="sgd", learning_rate=1.0, max_grad_norm=None,
+        num_threads=1,
+    )  # fmt: skip
     try:
         single_metrics = single.train(
             batch, NLLLoss(), global_batch_size=len(LENGTHS), micro_batch_size=len(LENGTHS)
@@ -157,10 +164,7 @@ def test_tensor_parallel_adamw_step_with_clipping_equals_one_worker(
     finally:
         policy.shutdown()
         cluster.shutdown()
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.delenv("TEMPERING_DIST_INIT_METHOD", raising=False)
-    single = FSDP2PolicyWorker(model_dir, **kwargs)
+    single = _one_rank(monkeypatch, model_dir, **kwargs)
     try:
         metrics = single.train(batch, NLLLoss(), global_batch_size=len(LENGTHS))
         params = single.refit.state_dict()
@@ -196,10 +200,7 @@ def test_tensor_parallel_value_head_equals_one_worker(ray_session, model_dir, ba
     finally:
         policy.shutdown()
         cluster.shutdown()
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.delenv("TEMPERING_DIST_INIT_METHOD", raising=False)
-    single = FSDP2PolicyWorker(model_dir, **kwargs)
+    single = _one_rank(monkeypatch, model_dir, **kwargs)
     try:
         before = single.values(data, 3)["values"]
         metrics = single.train(data, ValueLoss(0.2), global_batch_size=len(LENGTHS))
