@@ -389,6 +389,7 @@ def _train_loop(run: GRPORun, stepper: Any) -> dict[str, Any]:
     final = common.export_final_model(
         run.policy, cfg.checkpointing, cfg.policy.dtensor_cfg.lora_cfg.enabled
     )
+    final_critic = ppo_critic.export(run.critic, cfg.checkpointing.checkpoint_dir)
     first_val = first_val or common.first_logged(cfg.logger.log_dir, "val/")  # resumed: records
     if step == run.start_step:  # nothing left to do: the checkpoint's validation is the last
         val = val or common.resumed_val(run.checkpointer, step)
@@ -397,6 +398,7 @@ def _train_loop(run: GRPORun, stepper: Any) -> dict[str, Any]:
         "steps_this_run": step - run.start_step,
         "epochs": run.dataloader.epochs_completed,  # whole passes over the training problems
         "final_model": str(final),
+        "final_critic": final_critic,  # PPO's, else None
         "start_accuracy": first_val.get("accuracy"),  # None where rewards are scores
         "end_accuracy": val.get("accuracy"),
         "start_reward_mean": first_val.get("reward_mean"),
@@ -452,6 +454,8 @@ def summary_text(s: dict[str, Any], cfg: GRPOMasterConfig) -> str:
         lines.append(f"  WARNING: {s['warning']}")
     lines.append(f"  metrics: {cfg.logger.log_dir}/metrics.jsonl")
     lines.append(f"  final model (HF folder): {s['final_model']}")
+    if s.get("final_critic"):
+        lines.append(f"  final critic (HF folder): {s['final_critic']}")
     lines.append(f"  checkpoints: {cfg.checkpointing.checkpoint_dir}")
     return "\n".join(lines)
 

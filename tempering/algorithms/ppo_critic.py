@@ -111,6 +111,17 @@ def writer(critic: Any) -> Any:
     return lambda folder: critic.save_checkpoint(str(Path(folder) / "critic"))
 
 
+def export(critic: Any, checkpoint_dir: str) -> str | None:
+    """The trained critic as an HF folder, ``<checkpoint_dir>/final_critic_hf`` (atomic), that
+    ``AutoModelForTokenClassification`` loads and ``critic.model_name`` starts a run from
+    (OpenRLHF's ``--save_value_network``); None without a critic."""
+    if critic is None:
+        return None
+    path = Path(checkpoint_dir) / "final_critic_hf"
+    critic.policy.export_hf(str(path))
+    return str(path)
+
+
 def resume(critic: Any, checkpointer: Any, step: int) -> None:
     """The critic of checkpoint ``step`` (a resumed run), named when the checkpoint has none."""
     if critic is None or not step:

@@ -35,6 +35,14 @@ log = logging.getLogger(__name__)
 __all__ = ["ExportTargetError", "PartialCheckpointError", "export_checkpoint", "save_hf_folder"]
 
 
+# the transformers class that loads a folder, by the worker's head
+AUTO_CLASSES = {
+    "causal_lm": "AutoModelForCausalLM",
+    "score": "AutoModelForSequenceClassification",
+    "value": "AutoModelForTokenClassification",
+}
+
+
 class PartialCheckpointError(ValueError):
     """The folder is not a complete step checkpoint."""
 
@@ -56,19 +64,17 @@ def save_hf_folder(
     model_source: str | None = None,
 ) -> Path:
     """Write an HF folder atomically (replacing an existing one); returns its path.
-    ``head="score"``: a reward model that ``AutoModelForSequenceClassification`` loads.
+    ``head="score"``: a reward model that ``AutoModelForSequenceClassification`` loads;
+    ``head="value"``: a PPO critic that ``AutoModelForTokenClassification`` loads.
     The tokenizer comes from ``tokenizer_source`` with ``chat_template`` replacing its own
     (a run's `policy.tokenizer`), the generation config from ``model_source`` (default: the
     tokenizer's folder)."""
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoModelForSequenceClassification,
-        GenerationConfig,
-    )
+    import transformers
+    from transformers import GenerationConfig
 
     from tempering.models.hf import load_tokenizer
 
-    auto = AutoModelForSequenceClassification if head == "score" else AutoModelForCausalLM
+    auto = getattr(transformers, AUTO_CLASSES[head])
     with torch.device("meta"):
         model = auto.from_config(hf_config)
     sd = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
@@ -86,7 +92,7 @@ def save_hf_folder(
         model.config.dtype = dtype
     with atomic_directory(path, overwrite=True) as tmp:
         model.save_pretrained(tmp)
-        if head != "score":  # a reward model generates nothing
+        if head == "causal_lm":  # a reward model or a critic generates nothing
             try:  # sampling defaults from the source model when it has them
                 GenerationConfig.from_pretrained(model_source or tokenizer_source).save_pretrained(
                     tmp

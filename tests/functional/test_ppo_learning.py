@@ -81,6 +81,29 @@ def test_ppo_learns_and_its_critic_follows_the_rewards(baseline):
     mid, last = steps[STEPS // 2 - 1]["critic/lr"] / 1e-3, steps[-1]["critic/lr"] / 1e-3
     assert 0.4 < mid < 0.7 and last < 0.15, (mid, last)
     assert (out / "ckpt" / f"step_{STEPS}" / "critic").is_dir()
+    _check_exported_critic(out / "ckpt" / "final_critic_hf", late)
+
+
+def _check_exported_critic(folder, late):
+    """``final_critic_hf`` loads as a token classifier whose values are the trained critic's:
+    on prompts, its mean value near the late steps' (a new head gives ~0.03 here, the trained
+    one the mean reward, ~0.2-0.3)."""
+    import torch
+    from transformers import AutoModelForTokenClassification, AutoTokenizer
+
+    model = AutoModelForTokenClassification.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert model.config.num_labels == 1
+    from tempering.models.tiny_arith import make_problems
+
+    prompts = [p["prompt"] for p in make_problems(16, seed=0, split="test")]
+    ids = tokenizer(prompts, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        values = model(**ids).logits[..., 0]
+    last = ids["attention_mask"].sum(1) - 1  # the state before the answer's first token
+    mean = float(values[torch.arange(len(prompts)), last].mean())
+    want = sum(r["critic/values_mean"] for r in late) / len(late)
+    assert abs(mean - want) < 0.1 and mean > 0.1, (mean, want)
 
 
 def test_a_killed_ppo_run_resumes_its_policy_and_critic_exactly(baseline, tmp_path):

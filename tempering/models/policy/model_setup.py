@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from tempering.models.export import AUTO_CLASSES
 from tempering.models.families import tp_plan_for
 from tempering.models.hf import decoder_layers
 from tempering.models.policy.gated_mlp import use_lean_gated_mlp
@@ -58,7 +59,7 @@ LEAN_MIN_BYTES = 4 << 20
 # model: AutoModelForSequenceClassification with one label, trained with BradleyTerryLoss), or
 # one value per token (a PPO critic: AutoModelForTokenClassification with one label, trained
 # with ValueLoss).
-HEADS = ("causal_lm", "score", "value")
+HEADS = tuple(AUTO_CLASSES)  # causal_lm, score (a reward model), value (a PPO critic)
 
 
 def check_options(precision: str, head: str, pad_token_id: int | None) -> None:
