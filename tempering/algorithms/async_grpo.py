@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from tempering.algorithms import grpo, grpo_scoring, ppo_critic
+from tempering.algorithms import grpo, grpo_learning, grpo_scoring, ppo_critic
 from tempering.algorithms.dynamic_sampling import mask_overlong_samples
 from tempering.distributed.batched_data_dict import BatchedDataDict
 from tempering.experience.collector import RolloutCollector
@@ -168,7 +168,7 @@ class AsyncSteps:
             extra["train/deadline_cut_groups"] = float(cut.any(1).sum())
         rewards_seen = batch["rewards"]
         with self.phases.phase("trainer", "train", step):  # (PPO: the critic's turns too)
-            data, train_metrics, critic_metrics = grpo.learn_from(
+            data, train_metrics, critic_metrics = grpo_learning.learn_from(
                 run, batch, self.loss_fn, timer, step
             )
         if self.in_flight:  # the refit goes to the batch in progress: nothing to wait for

@@ -31,6 +31,7 @@ import torch
 from tempering.algorithms import common, ppo_critic
 from tempering.algorithms import grpo_scoring as scoring
 from tempering.algorithms.dynamic_sampling import DynamicSampler, mask_overlong_samples
+from tempering.algorithms.grpo_learning import learn_from, samples_per_step
 from tempering.algorithms.reward_shaping import shape_rewards, shaping_metrics
 from tempering.algorithms.signal_watch import SignalWatch, step_signal
 from tempering.config.schemas import GRPOMasterConfig
@@ -177,9 +178,9 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any], plan: Any = None) -> 
         init_reference_model=has_reference(cfg),  # a KL penalty in the loss or PPO's reward
         seed=cfg.grpo.seed,
         gpu_share=plan.gpu_share,
-        samples_per_step=cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt,
+        samples_per_step=samples_per_step(cfg),
     )
-    critic = ppo_critic.build(cfg, cluster, plan)  # None without critic.enabled
+    critic = ppo_critic.build(cfg, cluster, plan, samples_per_step(cfg))  # None: no critic
     _warn_uncorrected_precision(cfg)
     generation = build_generation(
         cfg.policy, policy, model_path, tokenizer, plan, cfg.cluster,
@@ -460,16 +461,6 @@ def summary_text(s: dict[str, Any], cfg: GRPOMasterConfig) -> str:
     return "\n".join(lines)
 
 
-TRAIN_KEYS = (
-    "input_ids",
-    "input_lengths",
-    "token_mask",
-    "sample_mask",
-    "advantages",
-    "generation_logprobs",
-)
-
-
 def step_seed(seed: int, step: int) -> int:
     """The sampling seed of GRPO step ``step`` (1-based) of a run seeded ``seed``."""
     return (seed * 1_000_003 + step) % 2**31
@@ -507,32 +498,6 @@ def grpo_step(run: GRPORun, loss_fn: Any, step: int | None = None) -> dict[str, 
     metrics.update(server_metrics(run.chat, server_before))
     watch_signal(run, step or 0, problems, logs_seen, rewards_seen, metrics)
     return metrics
-
-
-def learn_from(
-    run: GRPORun, batch: Any, loss_fn: Any, timer: Any, step: int | None
-) -> tuple[Any, dict[str, float], dict[str, float]]:
-    """What a step learns from its scored batch (synchronous and asynchronous GRPO alike):
-    with a critic (PPO), its GAE advantages first and its value steps last; the policy's
-    update between, except in the critic's warm-up. Returns (the policy's train data, its
-    metrics, the ``critic/*`` metrics)."""
-    critic_metrics: dict[str, float] = {}
-    warming = ppo_critic.warming_up(run.cfg, step)  # PPO's first steps: the critic's only
-    if run.critic is not None:  # PPO: GAE advantages from the critic's values
-        with timer.time("values"):
-            critic_metrics = ppo_critic.advantages(run.cfg, run.critic, batch, run.policy)
-        critic_metrics["critic/warming_up"] = float(warming)
-    data = BatchedDataDict({k: batch[k] for k in TRAIN_KEYS})
-    if "reference_policy_logprobs" in batch and run.cfg.loss_fn.reference_policy_kl_penalty:
-        data["reference_policy_logprobs"] = batch["reference_policy_logprobs"]  # PPO's, reused
-    train_metrics: dict[str, float] = {}
-    if not warming:
-        behaviour_logprobs(run, data, timer)
-        train_metrics = train_policy(run, data, loss_fn, timer)
-    if run.critic is not None:
-        with timer.time("critic"):
-            critic_metrics.update(ppo_critic.train(run.critic, batch))
-    return data, train_metrics, critic_metrics
 
 
 def sample_batch(run: GRPORun, timer: Any, step: int | None) -> tuple[list[Problem], Any]:
@@ -587,32 +552,6 @@ def refill_zero_variance_groups(
     return BatchedDataDict(result.batch), {
         f"train/{k}": float(v) for k, v in result.metrics.items()
     }
-
-
-def behaviour_logprobs(run: GRPORun, data: Any, timer: Any) -> None:
-    """``data["prev_logprobs"]`` from the trainer, when the batch spans several optimizer steps.
-
-    One optimizer step per rollout batch (the usual case) trains on-policy: the behaviour
-    policy IS the current one, and ClippedPGLoss takes its log-probs from the train forward
-    itself (detached), which saves a whole forward pass per step. More steps per batch train
-    later steps on older samples and need the recomputed log-probs."""
-    with timer.time("logprobs"):
-        faults.maybe_fault("controller", "logprobs")
-        if data.size > run.cfg.policy.train_global_batch_size:
-            data["prev_logprobs"] = run.policy.get_logprobs(
-                data, temperature=run.cfg.policy.generation.temperature
-            )["logprobs"]
-
-
-def train_policy(run: GRPORun, data: Any, loss_fn: Any, timer: Any) -> dict[str, float]:
-    """`policy.train` on the batch. The KL term's reference log-probs are computed by the
-    workers per micro-batch, right before its forward (the reference is frozen, so when does
-    not matter), unless the batch has them already (PPO's KL in the reward)."""
-    with timer.time("train"):
-        faults.maybe_fault("controller", "train")
-        kl = run.cfg.loss_fn.reference_policy_kl_penalty > 0
-        kl = kl and "reference_policy_logprobs" not in data
-        return run.policy.train(data, loss_fn, with_reference=kl)
 
 
 def refit_generation(run: GRPORun, timer: Any) -> None:

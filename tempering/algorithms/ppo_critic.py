@@ -32,8 +32,9 @@ from typing import Any
 from tempering.config.schemas import GRPOMasterConfig
 
 
-def build(cfg: GRPOMasterConfig, cluster: Any, plan: Any) -> Any:
-    """The run's `Critic` on the policy's bundles, or None without ``critic.enabled``."""
+def build(cfg: GRPOMasterConfig, cluster: Any, plan: Any, samples_per_step: int) -> Any:
+    """The run's `Critic` on the policy's bundles, or None without ``critic.enabled``;
+    ``samples_per_step`` (`grpo.samples_per_step`) sizes its lr schedule."""
     from tempering.algorithms.common import build_policy_from_config
     from tempering.models.policy.critic import Critic
 
@@ -53,9 +54,9 @@ def build(cfg: GRPOMasterConfig, cluster: Any, plan: Any) -> Any:
     policy = build_policy_from_config(
         critic_cfg, cluster, total_steps=cfg.grpo.max_num_steps, seed=cfg.grpo.seed,
         name_prefix="critic", head="value", gpu_share=plan.gpu_share, cpu_share=0,
-        samples_per_step=cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt,
+        samples_per_step=samples_per_step,
     )  # fmt: skip
-    return Critic(policy, cfg.critic.value_clip)
+    return Critic(policy, cfg.critic.value_clip, passes=cfg.grpo.num_iterations)
 
 
 def warming_up(cfg: GRPOMasterConfig, step: int | None) -> bool:

@@ -152,6 +152,12 @@ class GRPOConfig(Section):
         "them over the batch's generated tokens)",
     )  # fmt: skip
     use_leave_one_out_baseline: bool = True
+    num_iterations: int = Field(
+        1, ge=1, description="passes over each step's batch (the GRPO paper's mu, TRL's "
+        "num_iterations, verl's ppo_epochs), each in train_global_batch_size mini-batches; "
+        "after the first, the policy trains off its sampler, clipped against the log-probs it "
+        "had before the step (a critic takes as many passes)",
+    )  # fmt: skip
     val_period: int = Field(10, ge=0)
     val_at_start: bool = True
     max_val_samples: int = Field(256, ge=1)

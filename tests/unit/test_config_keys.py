@@ -86,6 +86,7 @@ ALGORITHM_MODULES: dict[type, tuple[str, ...]] = {
     schemas.GRPOMasterConfig: (
         *_SHARED,
         "tempering/algorithms/grpo.py",
+        "tempering/algorithms/grpo_learning.py",
         "tempering/algorithms/async_grpo.py",
         "tempering/algorithms/launch.py",
         "tempering/algorithms/dynamic_sampling.py",

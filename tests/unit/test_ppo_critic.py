@@ -273,10 +273,10 @@ def test_gae_takes_a_reward_on_every_token_too():
 def test_the_reward_kls_reference_log_probs_serve_the_losss_kl_term_too():
     """With both ``critic.reward_kl_coef`` and the loss's KL penalty, the frozen reference's
     log-probs are computed once a step: `ppo_critic.advantages` leaves them in the batch and
-    `grpo.train_policy` trains without asking the workers for them again."""
+    `grpo_learning.train_policy` trains without asking the workers for them again."""
     from types import SimpleNamespace
 
-    from tempering.algorithms import grpo, ppo_critic
+    from tempering.algorithms import grpo_learning, ppo_critic
     from tempering.config.schemas import GRPOMasterConfig
     from tempering.distributed.batched_data_dict import BatchedDataDict
     from tempering.utils.timers import Timer
@@ -305,7 +305,9 @@ def test_the_reward_kls_reference_log_probs_serve_the_losss_kl_term_too():
     assert metrics["critic/reward_kl"] == pytest.approx(-0.5)
     data = BatchedDataDict({"reference_policy_logprobs": batch["reference_policy_logprobs"]})
     run = SimpleNamespace(cfg=cfg, policy=Policy())
-    grpo.train_policy(run, data, None, Timer())
+    grpo_learning.train_policy(run, data, None, Timer())
     assert calls == ["reference", ("train", False, True)]
-    grpo.train_policy(run, BatchedDataDict({}), None, Timer())  # GRPO's KL: the workers' call
+    grpo_learning.train_policy(
+        run, BatchedDataDict({}), None, Timer()
+    )  # GRPO's KL: the workers' call
     assert calls[-1] == ("train", True, False)

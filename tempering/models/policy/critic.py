@@ -28,9 +28,10 @@ CRITIC_KEYS = ("input_ids", "input_lengths", "token_mask", "sample_mask", "retur
 class Critic:
     """Values and `ValueLoss` steps over a `Policy` whose workers have a value head."""
 
-    def __init__(self, policy: Policy, value_clip: float | None = 0.2) -> None:
+    def __init__(self, policy: Policy, value_clip: float | None = 0.2, passes: int = 1) -> None:
         self.policy = policy
         self.loss_fn = ValueLoss(value_clip)
+        self.passes = passes  # over each batch (grpo.num_iterations)
 
     def values(self, data: BatchedDataDict) -> BatchedDataDict:
         """``{"values": [B, S]}`` in the order of `data` (each data-parallel rank its shard)."""
@@ -40,8 +41,11 @@ class Critic:
 
     def train(self, data: BatchedDataDict) -> dict[str, float]:
         """`ValueLoss` optimizer steps on `data` (`CRITIC_KEYS`), as the policy's batch sizes
-        split it."""
-        return self.policy.train(BatchedDataDict({k: data[k] for k in CRITIC_KEYS}), self.loss_fn)
+        split it, ``passes`` times over."""
+        rows = BatchedDataDict({k: data[k] for k in CRITIC_KEYS})
+        if self.passes > 1:
+            rows = BatchedDataDict.from_batches([rows] * self.passes)
+        return self.policy.train(rows, self.loss_fn)
 
     def save_checkpoint(self, path: str) -> None:
         self.policy.save_checkpoint(path)
