@@ -344,6 +344,7 @@ def _same_model_diff(checkpointer: Any, step: int, config: dict[str, Any]) -> di
     diff = checkpointer.config_diff(checkpointer.step_dir(step), config)
     lora_cfg = config.get("policy", {}).get("dtensor_cfg", {}).get("lora_cfg", {})
     _refuse_another_model(checkpointer, step, diff, bool(lora_cfg.get("enabled")))
+    _refuse_another_critic(checkpointer, step, diff, config)
     return diff
 
 
@@ -379,14 +380,45 @@ def _refuse_another_model(
     )
 
 
-def _same_model(saved: Any, now: Any) -> bool:
+def _refuse_another_critic(
+    checkpointer: Any, step: int, diff: dict[str, tuple], config: dict[str, Any]
+) -> None:
+    """A PPO run resumes its checkpoint's critic: a ``critic.model_name`` of another
+    architecture or size than the one it was saved from (null: the policy's) would fail inside
+    torch.distributed.checkpoint; `CheckpointMismatchError` names it and the fix instead."""
+    from tempering.utils.checkpoint import CheckpointMismatchError
+
+    critic = config.get("critic") or {}
+    if not critic.get("enabled") or "critic.model_name" not in diff:
+        return
+    policy = config.get("policy", {}).get("model_name")
+    saved, now = (policy if v in (None, "(absent)") else v for v in diff["critic.model_name"])
+    if _same_model(saved, now, _HEAD_KEYS):  # the same body: its head is the critic's own
+        return
+    had = diff["critic.model_name"][0]
+    folder = checkpointer.checkpoint_dir
+    raise CheckpointMismatchError(
+        f"checkpointing.checkpoint_dir={str(folder)!r} holds step {step} of a PPO run whose "
+        f"critic started from {saved!r}, and critic.model_name now names {now!r}: a checkpoint "
+        f"resumes only its own critic. Fix: give this run its own folder, e.g. "
+        f"checkpointing.checkpoint_dir={str(folder)}_2; to resume that run, give "
+        f"critic.model_name={'null' if had in (None, '(absent)') else repr(had)}."
+    )
+
+
+# config.json keys of a model's head, not its body (a critic's folder vs a causal LM's)
+_HEAD_KEYS = frozenset({"architectures", "num_labels", "id2label", "label2id",
+                        "classifier_dropout", "problem_type"})  # fmt: skip
+
+
+def _same_model(saved: Any, now: Any, also_ignore: frozenset[str] = frozenset()) -> bool:
     """Whether two ``policy.model_name`` values resolve to models of one architecture and
-    size (their config.json alike, names and versions aside)."""
+    size (their config.json alike, names and versions aside, and ``also_ignore``)."""
     import json
 
     from tempering.models.registry import resolve_model_path
 
-    ignore = {"_name_or_path", "transformers_version", "dtype", "torch_dtype"}
+    ignore = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", *also_ignore}
     configs = []
     for name in (saved, now):
         try:

@@ -80,6 +80,36 @@ class _Policy:
         self.loaded.append(path)
 
 
+def test_a_ppo_checkpoint_resumes_only_its_own_critic(tmp_path) -> None:
+    """critic.model_name of another size than the critic was saved from (null: the policy's)
+    is refused by name before anything loads; the same body under another name (a critic's
+    exported folder, its head's config keys aside) resumes."""
+    from tempering.algorithms.common import maybe_resume
+    from tempering.utils.checkpoint import CheckpointMismatchError
+
+    mgr = CheckpointManager(tmp_path / "results", save_period=1)
+    saved = {"policy": {"model_name": "tiny-arith"}, "critic": {"enabled": True}}
+    with mgr.save(3, {}, config=saved) as d:
+        (d / "policy").mkdir()
+    tiny = json.loads((Path(__file__).parents[2] / "models/tiny-arith/config.json").read_text())
+    for name, cfg in (("bigger", {**tiny, "hidden_size": 256}),
+                      ("exported", {**tiny, "architectures": ["LlamaForTokenClassification"],
+                                    "num_labels": 1, "classifier_dropout": 0.0})):  # fmt: skip
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+    policy = _Policy()
+    bigger = {**saved, "critic": {"enabled": True, "model_name": str(tmp_path / "bigger")}}
+    with pytest.raises(CheckpointMismatchError) as err:
+        maybe_resume(mgr, policy, None, bigger)
+    assert "critic started from 'tiny-arith'" in str(err.value)
+    assert "to resume that run, give critic.model_name=null" in str(err.value)
+    assert policy.loaded == []
+    exported = {**saved, "critic": {"enabled": True, "model_name": str(tmp_path / "exported")}}
+    assert maybe_resume(mgr, policy, None, exported)[0] == 3
+    off = {**bigger, "critic": {"enabled": False, "model_name": str(tmp_path / "bigger")}}
+    assert maybe_resume(mgr, policy, None, off)[0] == 3  # no critic to load
+
+
 def test_a_checkpoint_of_another_model_is_refused_by_name_with_the_fix(tmp_path) -> None:
     from tempering.algorithms.common import maybe_resume
     from tempering.utils.checkpoint import CheckpointMismatchError
