@@ -112,7 +112,7 @@ def grpo_run(request, ray_session, tmp_path_factory):
 
 def generation_vs_trainer(run, batch) -> float:
     """Largest |generation log-prob - trainer log-prob| over the generated tokens."""
-    from tempering.algorithms.grpo import TRAIN_KEYS
+    from tempering.algorithms.grpo_learning import TRAIN_KEYS
     from tempering.distributed.batched_data_dict import BatchedDataDict
 
     data = BatchedDataDict({k: batch[k] for k in TRAIN_KEYS})

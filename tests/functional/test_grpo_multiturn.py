@@ -47,7 +47,8 @@ def run(ray_session, tmp_path_factory):
 
 
 def test_multi_turn_sampler_and_trainer_logprobs_agree(run):
-    from tempering.algorithms.grpo import TRAIN_KEYS, rollout_batch
+    from tempering.algorithms.grpo import rollout_batch
+    from tempering.algorithms.grpo_learning import TRAIN_KEYS
     from tempering.distributed.batched_data_dict import BatchedDataDict
 
     batch = rollout_batch(run, run.train_problems[:8], group_size=4)
