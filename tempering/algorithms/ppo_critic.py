@@ -34,7 +34,7 @@ from tempering.config.schemas import GRPOMasterConfig
 
 def build(cfg: GRPOMasterConfig, cluster: Any, plan: Any, samples_per_step: int) -> Any:
     """The run's `Critic` on the policy's bundles, or None without ``critic.enabled``;
-    ``samples_per_step`` (`grpo.samples_per_step`) sizes its lr schedule."""
+    ``samples_per_step`` (`grpo_learning.samples_per_step`) sizes its lr schedule."""
     from tempering.algorithms.common import build_policy_from_config
     from tempering.models.policy.critic import Critic
 
