@@ -232,6 +232,20 @@ def kto_losses(
     return torch.where(desirable > 0.5, good, bad)
 
 
+def reference_point(kl_rows: Tensor, valid: Tensor) -> Tensor:
+    """KTO's reference point: the KL rows' mean log-ratio over this micro-batch of every rank
+    (TRL gathers it over processes per forward pass), clamped at 0.
+
+    Collective when torch.distributed runs several ranks: each rank calls it once per
+    micro-batch, and a pairwise loss's micro-batches are fixed-size
+    (`training.check_pairwise_batching` refuses token budgets), so every rank calls it as many
+    times. A tensor-parallel peer adds the same rows again: the mean is unchanged."""
+    stats = torch.stack([(kl_rows * valid).sum(), valid.sum()])
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(stats)
+    return (stats[0] / stats[1].clamp(min=1)).clamp(min=0)
+
+
 class KTOLoss:
     """Kahneman-Tversky Optimisation: unpaired rows, each desirable or not, against a KL
     reference point.
@@ -240,8 +254,9 @@ class KTOLoss:
     with its KL row (``2i + 1``: the example's prompt with another example's response); `data`
     needs ``input_ids``, ``token_mask``, ``sample_mask``, ``desirable`` and
     ``reference_policy_logprobs``. Per row, ``r = sum over the response of (logp - logp_ref)``;
-    the reference point ``kl`` is the mean ``r`` of this micro-batch's KL rows, clamped at 0
-    and detached (no gradient flows through it: TRL's estimate, per forward pass); then
+    the reference point ``kl`` is the mean ``r`` of this micro-batch's KL rows on every rank,
+    clamped at 0 and detached (no gradient flows through it: TRL's estimate, per forward pass,
+    gathered over processes; `reference_point`); then
     `kto_losses` per example, summed over valid examples / ``global_valid_seqs`` (which
     counts examples with their KL rows, as `count_valid_pairs` counts pairs).
 
@@ -281,7 +296,7 @@ class KTOLoss:
         ref = data["reference_policy_logprobs"].to(logprobs.dtype)
         log_ratio = ((logprobs - ref) * token_mask).sum(-1)  # [B]
         r, kl_rows = log_ratio[0::2], log_ratio[1::2]
-        kl = ((kl_rows * valid).sum() / valid.sum().clamp(min=1)).detach().clamp(min=0)
+        kl = reference_point(kl_rows.detach(), valid)
         desirable = data["desirable"][0::2].to(logprobs.dtype)
         per_example = kto_losses(r, kl, desirable, self.beta, self.desirable_weight,
                                  self.undesirable_weight)  # fmt: skip

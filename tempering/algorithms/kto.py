@@ -10,7 +10,8 @@ checkpoints); `train()` is the loop DPO and the reward model run too
   batch of rows (row 2i an example, 2i+1 its KL row: its prompt, another example's response;
   `tempering.data.unpaired.collate_kto`), ONE forward batch
   -> policy.train(KTOLoss, with_reference=True): per micro-batch the frozen reference's
-     log-probs, the reference point (the KL rows' mean log-ratio, clamped at 0, detached) and
+     log-probs, the reference point (the KL rows' mean log-ratio over the micro-batch of every
+     rank, clamped at 0, detached) and
      lambda_D (1 - sigmoid(beta (r - kl))) / lambda_U (1 - sigmoid(beta (kl - r)))
   -> log loss, kl, reward accuracy, rewards of desirable / undesirable rows
   -> validate every `kto.val_period` steps -> checkpoint.
