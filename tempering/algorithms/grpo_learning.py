@@ -79,12 +79,19 @@ def train_policy(run: Any, data: Any, loss_fn: Any, timer: Any) -> dict[str, flo
     """`policy.train` on the batch. The KL term's reference log-probs are computed by the
     workers per micro-batch, right before its forward (the reference is frozen, so when does
     not matter), unless the batch has them already (PPO's KL in the reward). With
-    ``grpo.num_iterations`` the batch is walked that many times in one call."""
+    ``grpo.num_iterations`` the batch is walked that many times in one call, the reference's
+    log-probs asked once before it rather than once a pass."""
     with timer.time("train"):
         faults.maybe_fault("controller", "train")
         kl = run.cfg.loss_fn.reference_policy_kl_penalty > 0
         kl = kl and "reference_policy_logprobs" not in data
         passes = run.cfg.grpo.num_iterations
         if passes > 1:
+            if kl:
+                temperature = run.cfg.policy.generation.temperature
+                data["reference_policy_logprobs"] = run.policy.get_reference_policy_logprobs(
+                    data, temperature
+                )["reference_policy_logprobs"]
+                kl = False
             data = BatchedDataDict.from_batches([data] * passes)
         return run.policy.train(data, loss_fn, with_reference=kl)

@@ -24,16 +24,21 @@ class _Policy:
         self.calls.append(("logprobs", data.size))
         return {"logprobs": -torch.ones(data["input_ids"].shape)}
 
+    def get_reference_policy_logprobs(self, data, temperature):
+        self.calls.append(("reference", data.size))
+        return {"reference_policy_logprobs": -2 * torch.ones(data["input_ids"].shape)}
+
     def train(self, data, loss_fn, with_reference=False):
-        self.calls.append(("train", data.size))
+        self.calls.append(("train", data.size) + (("with_reference",) if with_reference else ()))
         self.trained = data
         return {}
 
 
-def _run(passes: int, gbs: int = 4) -> tuple[object, BatchedDataDict]:
+def _run(passes: int, gbs: int = 4, kl: float = 0.0) -> tuple[object, BatchedDataDict]:
     cfg = GRPOMasterConfig(
         grpo={"num_prompts_per_step": 2, "num_generations_per_prompt": 2, "num_iterations": passes},
         policy={"train_global_batch_size": gbs, "train_micro_batch_size": gbs},
+        loss_fn={"reference_policy_kl_penalty": kl},
     )  # fmt: skip
     from types import SimpleNamespace
 
@@ -69,3 +74,16 @@ def test_a_critic_takes_as_many_passes():
                                            "sample_mask", "returns", "prev_values")}  # fmt: skip
     Critic(policy, passes=2).train(BatchedDataDict(rows))
     assert policy.calls == [("train", 8)]
+
+
+def test_the_kl_terms_reference_is_asked_once_for_every_pass():
+    """The reference is frozen: with a KL penalty its log-probs come in one call before the
+    passes, not from the workers once per pass (one pass: the workers' own, per micro-batch)."""
+    run, data = _run(passes=2, kl=0.01)
+    grpo_learning.train_policy(run, data, None, Timer())
+    assert run.policy.calls == [("reference", 4), ("train", 8)]
+    torch.testing.assert_close(run.policy.trained["reference_policy_logprobs"],
+                               -2 * torch.ones(8, 3))  # fmt: skip
+    run, data = _run(passes=1, kl=0.01)
+    grpo_learning.train_policy(run, data, None, Timer())
+    assert run.policy.calls == [("train", 4, "with_reference")]
