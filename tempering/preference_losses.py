@@ -123,8 +123,9 @@ class DPOLoss:
     `count_valid_pairs`), not samples. ``beta`` is NeMo RL's ``reference_policy_kl_penalty``.
     Metrics: ``loss``, ``preference_loss``, ``sft_loss`` (both globally normalised),
     ``preference_accuracy``, ``rewards_chosen_mean``, ``rewards_rejected_mean``,
-    ``reward_margin``, ``reference_logprob_accuracy`` (pairs whose chosen answer the
-    reference finds more likely; means over this micro-batch's valid pairs), ``num_valid_pairs``.
+    ``reward_margin``, ``logprob_accuracy`` and ``reference_logprob_accuracy`` (pairs whose
+    chosen answer the policy, and the reference, finds more likely by the same sum or mean of
+    log-probs; means over this micro-batch's valid pairs), ``num_valid_pairs``.
     """
 
     loss_type: LossType = "sequence"
@@ -202,6 +203,9 @@ class DPOLoss:
                 "rewards_chosen_mean": masked_mean(r_chosen, pair_mask),
                 "rewards_rejected_mean": masked_mean(r_rejected, pair_mask),
                 "reward_margin": masked_mean(margin, pair_mask),
+                "logprob_accuracy": masked_mean(
+                    (seq_lp[0::2] > seq_lp[1::2]).to(margin.dtype), pair_mask
+                ),
                 "num_valid_pairs": float(pair_mask.sum().item()),
             }
             if self.preference_loss_type == "orpo":

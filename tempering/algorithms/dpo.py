@@ -58,9 +58,10 @@ VAL_METRICS = (
     "rewards_chosen_mean",
     "rewards_rejected_mean",
     "log_odds_ratio",  # ORPO's only
+    "logprob_accuracy",
+    "reference_logprob_accuracy",  # not SimPO's or ORPO's (no reference)
 )
 TRAIN_METRICS = (
-    "reference_logprob_accuracy",
     *VAL_METRICS,
     "grad_norm",
     "lr",
@@ -121,30 +122,28 @@ def train(run: PreferenceRun) -> dict[str, Any]:
 
 
 def validate(run: PreferenceRun, step: int) -> dict[str, float]:
-    """Held-out DPO loss and preference accuracy (no update) and, where answers are known
-    (arithmetic), greedy accuracy."""
+    """Held-out DPO loss and preference accuracy (no update; the reference's log-probs of the
+    held-out pairs computed once a run, `preference.held_out_reference`) and, where answers
+    are known (arithmetic), greedy accuracy."""
     cfg = run.cfg.dpo
-    gbs = cfg.val_global_batch_size
     batch = preference_batch(
         preference.held_out(run), run.tokenizer, run.cfg.policy.max_total_sequence_length
     )
-    m = dpo_step(
-        run.model,
+    loss_fn = make_loss(run.cfg)
+    if loss_fn.needs_reference:
+        batch["reference_policy_logprobs"] = preference.held_out_reference(run, batch)
+    m = run.model.train(
         batch,
-        make_loss(run.cfg),
+        loss_fn,
         eval_mode=True,
-        global_batch_size=gbs,
+        global_batch_size=cfg.val_global_batch_size,
         micro_batch_size=cfg.val_micro_batch_size,
     )
+    # logprob_accuracy: the policy's own ranking, meaningful at step 0 (unlike the implicit
+    # reward's); reference_logprob_accuracy: what the reference already ranks right, the
+    # floor preference learning starts from (none without a reference: SimPO's start is the
+    # policy's own)
     out = {k: m[k] for k in VAL_METRICS if k in m}
-    logprobs = run.model.get_logprobs(batch)["logprobs"]
-    out["logprob_accuracy"] = likelihood_preference_accuracy(
-        logprobs, batch, cfg.preference_average_log_probs
-    )
-    # what the reference already ranks right: the floor preference learning starts from
-    # (none without a reference: SimPO's start is the policy's own, `logprob_accuracy`)
-    if "reference_logprob_accuracy" in m:
-        out["reference_logprob_accuracy"] = m["reference_logprob_accuracy"]
     if cfg.val_greedy_accuracy and run.data.val_problems:
         out.update(greedy_accuracy(run))
     run.logger.log_metrics(out, step, prefix="val")

@@ -139,10 +139,13 @@ def make_loss(cfg: KTOMasterConfig) -> Any:
     return KTOLoss(cfg.kto.beta, cfg.kto.desirable_weight, cfg.kto.undesirable_weight)
 
 
-def kto_step(policy: Any, batch: Any, loss_fn: Any, **train_kwargs: Any) -> dict[str, float]:
-    """One `policy.train` call with the reference's log-probs; the rewards' means per label
-    from the loss's exact sums (a label absent from the batch has none)."""
-    metrics = policy.train(batch, loss_fn, with_reference=True, **train_kwargs)
+def kto_step(
+    policy: Any, batch: Any, loss_fn: Any, with_reference: bool = True, **train_kwargs: Any
+) -> dict[str, float]:
+    """One `policy.train` call with the reference's log-probs (computed per micro-batch, or
+    already in ``batch`` without ``with_reference``); the rewards' means per label from the
+    loss's exact sums (a label absent from the batch has none)."""
+    metrics = policy.train(batch, loss_fn, with_reference=with_reference, **train_kwargs)
     for label in ("desirable", "undesirable"):
         if metrics.get(f"num_{label}"):
             metrics[f"rewards_{label}_mean"] = (
@@ -163,15 +166,18 @@ def train(run: PreferenceRun) -> dict[str, Any]:
 def validate(run: PreferenceRun, step: int) -> dict[str, float]:
     """Held-out KTO loss, kl and rewards (no update); the held-out pairs' log-prob accuracy,
     the policy's and the reference's, where the rows came from pairs; greedy accuracy where
-    answers are known (arithmetic)."""
+    answers are known (arithmetic). The reference's log-probs of both are computed once a run
+    (`preference.held_out_reference`)."""
     cfg = run.cfg.kto
     rows = preference.held_out(run)
     max_len = run.cfg.policy.max_total_sequence_length
     batch = kto_batch(rows, run.tokenizer, max_len)
+    batch["reference_policy_logprobs"] = preference.held_out_reference(run, batch)
     m = kto_step(
         run.model,
         batch,
         make_loss(run.cfg),
+        with_reference=False,
         eval_mode=True,
         global_batch_size=cfg.val_global_batch_size,
         micro_batch_size=cfg.val_micro_batch_size,
@@ -181,7 +187,7 @@ def validate(run: PreferenceRun, step: int) -> dict[str, float]:
         # the pairs the rows came from (unpair keeps a pair's two rows together, in order)
         pairs = preference_batch(run.data.val_pairs[: len(rows) // 2], run.tokenizer, max_len)
         logprobs = run.model.get_logprobs(pairs)["logprobs"]
-        reference = run.model.get_reference_policy_logprobs(pairs)["reference_policy_logprobs"]
+        reference = preference.held_out_reference(run, pairs, "pairs")
         out["logprob_accuracy"] = likelihood_preference_accuracy(logprobs, pairs, False)
         out["reference_logprob_accuracy"] = likelihood_preference_accuracy(reference, pairs, False)
     if cfg.val_greedy_accuracy and run.data.val_problems:

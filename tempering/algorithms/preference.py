@@ -168,6 +168,7 @@ class PreferenceRun:
     final_step: int = 0
     monitor: Any = None  # per-role resource metrics (logger.monitor_gpus)
     generation: Any = None  # DPO, KTO: colocated greedy generation at validation, built once
+    val_reference: dict[str, Any] = field(default_factory=dict)  # `held_out_reference`'s
 
     @property
     def section(self) -> Any:
@@ -190,6 +191,17 @@ def held_out(run: PreferenceRun) -> list[Any]:
     n = common.whole_batches(len(run.data.val), section.val_global_batch_size // 2,
                              section.val_batches)  # fmt: skip
     return run.data.val[:n]
+
+
+def held_out_reference(run: PreferenceRun, batch: Any, key: str = "rows") -> Any:
+    """The frozen reference's log-probs of a held-out batch (``[B, S]``), asked of the workers
+    at the run's first validation and kept: neither the reference nor the held-out rows change,
+    so each later validation runs the policy alone (a resumed run asks once again). ``key``
+    names the batch (KTO validates its rows and the pairs they came from)."""
+    if key not in run.val_reference:
+        out = run.model.get_reference_policy_logprobs(batch)
+        run.val_reference[key] = out["reference_policy_logprobs"]
+    return run.val_reference[key]
 
 
 def before_after(start: dict[str, float], end: dict[str, float], key: str) -> str:

@@ -284,6 +284,44 @@ def test_dpo_step_uses_frozen_reference_and_learns_a_fixed_batch(worker, tiny_ar
     assert last["reward_margin"] > 0
     # the implicit reward is beta * (logp - logp_ref): chosen up relative to rejected
     assert last["rewards_chosen_mean"] > last["rewards_rejected_mean"]
+    # the policy's own ranking, from the loss (validation reads it there)
+    evals = dpo_step(
+        worker, batch, loss_fn, eval_mode=True, global_batch_size=32, micro_batch_size=8
+    )
+    policy_accuracy = likelihood_preference_accuracy(
+        worker.get_logprobs(batch)["logprobs"], batch, False
+    )
+    assert evals["logprob_accuracy"] == pytest.approx(policy_accuracy)
+    assert policy_accuracy > reference_accuracy  # it learnt: the two figures differ
+    # validation's way: the reference's log-probs asked once and carried in the batch
+    # (`preference.held_out_reference`) give what the per-micro-batch reference gives
+    carried = preference_batch(pairs, tokenizer, 32)
+    carried["reference_policy_logprobs"] = ref_now
+    kept = worker.train(carried, loss_fn, eval_mode=True, global_batch_size=32, micro_batch_size=8)
+    for key in ("loss", "preference_accuracy", "reward_margin", "logprob_accuracy",
+                "reference_logprob_accuracy"):  # fmt: skip
+        assert kept[key] == pytest.approx(evals[key], abs=1e-5), key
+
+
+def test_held_out_reference_is_asked_once_a_run():
+    """Neither the frozen reference nor the held-out rows change: validations after the first
+    run the policy alone."""
+    from types import SimpleNamespace
+
+    from tempering.algorithms.preference import PreferenceRun, held_out_reference
+
+    asked = []
+
+    def reference_logprobs(batch):
+        asked.append(batch)
+        return {"reference_policy_logprobs": torch.full((2, 3), float(len(asked)))}
+
+    run = PreferenceRun(None, {}, "dpo", None, None, None, None)
+    run.model = SimpleNamespace(get_reference_policy_logprobs=reference_logprobs)
+    first = held_out_reference(run, "rows")
+    assert held_out_reference(run, "rows") is first and len(asked) == 1
+    assert torch.equal(held_out_reference(run, "pairs", "pairs"), torch.full((2, 3), 2.0))
+    assert held_out_reference(run, "rows") is first and len(asked) == 2
 
 
 def parity_pairs(path: Path, n: int, seed: int) -> str:

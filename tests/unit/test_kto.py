@@ -231,6 +231,17 @@ def test_kto_step_starts_at_one_half_and_learns_a_fixed_batch(tiny_arith_dir, mo
         assert last["loss"] < 0.45
         assert last["rewards_desirable_mean"] > last["rewards_undesirable_mean"] + 0.1
         assert last["reward_accuracy"] > 0.8
+        # validation's way: the reference's log-probs asked once and carried in the batch
+        # (`preference.held_out_reference`) give what the per-micro-batch reference gives
+        evals = kto.kto_step(worker, batch, loss_fn, eval_mode=True, **kwargs)
+        carried = collate_kto(rows, load_tokenizer(tiny_arith_dir), 32)
+        ref = worker.get_reference_policy_logprobs(carried)["reference_policy_logprobs"]
+        carried["reference_policy_logprobs"] = ref
+        kept = kto.kto_step(worker, carried, loss_fn, with_reference=False, eval_mode=True,
+                            **kwargs)  # fmt: skip
+        for key in ("loss", "kl", "rewards_desirable_mean", "rewards_undesirable_mean"):
+            assert kept[key] == pytest.approx(evals[key], abs=1e-5), key
+        assert evals["loss"] == pytest.approx(last["loss"], abs=0.05)  # no update in eval mode
     finally:
         worker.shutdown()
 
