@@ -349,11 +349,14 @@ class ClippedPGLoss:
 
     Refused combinations (`off_policy_loss_problems`, the same rules as the config): a type
     without the correction, a bound without a type, icepop/seq-mask-tis without a lower bound,
-    lo > hi, seq-mask-tis with GSPO, GSPO with ``loss_type="token"``.
+    lo > hi, seq-mask-tis with GSPO, GSPO or ``length_normalizer`` with ``loss_type="token"``.
 
     Normalisation: ``loss_type="token"`` sums per_token over valid tokens and divides by
     ``global_valid_toks``; ``loss_type="sequence"`` averages each sequence's valid tokens,
-    sums over valid sequences and divides by ``global_valid_seqs``.
+    sums over valid sequences and divides by ``global_valid_seqs``. ``length_normalizer`` L
+    (Dr. GRPO; sequence-level only) divides each sequence's token sum by L instead of by its
+    length: ``sum over valid tokens / (global_valid_seqs * L)``, so a token's gradient does
+    not grow as its answer shortens.
 
     Metrics: ``loss``, ``kl_penalty`` and (with a bonus) ``entropy_bonus``, its
     ``entropy_coeff * reduce(entropy)`` (both globally normalised like the loss), ``clip_fraction``
@@ -386,6 +389,7 @@ class ClippedPGLoss:
         sequence_level_importance_ratios: bool = False,
         temperature: float = 1.0,
         entropy_coeff: float = 0.0,
+        length_normalizer: int | None = None,
     ) -> None:
         if entropy_coeff < 0:
             raise ValueError(
@@ -417,7 +421,10 @@ class ClippedPGLoss:
             truncated_importance_sampling_ratio_min=truncated_importance_sampling_ratio_min,
             sequence_level_importance_ratios=sequence_level_importance_ratios,
             token_level_loss=loss_type == "token",
+            length_normalizer=length_normalizer,
         )
+        if length_normalizer is not None and length_normalizer < 1:
+            problems.append(f"length_normalizer={length_normalizer} must be >= 1 (tokens)")
         if problems:  # token_level_loss=true is loss_type='token' here
             raise ValueError("ClippedPGLoss: " + "; ".join(problems))
         self.ratio_clip_min = ratio_clip_min
@@ -433,6 +440,7 @@ class ClippedPGLoss:
         self.sequence_level_importance_ratios = sequence_level_importance_ratios
         self.temperature = temperature
         self.entropy_coeff = entropy_coeff
+        self.length_normalizer = length_normalizer
 
     def __call__(
         self,
@@ -540,9 +548,14 @@ class ClippedPGLoss:
         if self.loss_type == "token":
             return (per_token * mask).sum() / as_tensor_like(global_valid_toks, per_token)
         tokens_per_seq = mask.sum(-1)  # [B]
-        seq_mean = (per_token * mask).sum(-1) / tokens_per_seq.clamp(min=1)  # [B]
+        length = (
+            tokens_per_seq.clamp(min=1)
+            if self.length_normalizer is None
+            else self.length_normalizer
+        )
+        seq_term = (per_token * mask).sum(-1) / length  # [B]: the mean, or Dr. GRPO's sum / L
         seq_valid = (tokens_per_seq > 0).to(per_token.dtype)
-        return (seq_mean * seq_valid).sum() / as_tensor_like(global_valid_seqs, per_token)
+        return (seq_term * seq_valid).sum() / as_tensor_like(global_valid_seqs, per_token)
 
 
 # --------------------------------------------------------------------------------------------

@@ -290,6 +290,7 @@ def make_loss(cfg: GRPOMasterConfig) -> Any:
         sequence_level_importance_ratios=lf.sequence_level_importance_ratios,
         temperature=cfg.policy.generation.temperature,  # the trainer's logits at the sampler's
         entropy_coeff=lf.entropy_coeff,
+        length_normalizer=lf.length_normalizer,
     )
 
 

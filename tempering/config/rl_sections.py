@@ -259,6 +259,7 @@ def off_policy_loss_problems(
     truncated_importance_sampling_ratio_min: float | None,
     sequence_level_importance_ratios: bool,
     token_level_loss: bool,
+    length_normalizer: int | None = None,
 ) -> list[str]:
     """What is wrong with a combination of the GRPO loss's off-policy options (NeMo RL's rules).
 
@@ -318,6 +319,11 @@ def off_policy_loss_problems(
             "sequence_level_importance_ratios=true (GSPO) needs the sequence-level loss: set "
             "token_level_loss=false"
         )
+    if length_normalizer is not None and token_level_loss:
+        out.append(
+            f"length_normalizer={length_normalizer} (Dr. GRPO) divides each sequence's token sum "
+            "in the sequence-level loss: set token_level_loss=false"
+        )
     return out
 
 
@@ -330,6 +336,14 @@ class LossFnConfig(Section):
     ratio_clip_max: float = Field(0.2, ge=0, description="> ratio_clip_min = DAPO clip-higher")
     ratio_clip_c: float | None = Field(None, gt=1, description="dual-clip constant (> 1)")
     token_level_loss: bool = True
+    length_normalizer: int | None = Field(
+        None,
+        ge=1,
+        description="Dr. GRPO (TRL's loss_type='dr_grpo', verl's seq-mean-token-sum-norm): "
+        "each sequence's token terms summed and divided by this constant (TRL: "
+        "max_completion_length) instead of averaged over its own length, so a token weighs "
+        "the same in a long answer as in a short one (needs token_level_loss=false)",
+    )
     use_importance_sampling_correction: bool = Field(
         False, description="weight each token by pi_trainer_old / pi_generator (off-policy data)"
     )
@@ -365,6 +379,7 @@ class LossFnConfig(Section):
             truncated_importance_sampling_ratio_min=self.truncated_importance_sampling_ratio_min,
             sequence_level_importance_ratios=self.sequence_level_importance_ratios,
             token_level_loss=self.token_level_loss,
+            length_normalizer=self.length_normalizer,
         )
         if problems:
             raise ValueError("; ".join(problems))

@@ -157,9 +157,22 @@ def hand_entropy_grad(logits: torch.Tensor, b: int, t: int) -> torch.Tensor:
     return -sum(torch.exp(row[v] - norm) * (row[v] - norm) for v in range(row.shape[0]))
 
 
+DR_GRPO_L = 6  # Dr. GRPO's constant length (longer than every response of the batch)
+
+
+def pg_loss(level: str, **kwargs) -> ClippedPGLoss:
+    """A ClippedPGLoss reduced per `level`: token, sequence or dr_grpo (sequence-level with
+    `length_normalizer`)."""
+    return ClippedPGLoss(
+        loss_type="token" if level == "token" else "sequence",
+        length_normalizer=DR_GRPO_L if level == "dr_grpo" else None,
+        **kwargs,
+    )
+
+
 def hand_pg(logits, data, lo, hi, c, beta, estimator, level, cap, use_is, ent_coeff=0.0):
-    """Per-token clipped PG + KL (- the entropy bonus), reduced per `level`, all written out
-    as scalar ops."""
+    """Per-token clipped PG + KL (- the entropy bonus), reduced per `level` (dr_grpo: each
+    sequence's sum over DR_GRPO_L, not its mean), all written out as scalar ops."""
     per_seq, total, n_tok, n_seq = [], 0.0, 0, 0
     for b in range(B):
         seq_sum, seq_n = 0.0, 0
@@ -194,7 +207,7 @@ def hand_pg(logits, data, lo, hi, c, beta, estimator, level, cap, use_is, ent_co
             seq_n += 1
             n_tok += 1
         if seq_n:
-            per_seq.append(seq_sum / seq_n)
+            per_seq.append(seq_sum / (DR_GRPO_L if level == "dr_grpo" else seq_n))
             n_seq += 1
     if level == "token":
         return total / n_tok
@@ -210,18 +223,20 @@ def hand_pg(logits, data, lo, hi, c, beta, estimator, level, cap, use_is, ent_co
         ("sequence", "k3", None, True, 1.1, 0.0),
         ("token", "k3", 1.3, True, 1.2, 0.3),  # with verl's entropy bonus
         ("sequence", "k1", None, False, None, 0.2),
+        ("dr_grpo", "k3", 1.3, True, 1.2, 0.0),  # Dr. GRPO's constant length
+        ("dr_grpo", "k2", None, False, None, 0.2),
     ],
 )
 def test_clipped_pg_loss_and_grad(batch, level, estimator, c, use_is, cap, ent):
     data = pg_data(batch)
     toks, seqs = counts(data)
-    loss_fn = ClippedPGLoss(
+    loss_fn = pg_loss(
+        level,
         ratio_clip_min=0.2,
         ratio_clip_max=0.28,
         ratio_clip_c=c,
         reference_policy_kl_penalty=0.05,
         kl_estimator=estimator,
-        loss_type=level,
         use_importance_sampling_correction=use_is,
         truncated_importance_sampling_type=None if cap is None else "tis",
         truncated_importance_sampling_ratio=cap,
@@ -347,12 +362,34 @@ def test_clip_behaviour_hand_picked():
     assert loss == pytest.approx(-1.2)
 
 
-@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_dr_grpo_weighs_a_token_alike_in_long_and_short_answers():
+    """The point of Dr. GRPO's constant: with the sequence mean, a token of a 2-token answer
+    pulls 5/2 as hard as one of a 5-token answer with the same advantage (the length bias the
+    paper removes); divided by a constant, they pull alike."""
+    ids = torch.ones(2, 7, dtype=torch.long)
+    token_mask = torch.zeros(2, 7)
+    token_mask[0, 2:7], token_mask[1, 2:4] = 1, 1  # 5 tokens, 2 tokens
+    data = {"input_ids": ids, "token_mask": token_mask, "sample_mask": torch.ones(2),
+            "advantages": torch.tensor([1.0, 1.0], dtype=torch.float64)}  # fmt: skip
+    data["generation_logprobs"] = torch.zeros(2, 7, dtype=torch.float64)
+    pulls = {}
+    for level in ("sequence", "dr_grpo"):
+        logits = torch.zeros(2, 7, V, dtype=torch.float64, requires_grad=True)  # alike everywhere
+        loss, _ = pg_loss(level)(logits, data, token_mask.sum(), torch.tensor(2.0))
+        loss.backward()
+        short, long = logits.grad[1, 1, 1], logits.grad[0, 1, 1]  # the first answer token's
+        assert short < 0 and long < 0  # both pulled up
+        pulls[level] = float(short / long)
+    assert pulls["sequence"] == pytest.approx(5 / 2)
+    assert pulls["dr_grpo"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence", "dr_grpo"])
 def test_microbatch_invariance(batch, level):
     data = pg_data(batch)
     toks, seqs = counts(data)
-    loss_fn = ClippedPGLoss(
-        ratio_clip_c=1.5, reference_policy_kl_penalty=0.1, loss_type=level,
+    loss_fn = pg_loss(
+        level, ratio_clip_c=1.5, reference_policy_kl_penalty=0.1,
         use_importance_sampling_correction=True, truncated_importance_sampling_type="tis",
         truncated_importance_sampling_ratio=2.0,
     )  # fmt: skip
@@ -634,6 +671,9 @@ REFUSED = [
      "'seq-mask-tis' masks sequences but keeps per-token weights"),
     ({"sequence_level_importance_ratios": True},
      "sequence_level_importance_ratios=true (GSPO) needs the sequence-level loss"),
+    ({"length_normalizer": 512},
+     "length_normalizer=512 (Dr. GRPO) divides each sequence's token sum in the sequence-level "
+     "loss: set token_level_loss=false"),
 ]  # fmt: skip
 
 
@@ -681,6 +721,7 @@ def test_grpo_builds_the_loss_with_every_off_policy_key():
         "loss_fn.truncated_importance_sampling_ratio_min=0.5",
         "loss_fn.sequence_level_importance_ratios=true",
         "loss_fn.token_level_loss=false",
+        "loss_fn.length_normalizer=8",
     ], schema=GRPOMasterConfig)  # fmt: skip
     loss = make_loss(cfg)
     assert loss.use_importance_sampling_correction is True
@@ -689,3 +730,4 @@ def test_grpo_builds_the_loss_with_every_off_policy_key():
     assert loss.truncated_importance_sampling_ratio_min == 0.5
     assert loss.sequence_level_importance_ratios is True
     assert loss.loss_type == "sequence"
+    assert loss.length_normalizer == 8
