@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tempering.config.schemas import off_policy_loss_problems
+from tempering.config.schemas import KL_CLAMPS, kl_penalty_problems, off_policy_loss_problems
 from tempering.logits import (
     HiddenLogits,
     NextTokenLogprob,
@@ -204,23 +204,37 @@ def masked_mean(values: Tensor, mask: Tensor) -> float:
     return float(((values * mask).sum() / denom).item())
 
 
-def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator) -> Tensor:
+def kl_estimate(
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    estimator: KLEstimator,
+    input_clamp: float | None = None,
+    output_clamp: float | None = None,
+) -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) from samples drawn from pi.
 
-    With ``log r = logprobs - ref_logprobs`` (r = pi / pi_ref at the sampled token):
+    With ``log r = logprobs - ref_logprobs`` (r = pi / pi_ref at the sampled token), clamped to
+    ``[-input_clamp, input_clamp]`` when given:
 
     - ``k1 = log r``
     - ``k2 = 0.5 * (log r) ** 2``
     - ``k3 = exp(-log r) - 1 + log r`` (Schulman 2020; unbiased and always >= 0)
+
+    then clamped to ``[-output_clamp, output_clamp]`` when given (NeMo RL's ``calculate_kl``:
+    a token the reference finds e^-30 times as likely costs a bounded penalty, not exp(30)).
     """
     log_r = logprobs - ref_logprobs
+    if input_clamp is not None:
+        log_r = log_r.clamp(-input_clamp, input_clamp)
     if estimator == "k1":
-        return log_r
-    if estimator == "k2":
-        return 0.5 * log_r**2
-    if estimator == "k3":
-        return torch.exp(-log_r) - 1.0 + log_r
-    raise ValueError(f"kl estimator '{estimator}' is unknown; use one of 'k1', 'k2', 'k3'.")
+        kl = log_r
+    elif estimator == "k2":
+        kl = 0.5 * log_r**2
+    elif estimator == "k3":
+        kl = torch.exp(-log_r) - 1.0 + log_r
+    else:
+        raise ValueError(f"kl estimator '{estimator}' is unknown; use one of 'k1', 'k2', 'k3'.")
+    return kl if output_clamp is None else kl.clamp(-output_clamp, output_clamp)
 
 
 # --------------------------------------------------------------------------------------------
@@ -326,9 +340,15 @@ class ClippedPGLoss:
               value on each of its tokens, differentiated through every token's ``curr``)
       pg = max(-A * ratio, -A * clamp(ratio, 1 - ratio_clip_min, 1 + ratio_clip_max))
       if ratio_clip_c is set and A < 0:  pg = min(pg, -A * ratio_clip_c)       (dual clip)
-      kl = reference_policy_kl_penalty * kl_estimate(curr, ref, kl_estimator)
-      per_token = w * (pg + kl)
-      loss = reduce(per_token) - entropy_coeff * reduce(entropy)     (verl's entropy bonus)
+      kl = reference_policy_kl_penalty * v * kl_estimate(curr, ref, kl_estimator)
+           (the estimator's input and output clamped, ``kl_input_clamp_value`` 20 and
+           ``kl_output_clamp_value`` 10 by default as NeMo RL's; None: no clamp)
+      loss = reduce(w * pg) + reduce(kl) - entropy_coeff * reduce(entropy)   (verl's bonus)
+
+    ``v`` is 1, or with ``use_on_policy_kl_approximation`` the detached ``exp(curr - gen)``
+    (non-finite values 0): the samples come from the generator, and v makes the penalty an
+    estimate of KL(pi_theta || pi_ref) under pi_theta. The importance weight ``w`` below weighs
+    the policy-gradient term only, as NeMo RL's does.
 
     ``entropy_coeff`` > 0 rewards the current policy's entropy at the valid tokens (not
     importance-weighted), reduced like the rest, and differentiated (`token_logprobs_and_
@@ -349,7 +369,8 @@ class ClippedPGLoss:
 
     Refused combinations (`off_policy_loss_problems`, the same rules as the config): a type
     without the correction, a bound without a type, icepop/seq-mask-tis without a lower bound,
-    lo > hi, seq-mask-tis with GSPO, GSPO or ``length_normalizer`` with ``loss_type="token"``.
+    lo > hi, seq-mask-tis with GSPO, GSPO or ``length_normalizer`` with ``loss_type="token"``;
+    and (`kl_penalty_problems`) the KL options without a penalty, a clamp <= 0.
 
     Normalisation: ``loss_type="token"`` sums per_token over valid tokens and divides by
     ``global_valid_toks``; ``loss_type="sequence"`` averages each sequence's valid tokens,
@@ -390,6 +411,9 @@ class ClippedPGLoss:
         temperature: float = 1.0,
         entropy_coeff: float = 0.0,
         length_normalizer: int | None = None,
+        use_on_policy_kl_approximation: bool = False,
+        kl_input_clamp_value: float | None = KL_CLAMPS[0],
+        kl_output_clamp_value: float | None = KL_CLAMPS[1],
     ) -> None:
         if entropy_coeff < 0:
             raise ValueError(
@@ -422,6 +446,11 @@ class ClippedPGLoss:
             sequence_level_importance_ratios=sequence_level_importance_ratios,
             token_level_loss=loss_type == "token",
             length_normalizer=length_normalizer,
+        ) + kl_penalty_problems(
+            reference_policy_kl_penalty=reference_policy_kl_penalty,
+            use_on_policy_kl_approximation=use_on_policy_kl_approximation,
+            kl_input_clamp_value=kl_input_clamp_value,
+            kl_output_clamp_value=kl_output_clamp_value,
         )
         if length_normalizer is not None and length_normalizer < 1:
             problems.append(f"length_normalizer={length_normalizer} must be >= 1 (tokens)")
@@ -441,6 +470,8 @@ class ClippedPGLoss:
         self.temperature = temperature
         self.entropy_coeff = entropy_coeff
         self.length_normalizer = length_normalizer
+        self.use_on_policy_kl_approximation = use_on_policy_kl_approximation
+        self.kl_clamps = (kl_input_clamp_value, kl_output_clamp_value)
 
     def __call__(
         self,
@@ -469,17 +500,13 @@ class ClippedPGLoss:
         if self.ratio_clip_c is not None:
             pg = torch.where(adv < 0, torch.minimum(pg, -adv * self.ratio_clip_c), pg)
 
-        if self.reference_policy_kl_penalty != 0.0:
-            ref = data["reference_policy_logprobs"].to(curr.dtype)
-            kl = self.reference_policy_kl_penalty * kl_estimate(curr, ref, self.kl_estimator)
-        else:
-            kl = torch.zeros_like(curr)
+        kl = self._kl_penalty(curr, gen, data)
 
         log_is = (prev - gen).detach()  # [B, S]: log(pi_trainer_old / pi_generator)
         weight, oob = self._importance_weights(log_is, mask)
 
         pg_term = self._reduce(weight * pg, mask, global_valid_toks, global_valid_seqs)
-        kl_term = self._reduce(weight * kl, mask, global_valid_toks, global_valid_seqs)
+        kl_term = self._reduce(kl, mask, global_valid_toks, global_valid_seqs)
         loss = pg_term + kl_term
         if entropy is not None:
             bonus = self.entropy_coeff * self._reduce(
@@ -508,6 +535,17 @@ class ClippedPGLoss:
             if entropy is not None:
                 metrics["entropy_bonus"] = float(bonus.item())
         return loss, metrics
+
+    def _kl_penalty(self, curr: Tensor, gen: Tensor, data: Mapping[str, Any]) -> Tensor:
+        """Each token's ``beta * v * kl`` (class docstring), ``[B, S]``; zeros without a penalty."""
+        if self.reference_policy_kl_penalty == 0.0:
+            return torch.zeros_like(curr)
+        ref = data["reference_policy_logprobs"].to(curr.dtype)
+        kl = kl_estimate(curr, ref, self.kl_estimator, *self.kl_clamps)
+        if self.use_on_policy_kl_approximation:
+            v = torch.exp(curr - gen).detach()
+            kl = kl * torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
+        return self.reference_policy_kl_penalty * kl
 
     def _ppo_ratio(self, curr: Tensor, prev: Tensor, mask: Tensor) -> Tensor:
         """pi_theta / pi_old per token, or (GSPO) each sequence's geometric mean on its tokens."""

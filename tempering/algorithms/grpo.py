@@ -291,6 +291,9 @@ def make_loss(cfg: GRPOMasterConfig) -> Any:
         temperature=cfg.policy.generation.temperature,  # the trainer's logits at the sampler's
         entropy_coeff=lf.entropy_coeff,
         length_normalizer=lf.length_normalizer,
+        use_on_policy_kl_approximation=lf.use_on_policy_kl_approximation,
+        kl_input_clamp_value=lf.kl_input_clamp_value,
+        kl_output_clamp_value=lf.kl_output_clamp_value,
     )
 
 

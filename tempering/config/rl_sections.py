@@ -327,11 +327,54 @@ def off_policy_loss_problems(
     return out
 
 
+KL_CLAMPS = (20.0, 10.0)  # NeMo RL's kl_input_clamp_value, kl_output_clamp_value defaults
+
+
+def kl_penalty_problems(
+    *,
+    reference_policy_kl_penalty: float,
+    use_on_policy_kl_approximation: bool,
+    kl_input_clamp_value: float | None,
+    kl_output_clamp_value: float | None,
+) -> list[str]:
+    """What is wrong with the GRPO loss's KL-penalty options: each is read only with a penalty,
+    and a clamp must be positive. Shared by `LossFnConfig` and `ClippedPGLoss`, like
+    `off_policy_loss_problems`."""
+    out = [
+        f"{name}={value} must be > 0 (or null: no clamp)"
+        for name, value in (("kl_input_clamp_value", kl_input_clamp_value),
+                            ("kl_output_clamp_value", kl_output_clamp_value))
+        if value is not None and value <= 0
+    ]  # fmt: skip
+    if reference_policy_kl_penalty == 0:
+        defaults = (False, *KL_CLAMPS)
+        given = (use_on_policy_kl_approximation, kl_input_clamp_value, kl_output_clamp_value)
+        names = ("use_on_policy_kl_approximation", "kl_input_clamp_value", "kl_output_clamp_value")
+        out += [
+            f"{name}={value} is read only with a KL penalty: set reference_policy_kl_penalty "
+            f"> 0, or remove {name}"
+            for name, value, default in zip(names, given, defaults, strict=True)
+            if value != default
+        ]
+    return out
+
+
 class LossFnConfig(Section):
     """GRPO's `ClippedPGLoss` (tempering/losses.py), NeMo RL's key names and rules."""
 
     reference_policy_kl_penalty: float = Field(0.0, ge=0)
     kl_type: Literal["k1", "k2", "k3"] = "k3"
+    use_on_policy_kl_approximation: bool = Field(
+        False,
+        description="weight each token's KL term by pi_theta / pi_generator (detached), so the "
+        "penalty estimates KL(pi_theta || pi_ref) rather than the sampler's (NeMo RL's key)",
+    )
+    kl_input_clamp_value: float | None = Field(
+        KL_CLAMPS[0], description="the KL estimator's log-ratio clamped to +-this (null: none)"
+    )
+    kl_output_clamp_value: float | None = Field(
+        KL_CLAMPS[1], description="each token's KL estimate clamped to +-this (null: none)"
+    )
     ratio_clip_min: float = Field(0.2, ge=0)
     ratio_clip_max: float = Field(0.2, ge=0, description="> ratio_clip_min = DAPO clip-higher")
     ratio_clip_c: float | None = Field(None, gt=1, description="dual-clip constant (> 1)")
@@ -380,6 +423,11 @@ class LossFnConfig(Section):
             sequence_level_importance_ratios=self.sequence_level_importance_ratios,
             token_level_loss=self.token_level_loss,
             length_normalizer=self.length_normalizer,
+        ) + kl_penalty_problems(
+            reference_policy_kl_penalty=self.reference_policy_kl_penalty,
+            use_on_policy_kl_approximation=self.use_on_policy_kl_approximation,
+            kl_input_clamp_value=self.kl_input_clamp_value,
+            kl_output_clamp_value=self.kl_output_clamp_value,
         )
         if problems:
             raise ValueError("; ".join(problems))

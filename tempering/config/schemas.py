@@ -26,6 +26,7 @@ from tempering.config.generation_sections import (  # noqa: F401 -- part of this
     VllmConfig,
 )
 from tempering.config.rl_sections import (  # noqa: F401 -- part of this module's namespace
+    KL_CLAMPS,
     TRUNCATED_IS_TYPES,
     ArithmeticRetryEnvConfig,
     AsyncGRPOConfig,
@@ -38,6 +39,7 @@ from tempering.config.rl_sections import (  # noqa: F401 -- part of this module'
     MathEnvConfig,
     NemoGymConfig,
     critic_problems,
+    kl_penalty_problems,
     off_policy_loss_problems,
 )
 from tempering.config.section import Section

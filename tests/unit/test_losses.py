@@ -170,8 +170,10 @@ def pg_loss(level: str, **kwargs) -> ClippedPGLoss:
     )
 
 
-def hand_pg(logits, data, lo, hi, c, beta, estimator, level, cap, use_is, ent_coeff=0.0):
-    """Per-token clipped PG + KL (- the entropy bonus), reduced per `level` (dr_grpo: each
+def hand_pg(logits, data, lo, hi, c, beta, estimator, level, cap, use_is, ent_coeff=0.0,
+            on_policy_kl=False):  # fmt: skip
+    """Per-token clipped PG (importance-weighted with `use_is`) + KL (weighted by pi_theta /
+    pi_generator with `on_policy_kl`) - the entropy bonus, reduced per `level` (dr_grpo: each
     sequence's sum over DR_GRPO_L, not its mean), all written out as scalar ops."""
     per_seq, total, n_tok, n_seq = [], 0.0, 0, 0
     for b in range(B):
@@ -199,7 +201,12 @@ def hand_pg(logits, data, lo, hi, c, beta, estimator, level, cap, use_is, ent_co
                 w = math.exp(prev - float(data["generation_logprobs"][b, t]))
                 if cap is not None:
                     w = min(w, cap)
-            term = w * (pg + beta * kl)
+            v = (
+                math.exp(lp.item() - float(data["generation_logprobs"][b, t]))  # detached
+                if on_policy_kl
+                else 1.0
+            )
+            term = w * pg + beta * v * kl
             if ent_coeff:
                 term = term - ent_coeff * hand_entropy_grad(logits, b, t)
             total = total + term
@@ -227,11 +234,13 @@ def hand_pg(logits, data, lo, hi, c, beta, estimator, level, cap, use_is, ent_co
         ("dr_grpo", "k2", None, False, None, 0.2),
     ],
 )
-def test_clipped_pg_loss_and_grad(batch, level, estimator, c, use_is, cap, ent):
+@pytest.mark.parametrize("on_policy_kl", [False, True])
+def test_clipped_pg_loss_and_grad(batch, level, estimator, c, use_is, cap, ent, on_policy_kl):
     data = pg_data(batch)
     toks, seqs = counts(data)
     loss_fn = pg_loss(
         level,
+        use_on_policy_kl_approximation=on_policy_kl,
         ratio_clip_min=0.2,
         ratio_clip_max=0.28,
         ratio_clip_c=c,
@@ -247,10 +256,12 @@ def test_clipped_pg_loss_and_grad(batch, level, estimator, c, use_is, cap, ent):
     loss.backward()
 
     ref_logits = leaf(batch)
-    hand = hand_pg(ref_logits, data, 0.2, 0.28, c, 0.05, estimator, level, cap, use_is, ent)
+    hand = hand_pg(ref_logits, data, 0.2, 0.28, c, 0.05, estimator, level, cap, use_is, ent,
+                   on_policy_kl)  # fmt: skip
     hand.backward()
     if ent:  # the bonus is the difference from the loss without it, logged as such
-        plain = hand_pg(leaf(batch), data, 0.2, 0.28, c, 0.05, estimator, level, cap, use_is)
+        plain = hand_pg(leaf(batch), data, 0.2, 0.28, c, 0.05, estimator, level, cap, use_is,
+                        on_policy_kl=on_policy_kl)  # fmt: skip
         assert metrics["entropy_bonus"] == pytest.approx(plain.item() - hand.item(), abs=1e-6)
         assert metrics["entropy_bonus"] > 0.01
     else:
@@ -314,6 +325,40 @@ def test_kl_estimators_hand_worked():
     assert kl_estimate(lp, lp, "k3").item() == 0.0
     with pytest.raises(ValueError, match="k4"):
         kl_estimate(lp, ref, "k4")
+    # NeMo RL's clamps: log r = -30 (the reference finds the token e^30 times as likely)
+    far = torch.tensor([-30.0])
+    assert kl_estimate(far, torch.zeros(1), "k3").item() == pytest.approx(math.exp(30) - 31)
+    assert kl_estimate(far, torch.zeros(1), "k1", input_clamp=20.0).item() == -20.0
+    k3 = kl_estimate(far, torch.zeros(1), "k3", input_clamp=20.0, output_clamp=10.0)
+    assert k3.item() == 10.0  # exp(20) - 21 clamped to 10
+    near = kl_estimate(lp, ref, "k3", input_clamp=20.0, output_clamp=10.0)
+    assert near.item() == pytest.approx(0.5 - 1 + 0.693147, abs=1e-6)  # inside: unchanged
+
+
+def test_the_kl_penalty_is_bounded_and_read_only_with_a_penalty(batch):
+    """A token the reference all but rules out costs at most the output clamp, with no
+    gradient past it (NeMo RL's defaults, 20 and 10); the KL options are refused without
+    a penalty."""
+    data = pg_data(batch)
+    data["reference_policy_logprobs"] = data["reference_policy_logprobs"] - 40.0  # log r ~ 40
+    toks, seqs = counts(data)
+    loss_fn = ClippedPGLoss(reference_policy_kl_penalty=0.1)
+    logits = leaf(batch)
+    loss, metrics = loss_fn(logits, data, toks, seqs)
+    assert metrics["kl_penalty"] == pytest.approx(0.1 * 10)  # k3 at log r = 20: 19, then 10
+    loss.backward()
+    plain = leaf(batch)
+    ClippedPGLoss()(plain, data, toks, seqs)[0].backward()
+    assert torch.equal(logits.grad, plain.grad)  # saturated: the penalty pulls no further
+    unclamped = ClippedPGLoss(reference_policy_kl_penalty=0.1, kl_input_clamp_value=None,
+                              kl_output_clamp_value=None)  # fmt: skip
+    assert unclamped(leaf(batch), data, toks, seqs)[1]["kl_penalty"] > 3.5  # ~0.1 * 40
+    for option in ({"use_on_policy_kl_approximation": True}, {"kl_input_clamp_value": 5.0},
+                   {"kl_output_clamp_value": None}):  # fmt: skip
+        with pytest.raises(ValueError, match="is read only with a KL penalty"):
+            ClippedPGLoss(**option)
+    with pytest.raises(ValueError, match="kl_output_clamp_value=0.0 must be > 0"):
+        ClippedPGLoss(reference_policy_kl_penalty=0.1, kl_output_clamp_value=0.0)
 
 
 def one_token_case(ratio: float, advantage: float, **loss_kwargs) -> tuple[float, float]:
@@ -576,7 +621,8 @@ def test_gspo_sequence_ratio_hand_worked():
 
 def hand_gspo(logits, data, lo, hi, beta, tis):
     """GSPO written out per sequence: s = exp(mean_t(curr - prev)), pg = max(-A s, -A clip(s)),
-    w = clamp(exp(sum_t(prev - gen)), tis) (1 without tis), term = mean over tokens of w * (pg + beta*k3)."""
+    w = clamp(exp(sum_t(prev - gen)), tis) (1 without tis), term = w * pg + beta * the mean
+    over tokens of k3 (the importance weight is the policy-gradient term's alone)."""
     terms, outside, n_tok = [], 0, 0
     for b in range(B):
         toks = [t for t in range(1, S) if valid(data, b, t)]
@@ -597,7 +643,7 @@ def hand_gspo(logits, data, lo, hi, beta, tis):
         for c, t in zip(curr, toks, strict=True):
             log_r = c - float(data["reference_policy_logprobs"][b, t])
             kl = kl + torch.exp(-log_r) - 1 + log_r
-        terms.append(w * (pg + beta * kl / len(toks)))
+        terms.append(w * pg + beta * kl / len(toks))
         n_tok += len(toks)
     return sum(terms) / len(terms), outside / n_tok
 
@@ -671,6 +717,8 @@ REFUSED = [
      "'seq-mask-tis' masks sequences but keeps per-token weights"),
     ({"sequence_level_importance_ratios": True},
      "sequence_level_importance_ratios=true (GSPO) needs the sequence-level loss"),
+    ({"use_on_policy_kl_approximation": True},
+     "use_on_policy_kl_approximation=True is read only with a KL penalty"),
     ({"length_normalizer": 512},
      "length_normalizer=512 (Dr. GRPO) divides each sequence's token sum in the sequence-level "
      "loss: set token_level_loss=false"),
@@ -722,6 +770,10 @@ def test_grpo_builds_the_loss_with_every_off_policy_key():
         "loss_fn.sequence_level_importance_ratios=true",
         "loss_fn.token_level_loss=false",
         "loss_fn.length_normalizer=8",
+        "loss_fn.reference_policy_kl_penalty=0.01",
+        "loss_fn.use_on_policy_kl_approximation=true",
+        "loss_fn.kl_input_clamp_value=15",
+        "loss_fn.kl_output_clamp_value=null",
     ], schema=GRPOMasterConfig)  # fmt: skip
     loss = make_loss(cfg)
     assert loss.use_importance_sampling_correction is True
@@ -731,3 +783,5 @@ def test_grpo_builds_the_loss_with_every_off_policy_key():
     assert loss.sequence_level_importance_ratios is True
     assert loss.loss_type == "sequence"
     assert loss.length_normalizer == 8
+    assert loss.use_on_policy_kl_approximation is True
+    assert loss.kl_clamps == (15.0, None)
