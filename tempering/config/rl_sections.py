@@ -239,12 +239,6 @@ def critic_problems(cfg: Any) -> list[str]:
             f"critic.train_global_batch_size={gbs} does not divide a step's {n} samples "
             "(grpo.num_prompts_per_step x num_generations_per_prompt): use a divisor of it"
         )
-    if cfg.policy.sequence_packing.enabled or cfg.policy.dynamic_batching.enabled:
-        problems.append(
-            "critic.enabled=true: the critic takes its rows whole (the policy's batch sizes), "
-            "so set policy.sequence_packing.enabled=false and policy.dynamic_batching.enabled="
-            "false"
-        )
     return problems
 
 

@@ -96,9 +96,9 @@ def test_config_refuses_what_a_critic_would_not_read():
     with pytest.raises(ValidationError, match="use_dynamic_sampling"):
         GRPOMasterConfig(critic={"enabled": True}, grpo={
             "use_leave_one_out_baseline": False, "use_dynamic_sampling": True})  # fmt: skip
-    with pytest.raises(ValidationError, match="takes its rows whole"):
-        GRPOMasterConfig(critic={"enabled": True}, grpo={"use_leave_one_out_baseline": False},
-                         policy={"sequence_packing": {"enabled": True}})  # fmt: skip
+    packed = GRPOMasterConfig(critic={"enabled": True}, policy={"sequence_packing": {
+        "enabled": True}}, grpo={"use_leave_one_out_baseline": False})  # fmt: skip
+    assert packed.policy.sequence_packing.enabled  # the critic packs as the policy does
     with pytest.raises(ValidationError, match="critic.learning_rate is read only by PPO"):
         GRPOMasterConfig(critic={"learning_rate": 1e-3})  # not enabled: nothing reads it
     with pytest.raises(ValidationError, match="critic.bogus|bogus"):
@@ -214,6 +214,58 @@ def test_a_value_head_learns_a_fixed_batch_of_returns(value_worker):
     # measured: -0.26 -> 0.57 at 25 steps (tiny-arith's body, a new head, lr 1e-3)
     assert before < 0.1 and after > before + 0.3, (before, after)
     assert metrics["num_valid_tokens"] == float(on.sum())
+
+
+def test_a_critic_packs_and_budgets_its_rows_as_the_policy_does(value_worker):
+    """Values and the value loss alike whether the rows are padded, cut by a token budget
+    (`policy.dynamic_batching`) or packed (`policy.sequence_packing`)."""
+    from tempering.models.hf import load_tokenizer
+    from tempering.models.registry import resolve_model_path
+
+    data = _sums(load_tokenizer(resolve_model_path("tiny-arith")))
+    batchings = {"padded": (16, None, False), "budget": (None, 64, False),
+                 "packed": (None, 64, True)}  # fmt: skip
+    values = {k: value_worker.values(data, *b)["values"] for k, b in batchings.items()}
+    valid = torch.arange(data["input_ids"].shape[1])[None] < data["input_lengths"][:, None]
+    assert (values["padded"][~valid] == 0).all() and values["padded"][valid].abs().sum() > 0
+    data["prev_values"] = values["padded"]
+    losses = {}
+    for kind, (mbs, tokens, pack) in batchings.items():
+        torch.testing.assert_close(values[kind], values["padded"], atol=1e-5, rtol=1e-5)
+        losses[kind] = value_worker.train(
+            data, ValueLoss(0.2), global_batch_size=32, micro_batch_size=mbs,
+            max_tokens_per_microbatch=tokens, pack_sequences=pack, eval_mode=True,
+        )["loss"]  # fmt: skip
+    assert losses["padded"] > 0.05  # random head, returns of 0 and 1
+    assert losses["budget"] == pytest.approx(losses["padded"], abs=1e-6)
+    assert losses["packed"] == pytest.approx(losses["padded"], abs=1e-6)
+
+
+def test_a_packed_critics_gradient_equals_its_rows_computed_whole():
+    from tempering.distributed.batched_data_dict import BatchedDataDict, PackedBin
+    from tempering.models.hf import load_token_classifier
+    from tempering.models.policy.microbatching import ForwardPass
+
+    torch.manual_seed(0)
+    model = load_token_classifier("tiny-arith").eval()
+    lengths = (9, 4, 12, 7)
+    ids = torch.zeros(4, 12, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, :n] = torch.randint(3, 60, (n,))
+    mb = BatchedDataDict(input_ids=ids, input_lengths=torch.tensor(lengths))
+    packing = ForwardPass("value", torch.device("cpu"), None, 0)
+    (part,), (layout,), perm = packing.split(mb, None, 64, pack=True)
+    assert isinstance(layout, PackedBin) and len(layout.indices) == 4
+    got = packing.logits(model, part, layout)
+    want = packing.logits(model, part)  # the same rows, padded
+    valid = torch.arange(part["input_ids"].shape[1])[None] < part["input_lengths"][:, None]
+    torch.testing.assert_close(got[valid], want[valid], atol=1e-5, rtol=1e-5)
+    grads = []
+    for values in (got, want):
+        model.zero_grad()
+        (values * valid).sum().backward(retain_graph=True)
+        grads.append(model.score.weight.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("over_rows", [False, True])

@@ -12,7 +12,8 @@ over such a `Policy` (`tempering.algorithms.ppo_critic.build` makes one from the
     values = critic.values(batch)["values"]            # [B, S]
     metrics = critic.train(batch_with_returns)         # {"loss", "value_clip_fraction", ...}
 
-Rows are taken whole (no sequence packing or token budgets), as a reward model's are.
+Its micro-batches are the policy's: padded rows, token budgets (``policy.dynamic_batching``)
+or packed rows (``policy.sequence_packing``), with a GRPO group's shared prompt computed once.
 """
 
 from __future__ import annotations
@@ -34,10 +35,13 @@ class Critic:
         self.passes = passes  # over each batch (grpo.num_iterations)
 
     def values(self, data: BatchedDataDict) -> BatchedDataDict:
-        """``{"values": [B, S]}`` in the order of `data` (each data-parallel rank its shard)."""
+        """``{"values": [B, S]}`` in the order of `data` (each data-parallel rank its shard,
+        micro-batched as the log-probs are)."""
         view = BatchedDataDict(input_ids=data["input_ids"], input_lengths=data["input_lengths"])
-        size = self.policy.logprob_micro_batch_size
-        return sharded(self.policy, "values", view, micro_batch_size=size)
+        p = self.policy
+        return sharded(p, "values", view, micro_batch_size=p.logprob_micro_batch_size,
+                       max_tokens_per_microbatch=p.logprob_max_tokens_per_microbatch,
+                       pack_sequences=p.sequence_packing)  # fmt: skip
 
     def train(self, data: BatchedDataDict) -> dict[str, float]:
         """`ValueLoss` optimizer steps on `data` (`CRITIC_KEYS`), as the policy's batch sizes

@@ -428,15 +428,25 @@ class FSDP2PolicyWorker:
             scores=torch.cat([torch.zeros(0), *self._head(data, micro_batch_size)])
         )
 
-    def values(self, data: BatchedDataDict, micro_batch_size: int) -> BatchedDataDict:
+    def values(
+        self,
+        data: BatchedDataDict,
+        micro_batch_size: int | None = None,
+        max_tokens_per_microbatch: int | None = None,
+        pack_sequences: bool = False,
+    ) -> BatchedDataDict:
         """``{"values": [B, S]}`` (CPU float32) of a PPO critic (``head="value"``), in order,
-        in the log-probs' layout (token t's value is read at t - 1; 0 at t = 0 and past
-        each row's end)."""
+        in the log-probs' layout (token t's value is read at t - 1; 0 at t = 0 and from each
+        row's end on), batched as `get_logprobs` is (padded, token budgets or packed)."""
         require_head(self.state.source.head, "value", "values")
-        width = data["input_ids"].shape[1] if data.size else 0
-        pad = torch.nn.functional.pad
-        out = [pad(v, (0, width - v.shape[1])) for v in self._head(data, micro_batch_size)]
-        return BatchedDataDict(values=torch.cat([torch.zeros(0, width), *out]))
+        batching = (micro_batch_size, max_tokens_per_microbatch, pack_sequences)
+
+        def head(values: torch.Tensor, mb: BatchedDataDict) -> tuple[torch.Tensor]:
+            return (values * _valid_positions(values, mb),)
+
+        return BatchedDataDict(
+            values=self._per_token(self.state.model, data, batching, head, ((),))[0]
+        )
 
     @torch.no_grad()
     def _head(self, data: BatchedDataDict, micro_batch_size: int) -> list[torch.Tensor]:

@@ -157,9 +157,7 @@ class ForwardPass:
             seq = torch.arange(ids.shape[1], device=ids.device)
             attention_mask = (seq[None, :] < mb["input_lengths"][:, None]).long()
             return model(input_ids=ids, attention_mask=attention_mask).logits.float()[:, 0]
-        if self.head == "value":  # padded rows or a shared-prefix plan, as a policy's logits
-            if isinstance(layout, PackedBin):
-                raise ValueError("a critic (head='value') takes no packed micro-batches")
+        if self.head == "value":  # any layout, as a policy's logits (packed: unpacked back)
             out = self._computed(model, mb, layout, None, {}, None)[..., 0]  # [B, S]
             # a value per token t, the token log-probs' layout: read at t - 1 (the state
             # before token t), 0 at t = 0
