@@ -452,8 +452,6 @@ class ClippedPGLoss:
             kl_input_clamp_value=kl_input_clamp_value,
             kl_output_clamp_value=kl_output_clamp_value,
         )
-        if length_normalizer is not None and length_normalizer < 1:
-            problems.append(f"length_normalizer={length_normalizer} must be >= 1 (tokens)")
         if problems:  # token_level_loss=true is loss_type='token' here
             raise ValueError("ClippedPGLoss: " + "; ".join(problems))
         self.ratio_clip_min = ratio_clip_min

@@ -313,6 +313,8 @@ def off_policy_loss_problems(
             "sequence_level_importance_ratios=true (GSPO) needs the sequence-level loss: set "
             "token_level_loss=false"
         )
+    if length_normalizer is not None and length_normalizer < 1:
+        out.append(f"length_normalizer={length_normalizer} must be >= 1 (tokens)")
     if length_normalizer is not None and token_level_loss:
         out.append(
             f"length_normalizer={length_normalizer} (Dr. GRPO) divides each sequence's token sum "
