@@ -279,8 +279,8 @@ class ValueLoss:
     ``value_clip``, ``prev_values`` (the values the advantages were computed from). Per token:
     ``0.5 * max((v - R)^2, (v_old + clip(v - v_old, -c, c) - R)^2)`` (the clipped term only
     with ``value_clip``), summed over the valid tokens / ``global_valid_toks``.
-    Metrics: ``loss``, ``value_clip_fraction`` (tokens where the clipped term was larger),
-    ``num_valid_tokens``."""
+    Metrics: ``loss``, ``value_clip_fraction`` (tokens moved past the clip where the clipped
+    term was larger), ``num_valid_tokens``."""
 
     loss_type: LossType = "token"
     pairwise: bool = False
@@ -303,10 +303,14 @@ class ValueLoss:
         clipped_larger = torch.zeros_like(mask)
         if self.value_clip is not None:
             old = data["prev_values"].to(values.device, values.dtype)[:, : values.shape[1]]
-            clipped = old + (values - old).clamp(-self.value_clip, self.value_clip)
+            moved = values - old
+            clipped = old + moved.clamp(-self.value_clip, self.value_clip)
             clipped_loss = (clipped - returns) ** 2
-            clipped_larger = (clipped_loss > loss_tokens).to(values.dtype)
-            loss_tokens = torch.maximum(loss_tokens, clipped_loss)
+            # Only where the clip bit: inside it ``old + (v - old)`` is ``v`` up to rounding,
+            # which would count (and pick) a last-bit difference as a clipped token.
+            larger = (moved.abs() > self.value_clip) & (clipped_loss > loss_tokens)
+            clipped_larger = larger.to(values.dtype)
+            loss_tokens = torch.where(larger, clipped_loss, loss_tokens)
         loss = 0.5 * (loss_tokens * mask).sum() / as_tensor_like(global_valid_toks, values)
         return loss, {
             "loss": float(loss.item()),

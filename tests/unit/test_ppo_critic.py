@@ -84,6 +84,21 @@ def test_value_loss_is_the_clipped_squared_error():
     assert unclipped.item() == pytest.approx(0.5 * (0.25 + 0.0 + 1.96) / 3)
 
 
+def test_a_value_inside_the_clip_is_never_counted_clipped():
+    """Inside the clip ``old + (v - old)`` is ``v`` only up to rounding (here 4.7e-10 below
+    it, which made the clipped term the larger): neither counted as clipped nor taken, so the
+    fraction cannot flip on a last-bit difference between two runs."""
+    values = torch.tensor([[0.0, 0.007715140003710985]], requires_grad=True)
+    prev = torch.tensor([[0.0, 0.03156883642077446]])
+    returns = torch.tensor([[0.0, 0.12487322092056274]])
+    mask = torch.tensor([[0, 1]])
+    rounded = prev[0, 1] + (values[0, 1] - prev[0, 1]).clamp(-0.2, 0.2)
+    assert (rounded - returns[0, 1]) ** 2 > (values[0, 1] - returns[0, 1]) ** 2  # the trap
+    loss, m = ValueLoss(value_clip=0.2)(values, _data(returns, prev, mask), 1, 1)
+    assert m["value_clip_fraction"] == 0
+    assert loss.item() == 0.5 * ((values[0, 1] - returns[0, 1]) ** 2).item()
+
+
 def test_config_refuses_what_a_critic_would_not_read():
     from pydantic import ValidationError
 
