@@ -273,14 +273,7 @@ def test_a_packed_critics_gradient_equals_its_rows_computed_whole():
     assert isinstance(layout, PackedBin) and len(layout.indices) == 4
     got = packing.logits(model, part, layout)
     want = packing.logits(model, part)  # the same rows, padded
-    valid = torch.arange(part["input_ids"].shape[1])[None] < part["input_lengths"][:, None]
-    torch.testing.assert_close(got[valid], want[valid], atol=1e-5, rtol=1e-5)
-    grads = []
-    for values in (got, want):
-        model.zero_grad()
-        (values * valid).sum().backward(retain_graph=True)
-        grads.append(model.score.weight.grad.clone())
-    torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-4)
+    _assert_same_values_and_head_gradient(model, part, got, want)
 
 
 @pytest.mark.parametrize("over_rows", [False, True])
@@ -311,6 +304,12 @@ def test_a_critic_shares_a_group_prompt_as_the_policy_does(over_rows):
     whole = ForwardPass("value", torch.device("cpu"), None, 0)
     got = shared.logits(model, part, layout)
     want = whole.logits(model, part)
+    _assert_same_values_and_head_gradient(model, part, got, want)
+
+
+def _assert_same_values_and_head_gradient(model, part, got, want):
+    """``got`` and ``want`` (two layouts' values of ``part``) agree on each row's valid tokens,
+    and so does the value head's gradient through them."""
     valid = torch.arange(part["input_ids"].shape[1])[None] < part["input_lengths"][:, None]
     torch.testing.assert_close(got[valid], want[valid], atol=1e-5, rtol=1e-5)
     grads = []
