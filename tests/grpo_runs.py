@@ -112,13 +112,20 @@ def run_job(args: list[str], env: dict[str, str] | None = None, script: str = "r
             ) -> Finished:  # fmt: skip
     """``examples/<script> *args`` in its own process group (a fault from ``env``'s
     TEMPERING_FAULT, none by default), killed whole afterwards: a run that hangs, or a killed
-    run's stragglers, cannot load the machine under the tests that follow."""
+    run's stragglers, cannot load the machine under the tests that follow.
+
+    Its workers keep their configured threads (``TEMPERING_ADAPTIVE_THREADS=0``): these runs
+    are compared number for number, and a thread change in one run splits its reductions
+    differently -- 1e-7 at the change, grown past 1e-5 within 15 steps (CI: the PPO baseline's
+    policy dropped to one thread for step 10 on a busy machine, and critic/grad_norm differed
+    at step 24, before the kill)."""
     import pytest
 
     cmd = [sys.executable, f"examples/{script}", *args]
     proc = subprocess.Popen(
         cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "TEMPERING_FAULT": "", **(env or {})}, start_new_session=True,
+        env={**os.environ, "TEMPERING_FAULT": "", "TEMPERING_ADAPTIVE_THREADS": "0", **(env or {})},
+        start_new_session=True,
     )  # fmt: skip
     try:
         stdout, stderr = proc.communicate(timeout=900)
