@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tempering.config import GRPOMasterConfig, load_config
+from tempering.utils.threads import ENV as ADAPTIVE_THREADS
 
 REPO = Path(__file__).parents[1]
 # Asynchronous GRPO as the learning tests run it: on split generation workers, and with the
@@ -124,7 +125,7 @@ def run_job(args: list[str], env: dict[str, str] | None = None, script: str = "r
     cmd = [sys.executable, f"examples/{script}", *args]
     proc = subprocess.Popen(
         cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "TEMPERING_FAULT": "", "TEMPERING_ADAPTIVE_THREADS": "0", **(env or {})},
+        env={**os.environ, "TEMPERING_FAULT": "", ADAPTIVE_THREADS: "0", **(env or {})},
         start_new_session=True,
     )  # fmt: skip
     try:
