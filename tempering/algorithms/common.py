@@ -7,11 +7,14 @@ the config itself.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tempering.config.schemas import (
     CheckpointingConfig,
@@ -23,6 +26,8 @@ from tempering.config.schemas import (
 from tempering.errors import UserInputError
 
 log = logging.getLogger(__name__)
+A = TypeVar("A")
+B = TypeVar("B")
 
 _OPTIMIZERS = {
     "torch.optim.AdamW": "adamw",
@@ -143,6 +148,45 @@ def build_cluster(group: Any, cluster_cfg: ClusterConfig, name: str) -> Any:
     from tempering.distributed.virtual_cluster import cluster_for_group
 
     return cluster_for_group(group, cluster_cfg.cpus_per_worker, name)
+
+
+def build_beside(here: Callable[[], A], beside: Callable[[], B]) -> tuple[A, B]:
+    """``(here(), beside())``, ``beside`` run in a thread of its own while ``here`` runs in
+    this one: two worker groups that do not need each other start at once (GRPO's policy and
+    its split generation workers: 9.5 s and 8.2 s one after the other on the 2-core EPYC, each
+    mostly a worker importing torch and transformers on a core of its own). When either
+    fails, the other's result, once it has one, is shut down and the first error raised:
+    nothing of a failed start is left in a Ray session that outlives it."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = beside()
+        except BaseException as exc:  # re-raised in the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="build-beside", daemon=True)
+    thread.start()
+    try:
+        mine = here()
+    except BaseException:
+        thread.join()
+        _shut_down(box.get("value"))
+        raise
+    thread.join()
+    if "error" in box:
+        _shut_down(mine)
+        raise box["error"]
+    return mine, box["value"]
+
+
+def _shut_down(built: Any) -> None:
+    """`shutdown()` whatever of ``built`` (an object or a tuple of them) has one, quietly: it
+    is cleanup on the way to another error."""
+    for part in built if isinstance(built, tuple) else (built,):
+        if callable(getattr(part, "shutdown", None)):
+            with contextlib.suppress(Exception):
+                part.shutdown()
 
 
 def build_policy_from_config(

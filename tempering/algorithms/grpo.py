@@ -20,6 +20,7 @@ One step (DESIGN.md "One GRPO step"):
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Iterator
@@ -149,10 +150,10 @@ def _check_chat_template(cfg: GRPOMasterConfig, tokenizer: Any, tasks: set[str])
 def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any], plan: Any = None) -> GRPORun:
     """Everything a GRPO run needs, started; ``plan``: the placement plan when the caller made
     it (distillation's, which adds the teacher), else made here."""
-    from tempering.distributed.placement import has_reference
     from tempering.models.generation.builders import (
         build_chat_service,
         build_generation,
+        needs_policy_workers,
         start_generation,
         start_http_server,
     )
@@ -171,21 +172,18 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any], plan: Any = None) -> 
     environments = scoring.build_environments(cfg, tasks)
 
     cluster = common.build_cluster(plan.policy, cfg.cluster, "grpo")
-    policy = common.build_policy_from_config(
-        cfg.policy,
-        cluster,
-        total_steps=cfg.grpo.max_num_steps - cfg.critic.warmup_steps,  # PPO: steps it trains
-        init_reference_model=has_reference(cfg),  # a KL penalty in the loss or PPO's reward
-        seed=cfg.grpo.seed,
-        gpu_share=plan.gpu_share,
-        samples_per_step=samples_per_step(cfg),
-    )
-    critic = ppo_critic.build(cfg, cluster, plan, samples_per_step(cfg))  # None: no critic
     _warn_uncorrected_precision(cfg)
-    generation = build_generation(
-        cfg.policy, policy, model_path, tokenizer, plan, cfg.cluster,
+    trainers = functools.partial(_start_trainers, cfg, cluster, plan)
+    generator = functools.partial(
+        build_generation, cfg.policy, model_path=model_path, tokenizer=tokenizer, plan=plan,
+        cluster_cfg=cfg.cluster,
         in_flight_weight_updates=cfg.grpo.async_grpo.in_flight_weight_updates,
     )  # fmt: skip
+    if needs_policy_workers(cfg.policy, plan):
+        policy, critic = trainers()
+        generation = generator(policy)
+    else:  # on workers of their own, started while the policy's start
+        (policy, critic), generation = common.build_beside(trainers, lambda: generator(None))
     chat = build_chat_service(
         cfg.policy.generation, generation, tokenizer, cfg.policy.max_total_sequence_length
     )
@@ -222,6 +220,27 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any], plan: Any = None) -> 
             cfg.logger, policy=policy, generation=generation, environments=environments.values()
         ),
     )
+
+
+def _start_trainers(cfg: GRPOMasterConfig, cluster: Any, plan: Any) -> tuple[Any, Any]:
+    """The run's policy, and its critic (None without ``critic.enabled``) on the same
+    bundles."""
+    from tempering.distributed.placement import has_reference
+
+    policy = common.build_policy_from_config(
+        cfg.policy,
+        cluster,
+        total_steps=cfg.grpo.max_num_steps - cfg.critic.warmup_steps,  # PPO: steps it trains
+        init_reference_model=has_reference(cfg),  # a KL penalty in the loss or PPO's reward
+        seed=cfg.grpo.seed,
+        gpu_share=plan.gpu_share,
+        samples_per_step=samples_per_step(cfg),
+    )
+    try:
+        return policy, ppo_critic.build(cfg, cluster, plan, samples_per_step(cfg))
+    except BaseException:
+        policy.shutdown()
+        raise
 
 
 def _warn_uncorrected_precision(cfg: GRPOMasterConfig) -> None:

@@ -223,6 +223,15 @@ def data_parallel_generate(
     return out.slice(0, n) if pad else out
 
 
+def needs_policy_workers(policy_cfg: PolicyConfig, plan: Any) -> bool:
+    """Whether `build_generation` needs the policy's workers up: a colocated torch engine
+    lives in them, and colocated vLLM engines share their GPUs. Any other generator starts
+    on workers of its own, at the same time as the policy's (`common.build_beside`)."""
+    gen = policy_cfg.generation
+    colocated_torch = gen.backend == "torch" and gen.colocated.enabled
+    return colocated_torch or bool(plan.generation and plan.generation.colocated_with)
+
+
 def build_generation(
     policy_cfg: PolicyConfig,
     policy: Any,
@@ -234,7 +243,8 @@ def build_generation(
 ) -> ColocatedGeneration | SplitGeneration:
     """The generator ``policy.generation`` and the placement ``plan`` describe (see the module
     docstring); ``in_flight_weight_updates`` (split torch workers only; the config refuses the
-    rest): refits reach workers while they generate."""
+    rest): refits reach workers while they generate. ``policy``: None where
+    `needs_policy_workers` is false (it is not read then)."""
     gen = policy_cfg.generation
     sampling = sampling_from_config(gen, tokenizer)
     tokenizer_path = tokenizer.name_or_path  # the run's (`policy.tokenizer.name`), resolved
