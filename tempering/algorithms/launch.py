@@ -13,6 +13,8 @@ a second, and from `common` (which `grpo` imports) so that the two do not import
 
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
 import time
 from collections.abc import Iterator
@@ -33,6 +35,12 @@ def training_run(cfg: Any) -> Iterator[None]:
     from tempering.utils.run_lock import lock_run_dirs
     from tempering.utils.stopping import stop_cleanly
 
+    # At exit, after every other exit handler (Ray's shutdown among them: registered later,
+    # run earlier): the interpreter's last garbage collection walks every object left of
+    # torch, transformers and Ray -- 2.8 s of a 31 s GRPO job on the 2-core EPYC, every
+    # run and rerun; frozen, it is skipped (0.5 s). A script's files are closed by then
+    # (each run's close()).
+    atexit.register(gc.freeze)
     with stop_cleanly(cfg.checkpointing), exit_on_user_error(), lock_run_dirs(cfg):
         yield
 
