@@ -10,9 +10,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -155,29 +155,21 @@ def build_beside(here: Callable[[], A], beside: Callable[[], B]) -> tuple[A, B]:
     this one: two worker groups that do not need each other start at once (GRPO's policy and
     its split generation workers: 9.5 s and 8.2 s one after the other on the 2-core EPYC, each
     mostly a worker importing torch and transformers on a core of its own). When either
-    fails, the other's result, once it has one, is shut down and the first error raised:
-    nothing of a failed start is left in a Ray session that outlives it."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
+    fails, the other's result, once it has one, is shut down and the error raised (``here``'s
+    when both fail): nothing of a failed start is left in a Ray session that outlives it."""
+    with ThreadPoolExecutor(1, thread_name_prefix="build-beside") as pool:
+        other = pool.submit(beside)
         try:
-            box["value"] = beside()
-        except BaseException as exc:  # re-raised in the caller's thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=run, name="build-beside", daemon=True)
-    thread.start()
-    try:
-        mine = here()
-    except BaseException:
-        thread.join()
-        _shut_down(box.get("value"))
-        raise
-    thread.join()
-    if "error" in box:
-        _shut_down(mine)
-        raise box["error"]
-    return mine, box["value"]
+            mine = here()
+        except BaseException:
+            if other.exception() is None:  # waits for it
+                _shut_down(other.result())
+            raise
+        try:
+            return mine, other.result()
+        except BaseException:
+            _shut_down(mine)
+            raise
 
 
 def _shut_down(built: Any) -> None:
