@@ -22,6 +22,23 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def _node_port() -> tuple[int, socket.socket]:
+    """A port free on NODE, and a socket holding the same port on 127.0.0.1, bound and not
+    listening, for the test's length: no other process's listener can take 127.0.0.1:port
+    (one did, CI 2026-12-03: the other pytest process's server drew that port number, and
+    127.0.0.1 answered), so 127.0.0.1 answering can only mean the store listens there -- and
+    a store bound to every interface would fail to bind beside the held port (EADDRINUSE:
+    the guard has no SO_REUSEADDR). Close it when done."""
+    while True:
+        port = _free_port(NODE)
+        guard = socket.socket()
+        try:
+            guard.bind(("127.0.0.1", port))
+            return port, guard
+        except OSError:  # taken on loopback: another port
+            guard.close()
+
+
 def _answers(host: str, port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(5)
@@ -33,13 +50,14 @@ def test_file_rendezvous_on_one_node_is_passed_on():
 
 
 def test_tcp_store_listens_on_the_node_address_only():
-    port = _free_port(NODE)
+    port, guard = _node_port()
     server = rendezvous(f"tcp://{NODE}:{port}", 0, 2)["store"]
     client = rendezvous(f"tcp://{NODE}:{port}", 1, 2)["store"]
     server.set("who", "rank0")
     assert client.get("who") == b"rank0"
     assert _answers(NODE, port)
     assert not _answers("127.0.0.1", port)  # not every interface
+    guard.close()
 
 
 def _rank(rank: int, port: int, out: multiprocessing.Queue) -> None:
@@ -58,7 +76,7 @@ def _rank(rank: int, port: int, out: multiprocessing.Queue) -> None:
 
 
 def test_two_ranks_form_a_group_through_the_node_address():
-    port = _free_port(NODE)
+    port, guard = _node_port()
     ctx = multiprocessing.get_context("fork")  # torch is imported already: no re-import
     out = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(2)]
@@ -69,6 +87,7 @@ def test_two_ranks_form_a_group_through_the_node_address():
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
+    guard.close()
     assert results == {0: (3.0, False), 1: (3.0, None)}
 
 
