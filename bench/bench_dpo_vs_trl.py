@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 
 from peers import run_trl, scaled_args, scaled_parser  # bench/peers.py (this folder is on sys.path)
+from result_files import record  # bench/result_files.py: the docs' Benchmarks page reads its files
 
 REPO = Path(__file__).resolve().parents[1]
 BETA = 0.1
@@ -206,6 +207,15 @@ def main() -> None:
     print(f"tempering DPO (Ray + FSDP2 worker): {spread(ours)} s/step")
     print(f"TRL 1.16 DPOTrainer:                {spread(theirs)} s/step")
     print(f"speed-up (TRL s/step / tempering):  {spread(ratios, 2)}x")
+    record(
+        "dpo_vs_trl",
+        "DPO against TRL 1.16 DPOTrainer",
+        args.scale,
+        "s/step",
+        ours,
+        theirs,
+        "TRL 1.16",
+    )
 
 
 def spread(values: list[float], digits: int = 4) -> str:

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from peers import ensure_bench_venv, peer_env  # bench/peers.py (this folder is on sys.path)
 from placement import PlacementProbe, placement_note, print_by_placement, print_matched
+from result_files import record  # bench/result_files.py: the docs' Benchmarks page reads its files
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -251,6 +252,16 @@ def main() -> None:
     print(f"speed-up per generated token (tempering tok/s / TRL tok/s): "
           f"{spread([o[1] / t[1] for o, t in pairs])}x")  # fmt: skip
     print_by_placement([o[1] / t[1] for o, t in pairs], [share for share, _ in split])
+    record(
+        "grpo_vs_trl",
+        "GRPO against TRL 1.16 GRPOTrainer (per generated token)",
+        a.scale,
+        "generated tokens/s",
+        [o[1] for o, _ in pairs],
+        [t[1] for _, t in pairs],
+        "TRL 1.16",
+        higher_is_better=True,
+    )
     print_matched(*matched, unit="generated tokens")
 
 

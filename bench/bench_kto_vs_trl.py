@@ -40,6 +40,7 @@ from pathlib import Path
 
 from bench_dpo_vs_trl import spread, workload  # this folder is on sys.path
 from peers import run_trl, scaled_args, scaled_parser
+from result_files import record  # bench/result_files.py: the docs' Benchmarks page reads its files
 
 BETA = 0.1
 SCALES = {
@@ -168,6 +169,15 @@ def main() -> None:
     print(f"tempering KTO (Ray + FSDP2 worker): {spread(ours)} s/step")
     print(f"TRL 1.16 KTOTrainer:                {spread(theirs)} s/step")
     print(f"speed-up (TRL s/step / tempering):  {spread(ratios, 2)}x")
+    record(
+        "kto_vs_trl",
+        "KTO against TRL 1.16 KTOTrainer",
+        args.scale,
+        "s/step",
+        ours,
+        theirs,
+        "TRL 1.16",
+    )
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ from pathlib import Path
 from bench_dpo_vs_trl import spread
 from peers import run_trl, scaled_args, scaled_parser  # bench/peers.py (this folder is on sys.path)
 from placement import PlacementProbe, placement_note, print_by_placement, print_matched
+from result_files import record  # bench/result_files.py: the docs' Benchmarks page reads its files
 
 SCALES = {
     "tiny": dict(model="tiny-arith", rows=128, max_len=32, lr=1e-3, threads=2, steps=30, warmup=5),
@@ -212,6 +213,15 @@ def main() -> None:
     print(f"tempering SFT (Ray + FSDP2 worker): {spread(ours)} s/step")
     print(f"TRL 1.16 SFTTrainer:                {spread(theirs)} s/step")
     print(f"speed-up (TRL s/step / tempering):  {spread(ratios, 2)}x")
+    record(
+        "sft_vs_trl",
+        "SFT against TRL 1.16 SFTTrainer",
+        args.scale,
+        "s/step",
+        ours,
+        theirs,
+        "TRL 1.16",
+    )
     print_by_placement(ratios, [share for share, _ in split])
     print_matched(*matched)
 
