@@ -55,12 +55,16 @@ LossType = Literal["token", "sequence"]
 KLEstimator = Literal["k1", "k2", "k3"]
 DistillationKL = Literal["forward", "reverse", "mixed"]
 TruncatedISType = Literal["tis", "icepop", "seq-mask-tis"]
+LossBatch = Mapping[str, Any]  # a loss's `data`: a BatchedDataDict or any mapping
+LossOutput = tuple[Tensor, dict[str, float]]  # (the loss, this micro-batch's metrics)
 
 __all__ = [
     "ClippedPGLoss",
     "DistillationLoss",
     "KLEstimator",
+    "LossBatch",
     "LossFunction",
+    "LossOutput",
     "LossType",
     "NLLLoss",
     "TruncatedISType",
@@ -93,12 +97,8 @@ class LossFunction(Protocol):
     pairwise: bool
 
     def __call__(
-        self,
-        logits: Tensor,
-        data: Mapping[str, Any],
-        global_valid_toks: Tensor,
-        global_valid_seqs: Tensor,
-    ) -> tuple[Tensor, dict[str, float]]: ...
+        self, logits: Tensor, data: LossBatch, global_valid_toks: Tensor, global_valid_seqs: Tensor
+    ) -> LossOutput: ...
 
 
 # --------------------------------------------------------------------------------------------
@@ -182,7 +182,7 @@ def token_entropy(logits: Tensor | HiddenLogits, mask: Tensor | None = None) -> 
     return ent
 
 
-def _valid_token_mask(data: Mapping[str, Any], like: Tensor) -> Tensor:
+def _valid_token_mask(data: LossBatch, like: Tensor) -> Tensor:
     """token_mask * sample_mask as ``[B, S]`` in the dtype of `like`."""
     for key in ("token_mask", "sample_mask"):
         if key not in data:
@@ -254,12 +254,8 @@ class NLLLoss:
     reads_token_mask_only: bool = True  # (the LossFunction protocol)
 
     def __call__(
-        self,
-        logits: Tensor,
-        data: Mapping[str, Any],
-        global_valid_toks: Tensor,
-        global_valid_seqs: Tensor,
-    ) -> tuple[Tensor, dict[str, float]]:
+        self, logits: Tensor, data: LossBatch, global_valid_toks: Tensor, global_valid_seqs: Tensor
+    ) -> LossOutput:
         logprobs = token_logprobs(logits, data["input_ids"], data.get("token_mask"))  # [B, S]
         mask = _valid_token_mask(data, logprobs)
         loss = -(logprobs * mask).sum() / as_tensor_like(global_valid_toks, logprobs)
@@ -291,12 +287,8 @@ class ValueLoss:
         self.value_clip = value_clip
 
     def __call__(
-        self,
-        values: Tensor,
-        data: Mapping[str, Any],
-        global_valid_toks: Tensor,
-        global_valid_seqs: Tensor,
-    ) -> tuple[Tensor, dict[str, float]]:
+        self, values: Tensor, data: LossBatch, global_valid_toks: Tensor, global_valid_seqs: Tensor
+    ) -> LossOutput:
         mask = _valid_token_mask(data, values)
         returns = data["returns"].to(values.device, values.dtype)[:, : values.shape[1]]
         loss_tokens = (values - returns) ** 2
@@ -476,12 +468,8 @@ class ClippedPGLoss:
         self.kl_clamps = (kl_input_clamp_value, kl_output_clamp_value)
 
     def __call__(
-        self,
-        logits: Tensor,
-        data: Mapping[str, Any],
-        global_valid_toks: Tensor,
-        global_valid_seqs: Tensor,
-    ) -> tuple[Tensor, dict[str, float]]:
+        self, logits: Tensor, data: LossBatch, global_valid_toks: Tensor, global_valid_seqs: Tensor
+    ) -> LossOutput:
         entropy = None
         if self.entropy_coeff > 0:
             curr, entropy = token_logprobs_and_entropy(
@@ -538,7 +526,7 @@ class ClippedPGLoss:
                 metrics["entropy_bonus"] = float(bonus.item())
         return loss, metrics
 
-    def _kl_penalty(self, curr: Tensor, gen: Tensor, data: Mapping[str, Any]) -> Tensor:
+    def _kl_penalty(self, curr: Tensor, gen: Tensor, data: LossBatch) -> Tensor:
         """Each token's ``beta * v * kl`` (class docstring), ``[B, S]``; zeros without a penalty."""
         if self.reference_policy_kl_penalty == 0.0:
             return torch.zeros_like(curr)
@@ -651,17 +639,13 @@ class DistillationLoss:
             raise ValueError(f"kl_type={kl_type!r} is unknown; use forward, reverse or mixed")
         if not 0.0 <= mixed_kl_weight <= 1.0:
             raise ValueError(f"mixed_kl_weight={mixed_kl_weight} must lie in [0, 1]")
-        self.kl_type = kl_type
-        self.mixed_kl_weight = mixed_kl_weight
+        # the forward KL's share of the loss, the reverse's the rest
+        self.forward_weight = {"forward": 1.0, "reverse": 0.0, "mixed": mixed_kl_weight}[kl_type]
         self.zero_outside_topk = zero_outside_topk
 
     def __call__(
-        self,
-        logits: Tensor,
-        data: Mapping[str, Any],
-        global_valid_toks: Tensor,
-        global_valid_seqs: Tensor,
-    ) -> tuple[Tensor, dict[str, float]]:
+        self, logits: Tensor, data: LossBatch, global_valid_toks: Tensor, global_valid_seqs: Tensor
+    ) -> LossOutput:
         logits = as_logits(logits)  # the student's full distribution at the teacher's top-k
         width = logits.shape[1]  # a micro-batch may be cut to its longest row
         indices = data["teacher_topk_indices"][:, 1:width].long()  # [B, S-1, k]
@@ -672,7 +656,7 @@ class DistillationLoss:
         t, s = (teacher, student) if self.zero_outside_topk else (t_norm, s_norm)
         forward = (t.exp() * (t - s)).sum(-1)  # [B, S-1]
         reverse = (s.exp() * (s - t)).sum(-1)
-        w = {"forward": 1.0, "reverse": 0.0, "mixed": self.mixed_kl_weight}[self.kl_type]
+        w = self.forward_weight
         per_token = F.pad(w * forward + (1.0 - w) * reverse, (1, 0))  # [B, S], 0 at t=0
         mask = _valid_token_mask(data, per_token)[:, : per_token.shape[1]]
         loss = (per_token * mask).sum() / as_tensor_like(global_valid_toks, per_token)

@@ -8,8 +8,7 @@ sample ``2i`` chosen and ``2i + 1`` rejected, and ``global_valid_seqs`` counts v
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, get_args
+from typing import get_args
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +16,14 @@ from torch import Tensor
 
 from tempering.config.trainer_sections import REFERENCE_FREE_LOSSES, DPOLossType
 from tempering.logits import upcast
-from tempering.losses import LossType, as_tensor_like, masked_mean, token_logprobs
+from tempering.losses import (
+    LossBatch,
+    LossOutput,
+    LossType,
+    as_tensor_like,
+    masked_mean,
+    token_logprobs,
+)
 
 __all__ = [
     "DPO_LOSS_TYPES",
@@ -48,6 +54,14 @@ def _pair_mask(sample_mask: Tensor) -> Tensor:
             f"batch size must be even; got {sample_mask.shape[0]}."
         )
     return sample_mask[0::2] * sample_mask[1::2]
+
+
+def _policy_logprobs(logits: Tensor, data: LossBatch) -> tuple[Tensor, Tensor, Tensor]:
+    """What DPO and KTO read first: the policy's token log-probs ``[B, S]`` (at the token
+    mask's rows only), that mask in their dtype ``[B, S]``, and the pair mask ``[B/2]``."""
+    logprobs = token_logprobs(logits, data["input_ids"], data["token_mask"])  # [B, S]
+    token_mask = data["token_mask"].to(logprobs.dtype)
+    return logprobs, token_mask, _pair_mask(data["sample_mask"].to(logprobs.dtype))
 
 
 DPO_LOSS_TYPES: tuple[str, ...] = get_args(DPOLossType)
@@ -164,15 +178,9 @@ class DPOLoss:
         return total
 
     def __call__(
-        self,
-        logits: Tensor,
-        data: Mapping[str, Any],
-        global_valid_toks: Tensor,
-        global_valid_seqs: Tensor,
-    ) -> tuple[Tensor, dict[str, float]]:
-        logprobs = token_logprobs(logits, data["input_ids"], data["token_mask"])  # [B, S]
-        token_mask = data["token_mask"].to(logprobs.dtype)
-        pair_mask = _pair_mask(data["sample_mask"].to(logprobs.dtype))  # [B/2]
+        self, logits: Tensor, data: LossBatch, global_valid_toks: Tensor, global_valid_seqs: Tensor
+    ) -> LossOutput:
+        logprobs, token_mask, pair_mask = _policy_logprobs(logits, data)
 
         seq_lp = self._sequence_logprob(logprobs, token_mask)  # [B]
         seq_ref = None
@@ -288,15 +296,9 @@ class KTOLoss:
         self.undesirable_weight = undesirable_weight
 
     def __call__(
-        self,
-        logits: Tensor,
-        data: Mapping[str, Any],
-        global_valid_toks: Tensor,
-        global_valid_seqs: Tensor,
-    ) -> tuple[Tensor, dict[str, float]]:
-        logprobs = token_logprobs(logits, data["input_ids"], data["token_mask"])  # [B, S]
-        token_mask = data["token_mask"].to(logprobs.dtype)
-        valid = _pair_mask(data["sample_mask"].to(logprobs.dtype))  # [B/2]
+        self, logits: Tensor, data: LossBatch, global_valid_toks: Tensor, global_valid_seqs: Tensor
+    ) -> LossOutput:
+        logprobs, token_mask, valid = _policy_logprobs(logits, data)
         ref = data["reference_policy_logprobs"].to(logprobs.dtype)
         log_ratio = ((logprobs - ref) * token_mask).sum(-1)  # [B]
         r, kl_rows = log_ratio[0::2], log_ratio[1::2]
@@ -335,12 +337,8 @@ class BradleyTerryLoss:
     pairwise: bool = True
 
     def __call__(
-        self,
-        scores: Tensor,
-        data: Mapping[str, Any],
-        global_valid_toks: Tensor,
-        global_valid_seqs: Tensor,
-    ) -> tuple[Tensor, dict[str, float]]:
+        self, scores: Tensor, data: LossBatch, global_valid_toks: Tensor, global_valid_seqs: Tensor
+    ) -> LossOutput:
         if scores.dim() == 2 and scores.shape[-1] == 1:
             scores = scores.squeeze(-1)
         if scores.dim() != 1:
