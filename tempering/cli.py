@@ -8,9 +8,11 @@
     tempering envs [--build] [FQN ...]
     tempering check-container
 
-Each subcommand is one ``_add_<name>(subparsers)`` function that declares its arguments and
-sets ``func`` (called with the parsed namespace, returns an exit code); list it in
-``SUBCOMMANDS``. Heavy imports happen inside the ``func`` so ``tempering --help`` stays fast.
+Each subcommand is a ``_run_<name>(args)`` function (called with the parsed namespace, returns
+an exit code) whose docstring is its help: the first line in ``tempering --help``, the
+paragraph below it in ``tempering <name> --help``; and one ``_add_<name>(subparsers)`` that
+registers it with `_subcommand` and declares its arguments; list that in ``SUBCOMMANDS``.
+Heavy imports happen inside ``_run_<name>`` so ``tempering --help`` stays fast.
 Errors a user can fix (missing file, unknown key) print one line and exit with status 2.
 """
 
@@ -23,8 +25,27 @@ from collections.abc import Callable, Sequence
 from tempering.errors import UserInputError
 
 
+def _subcommand(
+    subparsers: argparse._SubParsersAction, name: str, run: Callable[[argparse.Namespace], int]
+) -> argparse.ArgumentParser:
+    """Add ``tempering NAME``, which calls ``run``; its help is ``run``'s docstring: the first
+    line the one-line help, the rest the description. Returns the parser, for the arguments."""
+    if run.__doc__ is None:
+        raise RuntimeError(f"tempering {name}: no help text (run without python -OO)")
+    help_line, _, description = run.__doc__.strip().partition("\n\n")
+    p = subparsers.add_parser(name, help=help_line, description=" ".join(description.split()))
+    p.set_defaults(func=run)
+    return p
+
+
 def _run_plan(args: argparse.Namespace) -> int:
-    """`tempering plan`: load CONFIG with its algorithm's schema, print the plan."""
+    """the placement plan of a config: groups, GPUs, DP/TP, memory per GPU
+
+    Resolve CONFIG (with overrides) into the plan a run would start: nodes, bundles, which
+    group holds which GPUs (colocated or split), data/tensor-parallel sizes and a per-GPU
+    memory estimate. Exits 2, saying what is short, when the config does not fit the cluster
+    it declares. Starts nothing.
+    """
     from tempering.config.loader import load_config
     from tempering.config.schemas import MASTER_CONFIGS
     from tempering.distributed.placement import schema_for
@@ -38,20 +59,16 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 
 def _add_plan(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "plan",
-        help="the placement plan of a config: groups, GPUs, DP/TP, memory per GPU",
-        description="Resolve CONFIG (with overrides) into the plan a run would start: nodes, "
-        "bundles, which group holds which GPUs (colocated or split), data/tensor-parallel "
-        "sizes and a per-GPU memory estimate. Exits 2, saying what is short, when the config "
-        "does not fit the cluster it declares. Starts nothing.",
-    )
+    p = _subcommand(subparsers, "plan", _run_plan)
     p.add_argument("config", metavar="CONFIG", help="a YAML under examples/configs/ or yours")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="Hydra-style overrides")
-    p.set_defaults(func=_run_plan)
 
 
 def _run_plot(args: argparse.Namespace) -> int:
+    """draw metric curves from a run's metrics.jsonl
+
+    Draw metric curves from LOG_DIR/metrics.jsonl into a PNG.
+    """
     from tempering.utils.plot import plot_metrics, plot_timeline
 
     if args.timeline:
@@ -66,11 +83,7 @@ def _run_plot(args: argparse.Namespace) -> int:
 
 
 def _add_plot(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "plot",
-        help="draw metric curves from a run's metrics.jsonl",
-        description="Draw metric curves from LOG_DIR/metrics.jsonl into a PNG.",
-    )
+    p = _subcommand(subparsers, "plot", _run_plot)
     p.add_argument("log_dir", metavar="LOG_DIR", help="the run's logger.log_dir")
     p.add_argument("--out", default=None, help="output PNG (default: LOG_DIR/metrics.png)")
     p.add_argument(
@@ -84,10 +97,14 @@ def _add_plot(subparsers: argparse._SubParsersAction) -> None:
         help="draw LOG_DIR/timeline.jsonl (async GRPO's phases per role) as a Gantt chart "
         "(default out: LOG_DIR/timeline.png)",
     )
-    p.set_defaults(func=_run_plot)
 
 
 def _run_gym_examples(args: argparse.Namespace) -> int:
+    """write NeMo Gym's bundled example rows as one GRPO JSONL file
+
+    Copy the example.jsonl rows that NeMo Gym ships for each environment into OUT, routed to
+    <environment>_simple_agent (builds Gym's venv on first use).
+    """
     from tempering.environments.nemo_gym import write_gym_examples
 
     names = [n.strip() for n in args.environments.split(",") if n.strip()]
@@ -97,22 +114,22 @@ def _run_gym_examples(args: argparse.Namespace) -> int:
 
 
 def _add_gym_examples(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "gym-examples",
-        help="write NeMo Gym's bundled example rows as one GRPO JSONL file",
-        description="Copy the example.jsonl rows that NeMo Gym ships for each environment into "
-        "OUT, routed to <environment>_simple_agent (builds Gym's venv on first use).",
-    )
+    p = _subcommand(subparsers, "gym-examples", _run_gym_examples)
     p.add_argument("out", metavar="OUT", help="the JSONL file to write")
     p.add_argument(
         "--environments",
         default="math_with_judge,workplace_assistant,example_single_tool_call",
         help="comma-separated Gym resources servers (default: %(default)s)",
     )
-    p.set_defaults(func=_run_gym_examples)
 
 
 def _run_export(args: argparse.Namespace) -> int:
+    """turn a step checkpoint into a Hugging Face folder
+
+    Write CKPT_DIR (a results/<run>/step_<N> folder, any data/tensor-parallel layout) as a
+    Hugging Face folder OUT_DIR: weights, config, generation config, tokenizer and chat
+    template. A partial checkpoint is refused.
+    """
     from tempering.models.export import export_checkpoint
 
     folder, info = export_checkpoint(
@@ -131,13 +148,7 @@ def _run_export(args: argparse.Namespace) -> int:
 
 
 def _add_export(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "export",
-        help="turn a step checkpoint into a Hugging Face folder",
-        description="Write CKPT_DIR (a results/<run>/step_<N> folder, any data/tensor-parallel "
-        "layout) as a Hugging Face folder OUT_DIR: weights, config, generation config, "
-        "tokenizer and chat template. A partial checkpoint is refused.",
-    )
+    p = _subcommand(subparsers, "export", _run_export)
     p.add_argument("ckpt_dir", metavar="CKPT_DIR", help="a step_<N> folder (or its policy/)")
     p.add_argument(
         "out_dir", metavar="OUT_DIR",
@@ -157,10 +168,15 @@ def _add_export(subparsers: argparse._SubParsersAction) -> None:
         "--adapter", action="store_true",
         help="a LoRA run: write the adapters alone in PEFT's format instead of the merged model",
     )  # fmt: skip
-    p.set_defaults(func=_run_export)
 
 
 def _run_eval(args: argparse.Namespace) -> int:
+    """held-out accuracy of a model (HF folder, name or step checkpoint)
+
+    Score MODEL on held-out problems exactly as GRPO validation does (same problems,
+    prompts, rollout loop and scorer; greedy), with a 95%% interval; against --baseline, the
+    paired difference with its interval. See tempering/evaluation.py.
+    """
     import os
 
     from tempering.evaluation import evaluate, report
@@ -186,13 +202,7 @@ def _run_eval(args: argparse.Namespace) -> int:
 
 
 def _add_eval(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "eval",
-        help="held-out accuracy of a model (HF folder, name or step checkpoint)",
-        description="Score MODEL on held-out problems exactly as GRPO validation does (same "
-        "problems, prompts, rollout loop and scorer; greedy), with a 95%% interval; against "
-        "--baseline, the paired difference with its interval. See tempering/evaluation.py.",
-    )
+    p = _subcommand(subparsers, "eval", _run_eval)
     p.add_argument("model", metavar="MODEL", help="HF folder, registered name or step_<N> folder")
     p.add_argument("--baseline", default=None, help="a second MODEL on the same problems")
     p.add_argument("--task", required=True,
@@ -217,10 +227,16 @@ def _add_eval(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--report", default="eval_report.json", help="JSON report path")
     p.add_argument("--tokenizer", default=None,
                    help="MODEL's tokenizer, for a folder of weights only (not --baseline's)")  # fmt: skip
-    p.set_defaults(func=_run_eval)
 
 
 def _run_envs(args: argparse.Namespace) -> int:
+    """list worker classes, the environment each runs in, and build them
+
+    For each worker class of ACTOR_ENVIRONMENT_REGISTRY (or the FQNs given): its executable
+    and state -- frozen (a python-<fqn> launcher in TEMPERING_FROZEN_ENVS_DIR), ready, stale
+    (the code's lock or pyproject changed, or NRL_FORCE_REBUILD_VENVS=true), missing, or
+    interpreter (no venv).
+    """
     import time
 
     from tempering.distributed import actor_environments as ae
@@ -242,24 +258,23 @@ def _run_envs(args: argparse.Namespace) -> int:
 
 
 def _add_envs(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "envs",
-        help="list worker classes, the environment each runs in, and build them",
-        description="For each worker class of ACTOR_ENVIRONMENT_REGISTRY (or the FQNs given): "
-        "its executable and state -- frozen (a python-<fqn> launcher in "
-        "TEMPERING_FROZEN_ENVS_DIR), ready, stale (the code's lock or pyproject changed, or "
-        "NRL_FORCE_REBUILD_VENVS=true), missing, or interpreter (no venv).",
-    )
+    p = _subcommand(subparsers, "envs", _run_envs)
     p.add_argument(
         "fqns", nargs="*", metavar="FQN[=EXECUTABLE]",
         help="worker classes (default: all registered); FQN=EXECUTABLE names a class this "
         "process has not registered (a plugin's) with the executable it runs under",
     )  # fmt: skip
     p.add_argument("--build", action="store_true", help="build the stale and missing venvs now")
-    p.set_defaults(func=_run_envs)
 
 
 def _run_check_container(args: argparse.Namespace) -> int:
+    """the start-up version check: does the code match the image it runs in?
+
+    With NRL_CONTAINER=1, compare md5(pyproject.toml), md5(uv.lock) and submodule commits
+    with the image's fingerprint; on a difference print each key and the remedies, and exit
+    1 unless NRL_FORCE_REBUILD_VENVS=true or NRL_IGNORE_VERSION_MISMATCH=1 (the example
+    scripts run the same check).
+    """
     from tempering.distributed.fingerprint import check_container_fingerprint, fingerprint_path
 
     diff = check_container_fingerprint()
@@ -268,15 +283,7 @@ def _run_check_container(args: argparse.Namespace) -> int:
 
 
 def _add_check_container(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "check-container",
-        help="the start-up version check: does the code match the image it runs in?",
-        description="With NRL_CONTAINER=1, compare md5(pyproject.toml), md5(uv.lock) and "
-        "submodule commits with the image's fingerprint; on a difference print each key and "
-        "the remedies, and exit 1 unless NRL_FORCE_REBUILD_VENVS=true or "
-        "NRL_IGNORE_VERSION_MISMATCH=1 (the example scripts run the same check).",
-    )
-    p.set_defaults(func=_run_check_container)
+    _subcommand(subparsers, "check-container", _run_check_container)
 
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
