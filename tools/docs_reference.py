@@ -132,15 +132,26 @@ def config_page() -> str:
                "grpo": "run_grpo_math.py, run_grpo_multiturn.py, run_grpo_nemo_gym.py",
                "distillation": "run_distillation.py"}  # fmt: skip
     for master, schema in MASTER_CONFIGS.items():
-        out.append(f"| {_MASTER_NAMES[master]} | `{schema.__name__}` | `examples/{scripts[master]}` |")
+        out.append(
+            f"| {_MASTER_NAMES[master]} | `{schema.__name__}` | `examples/{scripts[master]}` |"
+        )
     seen_titles: dict[str, int] = {}
     for (section, rows), masters in sections.items():
         n = seen_titles[section] = seen_titles.get(section, 0) + 1
         title = section if n == 1 else f"{section} ({', '.join(masters)})"
-        out += ["", f"## {title}", "", f"Read by: {', '.join(masters)}.", "",
-                "| key | type | default | allowed | description |", "|---|---|---|---|---|"]
+        out += [
+            "",
+            f"## {title}",
+            "",
+            f"Read by: {', '.join(masters)}.",
+            "",
+            "| key | type | default | allowed | description |",
+            "|---|---|---|---|---|",
+        ]
         for key, kind, default, allowed, doc in rows:
-            out.append(f"| `{key}` | {_cell(kind)} | {_cell(default)} | {_cell(allowed)} | {_cell(doc)} |")
+            out.append(
+                f"| `{key}` | {_cell(kind)} | {_cell(default)} | {_cell(allowed)} | {_cell(doc)} |"
+            )
     return "\n".join(out) + "\n"
 
 
@@ -175,8 +186,16 @@ def cli_page() -> str:
     ]
     for name, sub in _subcommands(parser).items():
         sub.prog = f"tempering {name}"
-        out += ["", f"## tempering {name}", "", helps.get(name, ""), "", "```text",
-                sub.format_help().rstrip(), "```"]
+        out += [
+            "",
+            f"## tempering {name}",
+            "",
+            helps.get(name, ""),
+            "",
+            "```text",
+            sub.format_help().rstrip(),
+            "```",
+        ]
     return "\n".join(out) + "\n"
 
 

@@ -223,7 +223,6 @@ _PATTERNS = [(key, _regex(key)) for entries in METRICS.values() for key in entri
 
 def documented_as(key: str) -> str | None:
     """The entry that documents `key` (itself, or the first pattern it matches), else None."""
-    for entry, _regex in _PATTERNS:
-        if entry == key:
-            return entry
+    if any(entry == key for entry, _ in _PATTERNS):
+        return key
     return next((entry for entry, regex in _PATTERNS if regex.match(key)), None)
