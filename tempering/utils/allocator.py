@@ -7,7 +7,7 @@ heap grew to about twice the live tensors: SmolLM2-135M LoRA SFT (one rank, micr
 (Microsoft's allocator, from the ``cmeel-mimalloc`` wheel) sorts blocks by size class:
 3.5-3.7 GiB for the same steps, and no slower, once it keeps what it frees
 (``MIMALLOC_PURGE_DELAY=-1``; with its default purging, returning pages to the kernel and
-faulting them back in cost ~25% of a step). docs/benchmarks.md ("LoRA") has the figures.
+faulting them back in cost ~25% of a step). CHANGELOG.md ("LoRA", in the measurement history) has the figures.
 
 The library has to be loaded before the process starts, so `allocator_env` gives the variables
 a worker group starts its workers with (``LD_PRELOAD``), and `check_allocator` (in the worker)
