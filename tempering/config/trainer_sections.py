@@ -12,14 +12,33 @@ from tempering.config.section import Section
 
 
 class SFTConfig(Section):
-    max_num_steps: int = Field(300, ge=1)
-    max_num_epochs: int = Field(100, ge=1)
+    max_num_steps: int = Field(
+        300,
+        ge=1,
+        description="training steps, one optimizer step each (the lr schedule spans them)",
+    )
+    max_num_epochs: int = Field(
+        100, ge=1, description="stop after this many passes over the training examples"
+    )
     val_period: int = Field(50, ge=0, description="0 = no validation")
-    val_batches: int = Field(4, ge=1)
-    val_global_batch_size: int = Field(64, ge=1)
-    val_micro_batch_size: int = Field(32, ge=1)
-    val_at_start: bool = True
-    seed: int = 42
+    val_batches: int = Field(
+        4,
+        ge=1,
+        description="a validation reads at most this many whole batches of held-out examples",
+    )
+    val_global_batch_size: int = Field(
+        64, ge=1, description="held-out examples per validation batch"
+    )
+    val_micro_batch_size: int = Field(
+        32, ge=1, description="held-out examples per validation forward pass"
+    )
+    val_at_start: bool = Field(
+        True, description="also validate before the first step (a fresh run with val_period > 0)"
+    )
+    seed: int = Field(
+        42,
+        description="torch seed of the policy workers and of the training examples' shuffle order",
+    )
     stop_val_accuracy_range: tuple[float, float] | None = Field(
         None, description="stop when greedy val accuracy falls inside [lo, hi] (tiny-arith recipe)"
     )
@@ -35,14 +54,34 @@ class PreferenceLoopConfig(Section):
     """The keys of the preference-training loop DPO and the reward model share
     (`tempering.algorithms.preference.train_loop`)."""
 
-    max_num_steps: int = Field(100, ge=1)
-    max_num_epochs: int = Field(100, ge=1)
-    val_period: int = Field(20, ge=0)
-    val_batches: int = Field(4, ge=1)
-    val_global_batch_size: int = Field(32, ge=2)
-    val_micro_batch_size: int = Field(16, ge=2)
-    val_at_start: bool = True
-    seed: int = 42
+    max_num_steps: int = Field(
+        100,
+        ge=1,
+        description="training steps, one optimizer step each (the lr schedule spans them)",
+    )
+    max_num_epochs: int = Field(
+        100, ge=1, description="stop after this many passes over the training pairs (KTO: rows)"
+    )
+    val_period: int = Field(
+        20, ge=0, description="validate every N steps and at the last one; 0 = no validation"
+    )
+    val_batches: int = Field(
+        4, ge=1, description="a validation reads at most this many whole batches of held-out pairs"
+    )
+    val_global_batch_size: int = Field(
+        32,
+        ge=2,
+        description="sequences per validation batch: a pair (KTO: a row and its KL row) is two",
+    )
+    val_micro_batch_size: int = Field(
+        16, ge=2, description="sequences per validation forward pass (even: whole pairs)"
+    )
+    val_at_start: bool = Field(
+        True, description="also validate before the first step (a fresh run with val_period > 0)"
+    )
+    seed: int = Field(
+        42, description="torch seed of the model workers and of the training pairs' shuffle order"
+    )
 
 
 # the preference losses of `tempering.preference_losses.dpo_preference_loss`, by TRL's names
