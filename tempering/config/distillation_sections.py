@@ -18,7 +18,9 @@ from tempering.config.section import Section
 
 
 class DistillationConfig(Section):
-    num_prompts_per_step: int = Field(128, ge=1)
+    num_prompts_per_step: int = Field(
+        128, ge=1, description="prompts a step rolls out (x num_generations_per_prompt samples)"
+    )
     num_generations_per_prompt: int = Field(1, ge=1, description="student samples per prompt")
     max_rollout_turns: int = Field(
         1, ge=1, description="turns per episode at most (multi-turn environments)"
@@ -28,17 +30,28 @@ class DistillationConfig(Section):
         description="rollouts call the chat service directly, or over HTTP through "
         "policy.generation.http_server (which must be enabled)",
     )
-    max_num_steps: int = Field(1000, ge=1)
-    max_num_epochs: int = Field(10, ge=1)
+    max_num_steps: int = Field(
+        1000, ge=1, description="training steps (the lr schedule spans them)"
+    )
+    max_num_epochs: int = Field(
+        10, ge=1, description="stop after this many passes over the training prompts"
+    )
     val_period: int = Field(20, ge=0, description="held-out greedy accuracy every N steps; 0 = off")
-    val_at_start: bool = True
-    max_val_samples: int = Field(512, ge=1)
-    val_batch_size: int = Field(64, ge=1)
+    val_at_start: bool = Field(
+        True, description="also validate before the first step (a fresh run with val_period > 0)"
+    )
+    max_val_samples: int = Field(
+        512, ge=1, description="held-out problems a validation reads at most (the first N)"
+    )
+    val_batch_size: int = Field(64, ge=1, description="held-out problems per greedy rollout call")
     topk_logits_k: int = Field(
         64, ge=1, description="teacher log-probs kept per token (the only teacher output sent)"
     )
     max_wall_time_s: float | None = Field(None, description="stop after this many seconds")
-    seed: int = 42
+    seed: int = Field(
+        42,
+        description="torch seed of student and teacher workers, prompt order and step sampling seeds",
+    )
 
 
 class DistillationLossConfig(Section):
@@ -82,7 +95,10 @@ class TeacherConfig(Section):
     model_name: str = Field(
         "tiny-arith-grpo", description="the teacher: a registry name, a local HF folder or a hub id"
     )
-    precision: Literal["float32", "bfloat16"] = "float32"
+    precision: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="the teacher's compute dtype (bfloat16: over fp32 weights, as policy.precision)",
+    )
     logprob_batch_size: int = Field(32, ge=1, description="rows per teacher forward")
     num_threads: int | None = Field(None, description="torch threads per teacher worker (CPU)")
     dtensor_cfg: TeacherDTensorConfig = TeacherDTensorConfig()

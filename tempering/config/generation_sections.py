@@ -31,11 +31,22 @@ class ColocatedConfig(Section):
 
 
 class VllmConfig(Section):
-    tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.6
-    max_model_len: int | None = None
-    enforce_eager: bool = True
-    precision: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    tensor_parallel_size: int = Field(
+        1,
+        description="GPUs each vLLM engine spans (inside one node; must divide its generation GPUs)",
+    )
+    gpu_memory_utilization: float = Field(
+        0.6, description="share of each GPU's memory vLLM takes for weights and KV cache (0-1)"
+    )
+    max_model_len: int | None = Field(
+        None, description="vLLM's context length in tokens; null: the model's own"
+    )
+    enforce_eager: bool = Field(
+        True, description="run vLLM in eager PyTorch, without CUDA graphs (as CPU engines must)"
+    )
+    precision: Literal["float32", "bfloat16", "float16"] = Field(
+        "bfloat16", description="vLLM's weight and compute dtype; refits send weights in it"
+    )
     lora_adapter_refit: bool = Field(
         False, description="with policy.dtensor_cfg.lora_cfg.enabled: refit sends the adapters "
         "alone (the engine applies them as a LoRA request) instead of merged weights"
@@ -95,7 +106,9 @@ class HttpServerConfig(Section):
 
 
 class GenerationConfig(Section):
-    backend: Literal["torch", "vllm"] = "torch"
+    backend: Literal["torch", "vllm"] = Field(
+        "torch", description="the generation engine: tempering's torch engine, or vLLM engines"
+    )
     precision: Literal["float32", "bfloat16"] | None = Field(
         None, description="the torch engine's weights and compute while sampling (the trainer "
         "keeps policy.precision): null = float32; bfloat16 halves the engine's copy and its "
@@ -103,12 +116,28 @@ class GenerationConfig(Section):
         "train/gen_kl_error) and corrected by loss_fn.use_importance_sampling_correction. "
         "vLLM's is vllm_cfg.precision"
     )  # fmt: skip
-    max_new_tokens: int = Field(256, ge=1)
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int | None = None
-    stop_token_ids: list[int] | None = None
-    stop_strings: list[str] | None = None
+    max_new_tokens: int = Field(
+        256, ge=1, description="tokens generated per turn at most (finish reason 'length' there)"
+    )
+    temperature: float = Field(
+        1.0, gt=0, description="sampling temperature; RL log-probs are computed at it too"
+    )
+    top_p: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="nucleus sampling: likeliest tokens up to this mass (< 1: torch engine only)",
+    )
+    top_k: int | None = Field(
+        None,
+        description="sample from the k likeliest tokens only; null: all (set: torch engine only)",
+    )
+    stop_token_ids: list[int] | None = Field(
+        None, description="token ids that end a turn (kept), besides the tokenizer's eos"
+    )
+    stop_strings: list[str] | None = Field(
+        None, description="strings that end a turn once the generated text holds one (kept)"
+    )
     colocated: ColocatedConfig = ColocatedConfig()
     vllm_cfg: VllmConfig = VllmConfig()
     http_server: HttpServerConfig = HttpServerConfig()
