@@ -1,6 +1,6 @@
 """The documentation site's reference pages, generated from the code so they cannot go stale.
 
-`docs/hooks.py` calls these while `mkdocs build` runs; the tests call them too
+`tools/mkdocs_hooks.py` calls these while `mkdocs build` runs; the tests call them too
 (tests/unit/test_docs_site.py). Each returns one Markdown page:
 
 - `config_page()`: every key of every master config (SFT, DPO, KTO, RM, GRPO, distillation)
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import argparse
 import ast
+import builtins
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tempering.config.loader import _submodel  # noqa: E402
+from tempering.config.loader import schema_leaves  # noqa: E402
 from tempering.config.schemas import MASTER_CONFIGS  # noqa: E402
 
 _MASTER_NAMES = {"sft": "SFT", "dpo": "DPO", "kto": "KTO", "rm": "RM", "grpo": "GRPO",
@@ -38,16 +38,6 @@ _MASTER_NAMES = {"sft": "SFT", "dpo": "DPO", "kto": "KTO", "rm": "RM", "grpo": "
 
 
 # ------------------------------------------------------------------------------ config keys
-def config_keys(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, FieldInfo]]:
-    """Every leaf key of a schema as (dotted path, field), in declaration order."""
-    for name, field in model.model_fields.items():
-        path = f"{prefix}.{name}" if prefix else name
-        if sub := _submodel(field.annotation):
-            yield from config_keys(sub, path)
-        else:
-            yield path, field
-
-
 def _type_name(ann: Any) -> str:
     origin = get_origin(ann)
     if origin is Literal:
@@ -95,9 +85,9 @@ def _cell(text: str) -> str:
 def config_rows(master: str) -> list[tuple[str, str, str, str, str]]:
     """(key, type, default, allowed, description) for every leaf key of one master config."""
     schema = MASTER_CONFIGS[master]
-    refused = schema.__dict__.get("UNREAD_KEYS") or getattr(schema, "UNREAD_KEYS", {})
+    refused = getattr(schema, "UNREAD_KEYS", {})
     rows = []
-    for path, field in config_keys(schema):
+    for path, field in schema_leaves(schema):
         doc = field.description or ""
         if path in refused:
             doc = f"{doc} **Refused by {_MASTER_NAMES[master]}** unless at its default: {refused[path]}"
@@ -156,21 +146,16 @@ def config_page() -> str:
 
 
 # ------------------------------------------------------------------------------ the CLI
-def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return dict(action.choices)
-    return {}
+def _subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
 
 
 def cli_page() -> str:
     from tempering.cli import build_parser
 
     parser = build_parser()
-    helps = {}
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            helps = {a.dest: a.help or "" for a in action._choices_actions}
+    subparsers = _subparsers(parser)
+    helps = {a.dest: a.help or "" for a in subparsers._choices_actions}
     out = [
         "# The `tempering` command",
         "",
@@ -184,7 +169,7 @@ def cli_page() -> str:
         parser.format_help().rstrip(),
         "```",
     ]
-    for name, sub in _subcommands(parser).items():
+    for name, sub in subparsers.choices.items():
         sub.prog = f"tempering {name}"
         out += [
             "",
@@ -218,8 +203,9 @@ def metrics_page() -> str:
 
 
 # ------------------------------------------------------------------------------ errors
-_BUILTIN_ERRORS = {n for n in dir(__builtins__) if n.endswith(("Error", "Exception"))} | {
-    "Exception", "TimeoutError", "PermissionError", "OSError",
+_BUILTIN_ERRORS = {
+    name for name, obj in vars(builtins).items()
+    if isinstance(obj, type) and issubclass(obj, BaseException)
 }  # fmt: skip
 
 

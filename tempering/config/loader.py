@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import difflib
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar, get_args
 
@@ -26,6 +26,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 
 from tempering.errors import UserInputError
 
@@ -228,14 +229,20 @@ def schema_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
     return out
 
 
-def schema_help(model: type[BaseModel], prefix: str = "") -> list[str]:
-    """One line per leaf key: ``dotted.path: type = default  # description`` (for --help)."""
-    out: list[str] = []
+def schema_leaves(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, FieldInfo]]:
+    """Every leaf key of a schema as (dotted path, field), in declaration order."""
     for name, field in model.model_fields.items():
         p = f"{prefix}.{name}" if prefix else name
         if sub := _submodel(field.annotation):
-            out.extend(schema_help(sub, p))
-            continue
+            yield from schema_leaves(sub, p)
+        else:
+            yield p, field
+
+
+def schema_help(model: type[BaseModel]) -> list[str]:
+    """One line per leaf key: ``dotted.path: type = default  # description`` (for --help)."""
+    out: list[str] = []
+    for p, field in schema_leaves(model):
         ann = field.annotation
         kind = str(ann) if get_args(ann) or not hasattr(ann, "__name__") else ann.__name__
         line = f"{p}: {kind.replace('typing.', '')} = {field.default!r}"
