@@ -5,7 +5,9 @@ generation with training with samples one weight version old, so a test fails wh
 asynchronous run silently ran the synchronous schedule; `gym_standin` routes a run's rollouts
 through our NeMo Gym protocol stand-in. `run_job` runs the GRPO script in a process of its own
 (to be killed, resumed, compared): `records` reads its metrics without timings, and
-`assert_same_run` compares two runs' records.
+`assert_same_run` compares two runs' records. `assert_documented` checks that every key a
+run logged is in the metrics reference (`tempering.utils.metric_docs`); `train` and `records`
+check it of every run they read, and the other loops' learning tests call it.
 """
 
 from __future__ import annotations
@@ -60,9 +62,21 @@ def train(config: str, steps: int, out: Path, extra: list[str]) -> dict[str, Any
     )
     run = grpo.setup(cfg, resolved)
     try:
-        return (async_grpo.train if cfg.grpo.async_grpo.enabled else grpo.train)(run)
+        summary = (async_grpo.train if cfg.grpo.async_grpo.enabled else grpo.train)(run)
     finally:
         run.close()
+    assert_documented(out / "logs")
+    return summary
+
+
+def assert_documented(logs: Path) -> None:
+    """Every key of ``logs/metrics.jsonl`` has its own entry in the metrics reference (an entry
+    that stands for a whole prefix, like ``train/<name>``, does not count)."""
+    from tempering.utils.metric_docs import undocumented
+
+    rows = [json.loads(x) for x in (logs / "metrics.jsonl").read_text().splitlines()]
+    missing = undocumented(k for r in rows for k in r)
+    assert rows and not missing, f"{logs}: keys missing from metric_docs.METRICS: {missing}"
 
 
 def assert_ran_async(out: Path, steps: int) -> None:
@@ -164,6 +178,7 @@ def _left_behind(session: int, wait_s: float = 10.0) -> list[str]:
 
 def records(out: Path) -> list[dict]:
     """A run's metrics.jsonl without what differs run to run (timings, throughput)."""
+    assert_documented(out / "logs")
     rows = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in r.items() if not _is_timing(k)} for r in rows]
 

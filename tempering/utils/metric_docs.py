@@ -221,8 +221,19 @@ def _regex(pattern: str) -> re.Pattern[str]:
 _PATTERNS = [(key, _regex(key)) for entries in METRICS.values() for key in entries]
 
 
-def documented_as(key: str) -> str | None:
-    """The entry that documents `key` (itself, or the first pattern it matches), else None."""
+_CATCH_ALL = re.compile(r"[a-z_]+/<[a-z]+>")
+
+
+def documented_as(key: str, catch_all: bool = True) -> str | None:
+    """The entry that documents `key` (itself, or the first pattern it matches), else None.
+    ``catch_all=False`` ignores the entries that stand for a whole prefix (``train/<name>``),
+    so a key must be listed for what it is."""
     if any(entry == key for entry, _ in _PATTERNS):
         return key
-    return next((entry for entry, regex in _PATTERNS if regex.match(key)), None)
+    patterns = (p for p in _PATTERNS if catch_all or not _CATCH_ALL.fullmatch(p[0]))
+    return next((entry for entry, regex in patterns if regex.match(key)), None)
+
+
+def undocumented(keys) -> list[str]:
+    """The keys among `keys` (a run's metrics.jsonl records' keys) no specific entry documents."""
+    return sorted({k for k in keys if documented_as(k, catch_all=False) is None})

@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from tempering.config import DistillationMasterConfig, load_config
+from tests.grpo_runs import assert_documented
 
 REPO = Path(__file__).parents[2]
 STEPS = 4
@@ -61,6 +62,7 @@ def _config(tmp: Path, *extra: str):
 
 
 def _steps(log_dir: Path) -> dict[int, dict[str, float]]:
+    assert_documented(log_dir)
     rows = [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r for r in rows if "train/loss" in r}
 

@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from tempering.config import DPOMasterConfig, GRPOMasterConfig, RMMasterConfig, load_config
+from tests.grpo_runs import assert_documented
 
 REPO = Path(__file__).parents[2]
 pytestmark = pytest.mark.slow
@@ -93,6 +94,7 @@ def test_dpo_learns_held_out_preference(ray_session, data_files, tmp_path, caplo
     assert end["preference_accuracy"] >= 0.8
     assert end["rewards_chosen_mean"] > end["rewards_rejected_mean"]
     assert (tmp_path / "ckpt" / "step_40").is_dir()  # last step is checkpointed
+    assert_documented(tmp_path / "logs")
     lines = (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()
     logged = [json.loads(x) for x in lines]
     assert any("train/preference_accuracy" in m for m in logged)

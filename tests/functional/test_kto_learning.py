@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tempering.config import KTOMasterConfig, load_config
+from tests.grpo_runs import assert_documented
 
 REPO = Path(__file__).parents[2]
 pytestmark = pytest.mark.slow
@@ -46,6 +47,7 @@ def test_kto_learns_a_preference_the_reference_does_not_hold(ray_session, tmp_pa
     assert end["logprob_accuracy"] >= reference + 0.10, summary
     assert end["rewards_desirable_mean"] > end["rewards_undesirable_mean"], end
     assert (Path(summary["final_model"]) / "config.json").is_file()
+    assert_documented(tmp_path / "logs")
     logged = [json.loads(line) for line in (tmp_path / "logs/metrics.jsonl").open()]
     data = next(m for m in logged if "data/num_train_rows" in m)
     assert (data["data/num_train_rows"], data["data/num_train_desirable"]) == (4000, 2000)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tempering.config import SFTMasterConfig, load_config
+from tests.grpo_runs import assert_documented
 
 REPO = Path(__file__).parents[2]
 pytestmark = pytest.mark.slow
@@ -51,6 +52,8 @@ def _run_sft(
     finally:
         run.close()
     path = tmp / name / "metrics.jsonl"
+    if path.is_file():
+        assert_documented(path.parent)
     rows = [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
     return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}, val
 

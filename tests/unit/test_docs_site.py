@@ -12,6 +12,8 @@ sys.path.insert(0, str(ROOT / "tools"))
 import docs_reference  # noqa: E402
 
 from tempering.config import MASTER_CONFIGS  # noqa: E402
+from tempering.config.loader import schema_leaves  # noqa: E402
+from tempering.utils.metric_docs import METRICS  # noqa: E402
 
 
 def test_the_site_builds_strict(tmp_path):
@@ -26,13 +28,54 @@ def test_the_site_builds_strict(tmp_path):
 
 def test_the_config_reference_covers_every_key_and_names_no_other():
     page = docs_reference.config_page()
-    keys = {
-        k
-        for master in MASTER_CONFIGS
-        for k, _ in docs_reference.config_keys(MASTER_CONFIGS[master])
-    }
+    keys = {key for schema in MASTER_CONFIGS.values() for key, _ in schema_leaves(schema)}
     rows = set(re.findall(r"^\| `([^`]+)` \|", page, flags=re.M))
-    missing = {k for k in keys if k.split(".", 1)[-1] not in rows and k not in rows}
-    assert not missing, f"keys absent from the config reference: {sorted(missing)[:20]}"
-    unknown = {r for r in rows if not any(k == r or k.endswith("." + r) for k in keys)}
-    assert not unknown, f"the reference names keys no schema has: {sorted(unknown)[:20]}"
+    assert not keys - rows, f"keys absent from the config reference: {sorted(keys - rows)[:20]}"
+    assert not rows - keys, f"the reference names keys no schema has: {sorted(rows - keys)[:20]}"
+
+
+# A metric key as the loops write it: a quoted literal or an f-string with a known prefix.
+_METRIC = re.compile(
+    r"""f?"((?:train|val|env|timing|critic|data|resources|dynamic_sampling|server|throughput)"""
+    r"""/[A-Za-z0-9_@{}/.<>]*)\""""
+)
+
+
+def metric_literals() -> set[str]:
+    """Every metric key written in tempering/'s sources, `{...}` parts as `<x>`."""
+    found = set()
+    for path in (ROOT / "tempering").rglob("*.py"):
+        if path.name == "metric_docs.py":
+            continue
+        for key in _METRIC.findall(path.read_text()):
+            if not re.search(r"\.(jsonl?|yaml|parquet|csv)$", key):  # a data path, not a metric
+                found.add(re.sub(r"\{[^}]*\}", "<x>", key))
+    return found
+
+
+def _family(pattern: str, placeholder: str) -> re.Pattern[str]:
+    return re.compile("[^/]+".join(re.escape(p) for p in re.split(placeholder, pattern)))
+
+
+def test_every_metric_key_the_code_writes_is_in_the_metrics_reference():
+    """A key must match an entry of `tempering.utils.metric_docs.METRICS` other than a
+    catch-all (`train/<name>`: any other term a loss reports); a family of keys (`<x>` from an
+    f-string) must match an entry, or have its members listed there; a prefix (ending in `/`
+    or `/<x>`) must begin some entry."""
+    entries = [key for group in METRICS.values() for key in group]
+    specific = [
+        _family(e, r"<[a-z]+>") for e in entries if not re.fullmatch(r"[a-z_]+/<[a-z]+>", e)
+    ]
+    literals = metric_literals()
+    assert len(literals) > 60  # the scan reads the loops (77 distinct keys when written)
+    undocumented = []
+    for key in sorted(literals):
+        family = _family(key, "<x>")
+        prefix = key.removesuffix("<x>") if key.endswith("/<x>") else key
+        if not (
+            any(p.fullmatch(key.replace("<x>", "x1")) for p in specific)
+            or ("<x>" in key and any(family.fullmatch(entry) for entry in entries))
+            or (prefix.endswith("/") and any(entry.startswith(prefix) for entry in entries))
+        ):
+            undocumented.append(key)
+    assert not undocumented, f"metric keys missing from metric_docs.METRICS: {undocumented}"
