@@ -174,7 +174,7 @@ def _run_eval(args: argparse.Namespace) -> int:
     """held-out accuracy of a model (HF folder, name or step checkpoint)
 
     Score MODEL on held-out problems exactly as GRPO validation does (same problems,
-    prompts, rollout loop and scorer; greedy), with a 95%% interval; against --baseline, the
+    prompts, rollout loop and scorer; greedy), with a 95% interval; against --baseline, the
     paired difference with its interval. See tempering/evaluation.py.
     """
     import os
