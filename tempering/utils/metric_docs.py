@@ -57,7 +57,7 @@ METRICS: dict[str, dict[str, str]] = {
         "train/reward_mean": "mean environment reward of the step's samples",
         "train/reward_std": "its standard deviation",
         "train/accuracy": "share of the step's samples the environment scored correct "
-        "(rewards above its `correct_above`)",
+        "(rewards above its `correct_above`); reward models: share of pairs scored chosen first",
         "train/gen_length_mean": "mean generated tokens per sample",
         "train/gen_length_max": "most generated tokens of one sample",
         "train/truncated_fraction": "share of generations that stopped at the token budget "
@@ -141,7 +141,8 @@ METRICS: dict[str, dict[str, str]] = {
         "train/log_odds_ratio": "ORPO's log odds ratio of chosen over rejected",
         "train/kl": "KTO's reference point: the KL rows' mean log-ratio, clamped at 0",
         "train/reward_accuracy": "KTO: share of rows whose reward sits on their label's side of "
-        "the reference point; reward models: share of pairs ranked right",
+        "the reference point",
+        "train/margin": "reward models: mean score of the chosen response minus the rejected's",
         "train/rewards_desirable_mean": "KTO: mean reward of the desirable rows",
         "train/rewards_undesirable_mean": "KTO: mean reward of the undesirable rows",
         "data/num_train_pairs": "preference pairs in the training data",
@@ -234,6 +235,18 @@ def documented_as(key: str, catch_all: bool = True) -> str | None:
     return next((entry for entry, regex in patterns if regex.match(key)), None)
 
 
+# Prefixes whose keys mirror `train/`'s: `val/<name>` and `critic/<name>` say so above.
+_MIRRORS = ("val/", "critic/")
+
+
 def undocumented(keys) -> list[str]:
-    """The keys among `keys` (a run's metrics.jsonl records' keys) no specific entry documents."""
-    return sorted({k for k in keys if documented_as(k, catch_all=False) is None})
+    """The keys among `keys` (a run's metrics.jsonl records' keys) no specific entry documents,
+    a ``val/x`` or ``critic/x`` counting as documented when ``train/x`` is."""
+
+    def known(key: str) -> bool:
+        if documented_as(key, catch_all=False):
+            return True
+        mirror = next((p for p in _MIRRORS if key.startswith(p)), None)
+        return bool(mirror) and documented_as("train/" + key[len(mirror) :], False) is not None
+
+    return sorted({k for k in keys if not known(k)})

@@ -133,6 +133,7 @@ def rm_export(ray_session, data_files, tmp_path_factory) -> dict:
         path = rm.export(run)
     finally:
         run.close()
+    assert_documented(tmp / "logs")
     return {"summary": summary, "path": path}
 
 
