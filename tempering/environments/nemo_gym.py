@@ -401,7 +401,7 @@ class NemoGymEnvironment:
     launcher: Any = None
     stats: Counter[str] = field(default_factory=Counter, init=False)
     _rewards: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list), init=False)
-    _components: dict[str, list[float]] = field(
+    _components: dict[tuple[str, str], list[float]] = field(
         default_factory=lambda: defaultdict(list), init=False
     )
 
@@ -430,7 +430,7 @@ class NemoGymEnvironment:
             if not ep.masked:
                 self._rewards[name].append(ep.reward)
             for key, value in (result.get("reward_components") or {}).items():
-                self._components[f"{name}/{key}"].append(float(value))
+                self._components[(name, key)].append(float(value))
         return build_batch(episodes, self.pad_token_id)
 
     @staticmethod
@@ -452,8 +452,8 @@ class NemoGymEnvironment:
         for name, rewards in self._rewards.items():
             metrics[f"env/{name}/reward_mean"] = sum(rewards) / len(rewards)
             metrics[f"env/{name}/samples"] = float(len(rewards))
-        for key, values in self._components.items():
-            metrics[f"env/{key}_mean"] = sum(values) / len(values)
+        for (name, key), values in self._components.items():
+            metrics[f"env/{name}/{key}_mean"] = sum(values) / len(values)
         stats = self.stats + self.client.stats
         for key in (
             "masked_samples",

@@ -201,7 +201,15 @@ METRICS: dict[str, dict[str, str]] = {
         "env/reward_model_<name>": "reward-model environment counters",
         "env/<name>/reward_mean": "mean reward of one NeMo Gym agent's rows",
         "env/<name>/samples": "rows that agent ran",
-        "env/<name>_mean": "the mean of a value NeMo Gym's results carry",
+        "env/<name>/<component>_mean": "the mean of a reward component one NeMo Gym agent's "
+        "results carry (`reward_components`)",
+        "gym/masked_samples": "NeMo Gym episodes left out of the loss because their result asked "
+        "for it (`mask_sample`), this step",
+        "gym/noncontiguous_truncated": "Gym episodes cut at a model call whose prompt does not "
+        "extend the previous call's (`env.nemo_gym.on_noncontiguous=truncate`)",
+        "gym/over_length_truncated": "Gym episodes cut at the model call that would pass "
+        "`policy.max_total_sequence_length`",
+        "gym/retries": "retried HTTP calls to Gym's agents this step (`env.nemo_gym.max_retries`)",
     },
     "Resources, per role (controller, policy, generation, environment)": {
         "resources/<role>/cpu_cores": "CPU cores the role kept busy over the step",

@@ -70,5 +70,7 @@ def test_the_home_page_renders_styled(site, tmp_path):
     coloured = sum(1 for r, g, b in header if b > 150 and r < 120)  # the theme's indigo bar
     assert coloured > 0.8 * len(header), f"no styled header: {header[:5]}"
     nav = img.crop((0, 100, 260, 900)).convert("L")
-    ink = sum(1 for v in nav.get_flattened_data() if v < 160)  # the navigation's text, dark on white
+    ink = sum(
+        1 for v in nav.get_flattened_data() if v < 160
+    )  # the navigation's text, dark on white
     assert ink > 2000, f"the navigation shows no text ({ink} dark pixels)"

@@ -36,7 +36,7 @@ def test_the_config_reference_covers_every_key_and_names_no_other():
 
 # A metric key as the loops write it: a quoted literal or an f-string with a known prefix.
 _METRIC = re.compile(
-    r"""f?"((?:train|val|env|timing|critic|data|resources|dynamic_sampling|server|throughput)"""
+    r"""f?"((?:train|val|env|gym|timing|critic|data|resources|dynamic_sampling|server|throughput|rollouts)"""
     r"""/[A-Za-z0-9_@{}/.<>]*)\""""
 )
 
