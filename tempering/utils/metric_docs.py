@@ -79,6 +79,16 @@ METRICS: dict[str, dict[str, str]] = {
         "throughput/generated_tokens_per_s": "generated tokens per second of generation",
         "server/requests": "HTTP requests the generation server answered this step",
         "server/backend_calls": "engine calls those requests became (batched requests share one)",
+        "server/bad_requests": "requests refused with a 4xx (malformed, over the context length)",
+        "server/noncontiguous_rejected": "chat histories refused because they do not extend the "
+        "tokens the server returned (`on_noncontiguous=error`)",
+        "server/noncontiguous_truncated": "chat histories cut to their contiguous part instead",
+        "server/retokenized_assistant_turns": "assistant turns sent without their token ids, "
+        "encoded again by the chat template",
+        "server/max_tokens_clipped": "requests whose `max_tokens` was cut to the context left",
+        "server/tool_call_parse_errors": "tool calls the parser could not read (left in the text)",
+        "server/ignored_request_fields": "request fields the server does not read (logged once "
+        "per name)",
         "server/<name>": "other counters of the generation server, per step",
     },
     "Dynamic sampling (`grpo.use_dynamic_sampling`)": {
@@ -166,6 +176,10 @@ METRICS: dict[str, dict[str, str]] = {
         "val/greedy_accuracy": "DPO/KTO: held-out task accuracy of the policy's greedy answers",
         "val/greedy_via_export": "1 when that accuracy was measured on an exported copy",
         "val/pass@<k>": "held-out pass@k (`grpo.val_pass_at_k`)",
+        "val/<name>/reward_mean": "held-out mean reward of one `data.blend` entry",
+        "val/<name>/accuracy": "held-out greedy accuracy of one blend entry (where its "
+        "environment's rewards are correct answers)",
+        "val/<name>/samples": "held-out problems of that blend entry the validation read",
         "val/<name>": "the held-out value of the matching `train/<name>` (preference accuracy, "
         "rewards by label, margins, ...)",
     },
@@ -199,8 +213,11 @@ METRICS: dict[str, dict[str, str]] = {
         "env/reward_fn/<name>_mean": "a custom reward function's own mean (`env.reward_fn`)",
         "env/reward_fn_<name>": "custom reward counters (errors, answers that did not apply)",
         "env/reward_model_<name>": "reward-model environment counters",
-        "env/<name>/reward_mean": "mean reward of one NeMo Gym agent's rows",
-        "env/<name>/samples": "rows that agent ran",
+        "env/<name>/reward_mean": "mean reward of one `data.blend` entry's samples this step "
+        "(or of one NeMo Gym agent's rows)",
+        "env/<name>/samples": "samples that blend entry (or rows that Gym agent) ran this step",
+        "env/<name>/accuracy": "share of a blend entry's samples its environment scored correct "
+        "(absent where its rewards are scores: reward functions, reward models)",
         "env/<name>/<component>_mean": "the mean of a reward component one NeMo Gym agent's "
         "results carry (`reward_components`)",
         "gym/masked_samples": "NeMo Gym episodes left out of the loss because their result asked "
