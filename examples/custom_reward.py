@@ -26,3 +26,16 @@ def length_penalty(prompt: str, completion: str, metadata: dict[str, Any]) -> fl
     if words <= target:
         return 1.0
     return max(0.0, 1.0 - (words - target) / target)
+
+
+def closeness(prompt: str, completion: str, metadata: dict[str, Any]) -> float:
+    """A graded score for integer answers (the blend example's custom reward,
+    examples/configs/grpo_blend_tiny.yaml): ``1 / (1 + |answer - ground truth|)`` for the
+    integer the completion starts with, 0.0 when it starts with none. A near miss earns
+    something, so a group's rewards differ even before any answer is exact."""
+    import re
+
+    match = re.match(r"\s*([+-]?\d{1,12})", completion)
+    if not match:
+        return 0.0
+    return 1.0 / (1.0 + abs(int(match.group(1)) - int(metadata["ground_truth"])))

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from tempering.algorithms import grpo, grpo_learning, grpo_scoring, ppo_critic
+from tempering.algorithms import grpo, grpo_blend, grpo_learning, grpo_scoring, ppo_critic
 from tempering.algorithms.dynamic_sampling import mask_overlong_samples
 from tempering.distributed.batched_data_dict import BatchedDataDict
 from tempering.experience.collector import RolloutCollector
@@ -140,6 +140,9 @@ class AsyncSteps:
         self.problems[step] = [(p.prompt, p.answer, p.task_name) for p in problems]
         made = {"timing/generation_s": time.perf_counter() - t0}
         made.update(grpo_scoring.environment_metrics(run.environments, batch["rewards"])())
+        made.update(
+            grpo_blend.env_metrics(problems, batch["rewards"], cfg.num_generations_per_prompt)
+        )
         made.update(grpo.server_metrics(run.chat, server_before))
         if self.collector_monitor is not None:
             made.update(self.collector_monitor.sample())

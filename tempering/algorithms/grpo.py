@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from tempering.algorithms import common, ppo_critic
+from tempering.algorithms import common, grpo_blend, ppo_critic
 from tempering.algorithms import grpo_scoring as scoring
 from tempering.algorithms.dynamic_sampling import DynamicSampler, mask_overlong_samples
 from tempering.algorithms.grpo_learning import learn_from, samples_per_step
@@ -105,7 +105,10 @@ def _problems(cfg: GRPOMasterConfig, tokenizer: Any) -> tuple[list[Problem], lis
     from tempering.environments.reward_fn import check_reward_fn
 
     check_reward_fn(cfg.env.reward_fn)
-    train_problems, val_problems = load_problems(cfg.data, cfg.env.nemo_gym.default_route)
+    if cfg.data.blend:  # several datasets, each with its environment (grpo_blend.py)
+        train_problems, val_problems = grpo_blend.blend_problems(cfg)
+    else:
+        train_problems, val_problems = load_problems(cfg.data, cfg.env.nemo_gym.default_route)
     if cfg.env.task_name:  # one environment scores every problem
         for p in train_problems + val_problems:
             p.task_name = cfg.env.task_name
@@ -123,6 +126,8 @@ def _loader(cfg: GRPOMasterConfig, train_problems: list[Problem]) -> Any:
     """The resumable loader of each step's prompts (a set too small for one step is named)."""
     from tempering.data.dataloader import StatefulDataLoader
 
+    if cfg.data.blend:  # each prompt's entry drawn by weight, seeded and resumable
+        return grpo_blend.blend_loader(cfg, train_problems)
     where = data_source(cfg.data.train_data_path, cfg.data.dataset_name)
     return StatefulDataLoader(
         train_problems, cfg.grpo.num_prompts_per_step, seed=cfg.grpo.seed,
@@ -518,6 +523,7 @@ def grpo_step(run: GRPORun, loss_fn: Any, step: int | None = None) -> dict[str, 
     metrics.update(extra)
     metrics.update(critic_metrics)
     metrics.update(env_metrics())
+    metrics.update(grpo_blend.env_metrics(problems, rewards_seen, cfg.num_generations_per_prompt))
     metrics.update(server_metrics(run.chat, server_before))
     watch_signal(run, step or 0, problems, logs_seen, rewards_seen, metrics)
     return metrics
@@ -741,6 +747,7 @@ def validate(run: GRPORun, step: int) -> dict[str, float]:
     if threshold is not None:  # correct answers: the share right, and solved at any turn
         metrics["accuracy"] = sum(c > threshold for c in correct) / len(correct)
         metrics["success"] = sum(c > 0 for c in correct) / len(correct)
+    metrics.update(grpo_blend.entry_metrics(problems, correct))  # val/<entry>/... (a blend)
     k = cfg.grpo.val_pass_at_k
     if k:  # with scores for rewards, set-up refuses grpo.val_pass_at_k
         sampled = rollout_batch(run, problems, k)

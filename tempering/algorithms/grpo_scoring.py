@@ -34,21 +34,16 @@ def build_environments(cfg: GRPOMasterConfig, task_names: set[str]) -> dict[str,
         "math": math,
         "arithmetic_retry": cfg.env.arithmetic_retry.model_dump(),
         "calculator": {**math, "max_tool_calls": cfg.env.calculator.max_tool_calls},
-    }
+        "reward_model": {"reward_model_path": cfg.env.reward_model_path},
+        "reward_fn": {"reward_fn": cfg.env.reward_fn, "weights": cfg.env.reward_weights,
+                      "conversational": cfg.data.use_chat_template},
+    }  # fmt: skip
     names = sorted(task_names - {"nemo_gym"})  # Gym needs the server: see setup()
-    envs = {t: create_environment_actor(t, **kwargs.get(t, {})) for t in names}
-    if cfg.env.reward_model_path:  # a trained reward model scores every task
-        actor = create_environment_actor(
-            "reward_model", reward_model_path=cfg.env.reward_model_path
-        )
-        envs = dict.fromkeys(envs, actor)
-    if cfg.env.reward_fn:  # a custom reward replaces the data's own scoring
-        actor = create_environment_actor(
-            "reward_fn", reward_fn=cfg.env.reward_fn, weights=cfg.env.reward_weights,
-            conversational=cfg.data.use_chat_template,
-        )  # fmt: skip
-        envs = dict.fromkeys(envs, actor)
-    return envs
+    # one scorer replaces the data's own; in a blend, only the entries naming it use it
+    if (cfg.env.reward_fn or cfg.env.reward_model_path) and not cfg.data.blend:
+        replacing = "reward_fn" if cfg.env.reward_fn else "reward_model"
+        return dict.fromkeys(names, create_environment_actor(replacing, **kwargs[replacing]))
+    return {t: create_environment_actor(t, **kwargs.get(t, {})) for t in names}
 
 
 def reward_threshold(cfg: GRPOMasterConfig, task_names: set[str]) -> float | None:
@@ -58,7 +53,7 @@ def reward_threshold(cfg: GRPOMasterConfig, task_names: set[str]) -> float | Non
     that disagree -- and the run reports its mean reward instead."""
     from tempering.environments.registry import correct_above
 
-    if cfg.env.reward_model_path or cfg.env.reward_fn:
+    if (cfg.env.reward_model_path or cfg.env.reward_fn) and not cfg.data.blend:
         scorers = {"reward_model" if cfg.env.reward_model_path else "reward_fn"}
     else:
         scorers = task_names

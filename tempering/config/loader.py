@@ -20,7 +20,7 @@ import difflib
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, TypeVar, get_args
+from typing import Any, TypeVar, get_args, get_origin
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -230,13 +230,17 @@ def schema_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
 
 
 def schema_leaves(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, FieldInfo]]:
-    """Every leaf key of a schema as (dotted path, field), in declaration order."""
+    """Every leaf key of a schema as (dotted path, field), in declaration order; a list of
+    sections (``data.blend``) is itself a key, and its items' keys follow as ``key[].x``."""
     for name, field in model.model_fields.items():
         p = f"{prefix}.{name}" if prefix else name
         if sub := _submodel(field.annotation):
             yield from schema_leaves(sub, p)
-        else:
-            yield p, field
+            continue
+        yield p, field
+        args = get_args(field.annotation)
+        if get_origin(field.annotation) is list and args and (item := _submodel(args[0])):
+            yield from schema_leaves(item, f"{p}[]")
 
 
 def schema_help(model: type[BaseModel]) -> list[str]:

@@ -11,6 +11,7 @@ from typing import ClassVar, Literal
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
+from tempering.config.blend_sections import BlendEntryConfig, BlendList  # noqa: F401
 from tempering.config.distillation_sections import (  # noqa: F401 -- part of this namespace
     DistillationConfig,
     DistillationLossConfig,
@@ -399,6 +400,11 @@ class DataConfig(Section):
     system_prompt_file: str | None = Field(
         None, description="GRPO: a system prompt file (with data.use_chat_template)"
     )
+    blend: BlendList = Field(
+        default_factory=list,
+        description="GRPO: several datasets, each scored by its own environment, each step's "
+        "prompts drawn by their weights (docs/guides/blends.md); empty: data.dataset_name alone",
+    )
 
     # --------------------------------------------------------------------- algorithms
 
@@ -443,7 +449,7 @@ class _Master(Section):
 _GRPO_ONLY = "applies to GRPO problems only"
 _GRPO_DATA_KEYS = (
     "problem_key", "answer_key", "train_split", "val_split", "prompt_file", "system_prompt_file",
-    "reasoning_gym_tasks", "reasoning_gym_samples",
+    "reasoning_gym_tasks", "reasoning_gym_samples", "blend",
 )  # fmt: skip
 _PROBLEMS_COLUMNS = "GRPO problems files name their columns with data.problem_key / data.answer_key"
 _NO_SAMPLES = "its validation generates no text to print"

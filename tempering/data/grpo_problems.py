@@ -22,6 +22,7 @@ class Problem:
     task_name: str
     row: dict[str, Any] | None = None  # a NeMo Gym row (task "nemo_gym")
     system: str | None = None  # a system message before the prompt (data.system_prompt_file)
+    blend: str | None = None  # the data.blend entry it came from (its name in metrics)
 
 
 def load_problems(
