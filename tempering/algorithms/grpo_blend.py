@@ -18,6 +18,7 @@ from typing import Any
 from tempering.config.schemas import BlendEntryConfig, DataConfig, GRPOMasterConfig
 from tempering.data.blend import BlendError, BlendLoader
 from tempering.data.grpo_problems import Problem, load_problems
+from tempering.errors import UserInputError
 
 log = logging.getLogger("tempering.algorithms.grpo")  # one logger for the run's messages
 
@@ -30,7 +31,10 @@ def blend_problems(cfg: GRPOMasterConfig) -> tuple[list[Problem], list[Problem]]
     train: list[Problem] = []
     held_out: list[list[Problem]] = []
     for i, entry in enumerate(cfg.data.blend):
-        rows, val = load_problems(entry_data(cfg.data, entry, i))
+        try:
+            rows, val = load_problems(entry_data(cfg.data, entry, i))
+        except UserInputError as exc:  # a missing or empty file: said with its entry
+            raise type(exc)(f"data.blend[{i}] ({entry.label()!r}): {exc}") from None
         if not rows:
             raise BlendError(
                 f"data.blend[{i}] ({entry.label()!r}, dataset_name={entry.dataset_name!r}) has "
