@@ -34,6 +34,10 @@ METRICS: dict[str, dict[str, str]] = {
         "train/entropy": "mean entropy of the policy at the generated tokens (nats)",
         "train/entropy_bonus": "the entropy term subtracted from the loss (`loss_fn.entropy_coeff`)",
         "train/moe_aux_loss": "a mixture-of-experts router's load-balancing loss",
+        "train/moe_expert_load_max": "MoE: the busiest expert's share of routed tokens times the "
+        "number of experts (1.0 is an even load)",
+        "train/moe_expert_load_min": "MoE: the idlest expert's share likewise (0 is an expert "
+        "no token reached)",
     },
     "GRPO and PPO: the policy loss": {
         "train/clip_fraction": "share of valid tokens whose probability ratio fell outside the "
