@@ -139,7 +139,8 @@ class AsyncSteps:
         del self._drawn[step]
         self.problems[step] = [(p.prompt, p.answer, p.task_name) for p in problems]
         made = {"timing/generation_s": time.perf_counter() - t0}
-        made.update(grpo_scoring.environment_metrics(run.environments, batch["rewards"])())
+        tasks = [p.task_name for p in problems for _ in range(cfg.num_generations_per_prompt)]
+        made.update(grpo_scoring.environment_metrics(run.environments, batch["rewards"], tasks)())
         made.update(
             grpo_blend.env_metrics(problems, batch["rewards"], cfg.num_generations_per_prompt)
         )

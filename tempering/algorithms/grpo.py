@@ -513,7 +513,8 @@ def grpo_step(run: GRPORun, loss_fn: Any, step: int | None = None) -> dict[str, 
         batch, n_masked = mask_overlong_samples(batch)
         extra["train/overlong_masked"] = float(n_masked)
     # asked now, answered while the policy trains
-    env_metrics = scoring.environment_metrics(run.environments, rewards_seen)
+    tasks = [p.task_name for p in problems for _ in range(cfg.num_generations_per_prompt)]
+    env_metrics = scoring.environment_metrics(run.environments, rewards_seen, tasks)
     data, train_metrics, critic_metrics = learn_from(run, batch, loss_fn, timer, step)
     if not ppo_critic.warming_up(run.cfg, step):  # (a critic's warm-up keeps the weights)
         refit_generation(run, timer)
@@ -748,6 +749,8 @@ def validate(run: GRPORun, step: int) -> dict[str, float]:
         metrics["accuracy"] = sum(c > threshold for c in correct) / len(correct)
         metrics["success"] = sum(c > 0 for c in correct) / len(correct)
     metrics.update(grpo_blend.entry_metrics(problems, correct))  # val/<entry>/... (a blend)
+    # the environments' counters (env/*) of these answers are reset: a step's count its own
+    scoring.environment_metrics(run.environments, torch.tensor(correct))()
     k = cfg.grpo.val_pass_at_k
     if k:  # with scores for rewards, set-up refuses grpo.val_pass_at_k
         sampled = rollout_batch(run, problems, k)

@@ -111,8 +111,12 @@ def build_gym(cfg: GRPOMasterConfig, server: Any, tokenizer: Any) -> Any:
     )
 
 
-def environment_metrics(environments: dict[str, Any], rewards: Any) -> Any:
-    """Each environment's own counters (timeouts, parse failures, tool errors...), reset.
+def environment_metrics(
+    environments: dict[str, Any], rewards: Any, tasks: list[str] | None = None
+) -> Any:
+    """Each environment's own counters (timeouts, parse failures, tool errors...), reset;
+    ``tasks`` (each sample's task name) gives an environment the rewards of its own samples
+    alone (a blend's, or any mix of tasks), None all of them.
 
     Returns a function that gives the metrics: actor environments are asked now and answered
     while the policy trains, so the step does not wait for their round trips."""
@@ -122,11 +126,16 @@ def environment_metrics(environments: dict[str, Any], rewards: Any) -> Any:
 
     pending, ready = [], {}
     for env in {id(e): e for e in environments.values()}.values():
+        own = rewards
+        if tasks is not None:
+            names = {t for t, e in environments.items() if e is env}
+            own = rewards[[i for i, t in enumerate(tasks) if t in names]]
+        batch = {"rewards": own} if len(own) else {}  # none of its samples: no reward figures
         method = env.global_post_process_and_metrics
         if hasattr(method, "remote"):
-            pending.append(method.remote({"rewards": to_wire(rewards)}))
+            pending.append(method.remote({k: to_wire(v) for k, v in batch.items()}))
         else:
-            ready.update(method({"rewards": rewards})[1])
+            ready.update(method(batch)[1])
 
     def collect() -> dict[str, float]:
         for _, m in ray.get(pending):
