@@ -22,6 +22,7 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -161,9 +162,10 @@ def check_assigned_gpus() -> None:
     that declare GPUs)."""
     if torch.cuda.is_available():
         return
-    import ray
-
-    ids = ray.get_gpu_ids() if ray.is_initialized() else []
+    # A Ray worker has Ray loaded before it runs our code; a process without it (a test, or
+    # tools/gpu_check.py on a machine with no Ray) was given no GPUs by Ray.
+    ray = sys.modules.get("ray")
+    ids = ray.get_gpu_ids() if ray is not None and ray.is_initialized() else []
     if not ids:
         return
     where = f"worker on {socket.gethostname()} given GPU(s) {ids} (cluster.gpus_per_node > 0)"

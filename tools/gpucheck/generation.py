@@ -1,0 +1,127 @@
+"""The torch generation engine inside the policy worker (`ColocatedGenerationView`, the one
+colocated GRPO uses): decode tokens/s at the GRPO shape, the sampler's log-probs against the
+trainer's (``train/token_mult_prob_error`` as `losses.ClippedPGLoss` computes it in every
+GRPO step), and refit (trainer state -> engine) in seconds per GB."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Any
+
+import torch
+
+# exp(|log p_trainer - log p_sampler|) averaged over generated tokens: 1.0 is exact agreement.
+# Both sides are bf16 (the trainer's FSDP2 compute, the engine's copy); measured on CPU with
+# the tiny shapes: ~1.003-1.01. A refit that left the engine on other weights reads far above.
+TOKEN_MULT_PROB_ERROR_MAX = 1.05
+
+
+def grpo_shape(quick: bool) -> dict[str, int]:
+    """Rows, prompt length and new tokens of a step of examples/configs/grpo_math_tiny.yaml
+    (its prompts x generations; --quick: 4 prompts)."""
+    from tempering.config import GRPOMasterConfig, load_config
+    from tempering.models.registry import REPO_ROOT as ROOT
+
+    config = ROOT / "examples/configs/grpo_math_tiny.yaml"
+    cfg, _ = load_config(config, [], schema=GRPOMasterConfig)
+    prompts = 4 if quick else cfg.grpo.num_prompts_per_step
+    new_tokens = cfg.policy.generation.max_new_tokens
+    return {
+        "rows": prompts * cfg.grpo.num_generations_per_prompt,
+        "prompt_len": cfg.policy.max_total_sequence_length - new_tokens,
+        "max_new_tokens": new_tokens,
+    }
+
+
+def prompts(rows: int, prompt_len: int, vocab: int, group: int, seed: int) -> Any:
+    """Random prompts, each repeated `group` times (a GRPO group shares its prompt)."""
+    from tempering.distributed.batched_data_dict import BatchedDataDict
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (rows // group, prompt_len), generator=g)
+    ids = ids.repeat_interleave(group, 0)
+    return BatchedDataDict(input_ids=ids, input_lengths=torch.full((rows,), prompt_len))
+
+
+def decode(worker: Any, vocab: int, shape: dict[str, int], device: torch.device) -> tuple:
+    """Build the worker's engine (bf16) and time one GRPO-shaped generate call (after a
+    warm-up call); returns (the section's results, the generated batch)."""
+    sampling = {"max_new_tokens": shape["max_new_tokens"], "temperature": 1.0, "seed": 0}
+    worker.generation.init(sampling, dtype="bfloat16")
+    data = prompts(shape["rows"], shape["prompt_len"], vocab, 8, seed=1)
+    worker.generation.generate(data)  # warm-up (kernels, allocator)
+    _sync(device)
+    start = time.perf_counter()
+    out = worker.generation.generate(data)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    generated = int(out["generation_lengths"].sum())
+    return {
+        **shape,
+        "generated_tokens": generated,
+        "generate_s": seconds,
+        "decode_tokens_per_s": generated / seconds,
+        "passed": generated > 0 and math.isfinite(seconds),
+    }, out
+
+
+def logprob_mismatch(worker: Any, out: Any) -> dict[str, Any]:
+    """The trainer's log-probs of the generated tokens against the sampler's: the batch as a
+    GRPO step hands it to `ClippedPGLoss` (zero advantages, eval mode: no update), whose
+    ``token_mult_prob_error`` is the figure the loops log as train/token_mult_prob_error."""
+    from tempering.distributed.batched_data_dict import BatchedDataDict
+    from tempering.losses import ClippedPGLoss
+
+    ids, lengths = out["output_ids"], out["unpadded_sequence_lengths"]
+    cols = torch.arange(ids.shape[1])[None, :]
+    start = (lengths - out["generation_lengths"])[:, None]
+    token_mask = ((cols >= start) & (cols < lengths[:, None])).float()  # generated tokens
+    batch = BatchedDataDict(
+        input_ids=ids, input_lengths=lengths, token_mask=token_mask,
+        sample_mask=torch.ones(ids.shape[0]), generation_logprobs=out["logprobs"],
+        advantages=torch.zeros(ids.shape[0]),
+    )  # fmt: skip
+    metrics = worker.train(batch, ClippedPGLoss(), global_batch_size=batch.size, eval_mode=True)
+    err = metrics["token_mult_prob_error"]
+    return {
+        "token_mult_prob_error": err,
+        "gen_kl_error": metrics["gen_kl_error"],
+        "max_allowed": TOKEN_MULT_PROB_ERROR_MAX,
+        "passed": math.isfinite(err) and err <= TOKEN_MULT_PROB_ERROR_MAX,
+    }
+
+
+def refit(worker: Any, repeats: int) -> dict[str, Any]:
+    """`generation.refit()` (the trainer's full weights into the engine's bf16 copy, casting
+    as `refit.cast_for_sampling` does), timed; then every engine tensor is checked against the
+    trainer's within bf16 rounding."""
+    device = worker.state.topo.device
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        worker.generation.refit()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    trainer = worker.refit.state_dict()  # full fp32 tensors by HF name (CPU)
+    engine = worker.generation._engine.model.state_dict()  # the engine's own copy
+    worst = 0.0
+    for name, want in trainer.items():
+        got = engine[name].float().cpu()
+        worst = max(worst, float(((got - want).abs() / (want.abs() + 1e-30)).max()))
+    gb = sum(t.numel() * engine[n].element_size() for n, t in trainer.items()) / 1e9
+    seconds = statistics.median(times)
+    return {
+        "gb": gb,
+        "refit_s": seconds,
+        "s_per_gb": seconds / gb,
+        "max_rel_diff_after_refit": worst,
+        "passed": worst <= 2**-7 and math.isfinite(seconds),  # one bf16 step (stochastic cast)
+    }
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
