@@ -403,7 +403,7 @@ class DataConfig(Section):
     blend: BlendList = Field(
         default_factory=list,
         description="GRPO: several datasets, each scored by its own environment, each step's "
-        "prompts drawn by their weights (docs/guides/blends.md); empty: data.dataset_name alone",
+        "prompts drawn by their weights (docs/guides/grpo.md, weighted blends); empty: data.dataset_name alone",
     )
 
     # --------------------------------------------------------------------- algorithms
