@@ -511,8 +511,9 @@ def _refuse_unread_keys(cfg: _Master, algorithm: str) -> None:
         if value != getattr(type(section)(), field):
             problems.append(f"{key}={value!r}: {algorithm} does not read it ({why})")
     data, default = cfg.data, DataConfig()
+    read_by = {data.dataset_name, *(e.dataset_name for e in data.blend)}  # a blend's entries too
     for k, (formats, lacks) in _FORMAT_KEYS.items():
-        if f"data.{k}" in cfg.UNREAD_KEYS or data.dataset_name in formats:
+        if f"data.{k}" in cfg.UNREAD_KEYS or read_by & set(formats):
             continue
         if getattr(data, k) != getattr(default, k):
             problems.append(

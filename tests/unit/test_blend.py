@@ -198,3 +198,20 @@ def test_the_shipped_blend_loads_three_environments_with_held_out_problems_of_ea
     loader = grpo_blend.blend_loader(cfg, train)
     assert loader.shares == {"exact": 0.5, "retry": 0.25, "graded": 0.25}
     assert len(loader.next_batch()) == cfg.grpo.num_prompts_per_step
+
+
+def test_a_problems_entry_reads_the_data_sections_column_keys(tmp_path):
+    """data.problem_key / answer_key name a problems entry's columns (at load they were
+    refused as unread, the top-level dataset being the built-in arithmetic)."""
+    rows = tmp_path / "mine.jsonl"
+    rows.write_text("".join(json.dumps({"q": f"What is {i}+1?", "a": str(i + 1)}) + "\n"
+                            for i in range(8)))  # fmt: skip
+    cfg = _load(
+        f"data.blend.2={{name: mine, dataset_name: problems, data_path: {rows}, env_name: math}}",
+        "data.problem_key=q", "data.answer_key=a", "data.num_val_samples=2", "env.reward_fn=null",
+    )  # fmt: skip
+    train, val = grpo_blend.blend_problems(cfg)
+    mine = [p for p in train + val if p.blend == "mine"]
+    assert len(mine) == 8 and {p.task_name for p in mine} == {"math"}
+    assert sum(p.blend == "mine" for p in val) == 2
+    assert {p.answer for p in mine} == {str(i + 1) for i in range(8)}
