@@ -22,6 +22,7 @@ docs/scaling/gpu-check.md says more.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -73,16 +74,19 @@ def run_model(name: str, folder: Path, device: Any, quick: bool) -> dict[str, An
         parity_batch = models.random_batch(load.parity_rows, load.parity_len, vocab, seed=0)
         train_batch = models.random_batch(load.train_rows, load.train_len, vocab, seed=1)
         ref = train.fp32_reference(path, parity_batch)
-        if device.type == "cuda":
+        baseline = 0
+        if device.type == "cuda":  # the peak of this model's steps alone
+            gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
+            baseline = torch.cuda.memory_allocated(device)
         worker = train.build_worker(path, device.type)
         out["train_step"] = {"params": ref["params"], **train.parity(worker, parity_batch, ref)}
         current = "throughput"
         peak = train.peak_bf16_flops(device, quick)
         out["throughput"] = train.throughput(worker, train_batch, load.timed_steps, ref, peak)
         current = "planner"
-        out["planner"] = train.planner(path, train_batch, device)
+        out["planner"] = train.planner(path, train_batch, device, baseline)
         current = "generation"
         shape = generation.grpo_shape(quick)
         out["generation"], generated = generation.decode(worker, vocab, shape, device)
@@ -98,6 +102,8 @@ def run_model(name: str, folder: Path, device: Any, quick: bool) -> dict[str, An
     finally:
         if worker is not None:
             worker.shutdown()
+        del worker  # its model, optimizer and engine freed before the next model's peak
+        gc.collect()
     return out
 
 

@@ -129,10 +129,11 @@ def throughput(worker: Any, batch: Any, steps: int, ref: dict[str, Any], peak: f
     }
 
 
-def planner(path: str, batch: Any, device: torch.device) -> dict[str, Any]:
+def planner(path: str, batch: Any, device: torch.device, baseline: int = 0) -> dict[str, Any]:
     """`placement.make_plan`'s memory estimate (via `shapes.plan_for`) of an SFT run with this
     model and micro-batch, against what the step took: on cuda `max_memory_allocated` (a ratio
-    < 1 means the plan under-estimates: a failure); on cpu the process's peak RSS (VmHWM),
+    < 1 means the plan under-estimates: a failure), less the `baseline` bytes allocated before the
+    worker was built; on cpu the process's peak RSS (VmHWM),
     which also holds the interpreter and libraries, so the ratio is informational there."""
     from tempering.config import SFTMasterConfig, load_config
     from tempering.models.shapes import plan_for
@@ -148,7 +149,8 @@ def planner(path: str, batch: Any, device: torch.device) -> dict[str, Any]:
     plan = plan_for(cfg)
     estimate = plan.memory.train_gib
     if cuda:
-        measured, how = torch.cuda.max_memory_allocated(device) / 2**30, "max_memory_allocated"
+        peak = torch.cuda.max_memory_allocated(device) - baseline
+        measured, how = peak / 2**30, "torch.cuda.max_memory_allocated (less what was there before)"
     else:
         measured, how = _peak_rss_gib(), "peak RSS (VmHWM, whole process)"
     ratio = estimate / measured
