@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 MODELS = {"tiny-arith", "llama3-0.5b-tiny", "llama3-1.5b-tiny", "qwen3-0.6b-tiny"}
 PER_MODEL = ("train_step", "throughput", "planner", "generation", "logprobs", "refit")
@@ -48,7 +50,11 @@ def test_gpu_check_cpu_dry_run_passes_every_section(tmp_path: Path) -> None:
         )
         assert r["loss"] > 0 and r["grad_norm"] > 0 and r["loss"] != r["loss_fp32_cpu"]  # bf16
     for r in sections["throughput"]["models"].values():
-        assert r["tokens_per_s"] > 0 and 0 < r["mfu"] <= 1 and r["peak_bf16_tflops_per_s"] > 0
+        # on CPU the bf16 peak of one square matmul is no ceiling (the ratio measured 1.0-1.9
+        # on the tiny shapes): MFU must be the step's rate over that peak; the <= 100% bound
+        # is tools/gpucheck/train.py's check on CUDA
+        assert r["tokens_per_s"] > 0 and r["mfu"] > 0 and r["peak_bf16_tflops_per_s"] > 0
+        assert r["mfu"] == pytest.approx(r["model_tflops_per_s"] / r["peak_bf16_tflops_per_s"])
     for r in sections["generation"]["models"].values():
         assert r["generated_tokens"] > 0 and r["decode_tokens_per_s"] > 0
     for r in sections["logprobs"]["models"].values():

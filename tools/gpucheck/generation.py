@@ -110,21 +110,25 @@ def refit(worker: Any, repeats: int) -> dict[str, Any]:
         times.append(time.perf_counter() - start)
     trainer = worker.refit.state_dict()  # full fp32 tensors by HF name (CPU)
     engine = worker.generation._engine.model.state_dict()  # the engine's own copy
-    mismatched, seen = [], set()
-    for name, want in trainer.items():
-        got = engine[name]
-        if got.data_ptr() in seen:  # a tied weight's second name: loaded (cast) as the first
-            continue
-        seen.add(got.data_ptr())
-        if not torch.equal(got.cpu(), cast_for_sampling(want, got.dtype, name).cpu()):
-            mismatched.append(name)
-    gb = sum(t.numel() * engine[n].element_size() for n, t in trainer.items()) / 1e9
+    names: dict[int, list[str]] = {}  # engine storage -> its names (tied weights share one)
+    for name in trainer:
+        names.setdefault(engine[name].data_ptr(), []).append(name)
+    mismatched = []
+    for group in names.values():
+        got = engine[group[0]]
+        # cast where refit casts (on the device: a CUDA generator draws other numbers than a
+        # CPU one); a tied weight holds the cast under whichever of its names was loaded last
+        casts = (cast_for_sampling(trainer[n].to(device), got.dtype, n) for n in group)
+        if not any(torch.equal(got, expected) for expected in casts):
+            mismatched.append(group[0])
+    gb = sum(engine[group[0]].numel() * engine[group[0]].element_size()
+             for group in names.values()) / 1e9  # fmt: skip
     seconds = statistics.median(times)
     return {
         "gb": gb,
         "refit_s": seconds,
         "s_per_gb": seconds / gb,
-        "tensors": len(seen),
+        "tensors": len(names),
         "tensors_not_as_refit_casts": len(mismatched),
         "first_mismatched": mismatched[:3],
         "passed": not mismatched and math.isfinite(seconds),

@@ -85,19 +85,21 @@ def parity(worker: Any, batch: Any, ref: dict[str, Any]) -> dict[str, Any]:
 
 
 def peak_bf16_flops(device: torch.device, quick: bool) -> float:
-    """The device's bf16 matmul rate: one large square product, timed (mean of several after
-    warm-ups), the peak MFU is measured against."""
-    n, reps = (512, 3) if quick else ((8192, 10) if device.type == "cuda" else (2048, 3))
+    """The device's bf16 matmul rate: one large square product, timed (the fastest of several
+    after warm-ups: a peak, not an average), the peak MFU is measured against."""
+    n, reps = (512, 5) if quick else ((8192, 10) if device.type == "cuda" else (2048, 3))
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     for _ in range(2):
         torch.mm(a, b)
-    _sync(device)
-    start = time.perf_counter()
+    best = math.inf
     for _ in range(reps):
+        _sync(device)
+        start = time.perf_counter()
         torch.mm(a, b)
-    _sync(device)
-    return 2 * n**3 * reps / (time.perf_counter() - start)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
 
 
 def throughput(worker: Any, batch: Any, steps: int, ref: dict[str, Any], peak: float) -> dict:
@@ -125,7 +127,10 @@ def throughput(worker: Any, batch: Any, steps: int, ref: dict[str, Any], peak: f
         "model_tflops_per_s": flops / seconds / 1e12,
         "peak_bf16_tflops_per_s": peak / 1e12,
         "mfu": mfu,
-        "passed": math.isfinite(mfu) and 0 < mfu <= 1.0,
+        # MFU over 100% is a miscounted step or peak on a GPU; a CPU's bf16 rate at one square
+        # shape is no peak (oneDNN picks other kernels per shape: 101-154% measured on the
+        # dry run's tiny shapes), so there the figure only has to be a rate
+        "passed": math.isfinite(mfu) and 0 < mfu and (mfu <= 1.0 or device.type == "cpu"),
     }
 
 
