@@ -7,6 +7,7 @@
     tempering eval MODEL [--baseline MODEL] --task NAME [--split test] [--samples N] [--pass-at-k K]
     tempering envs [--build] [FQN ...]
     tempering check-container
+    tempering serve MODEL [--adapter DIR] [--backend torch|vllm] [--host H --port P --api-key K]
 
 Each subcommand is a ``_run_<name>(args)`` function (called with the parsed namespace, returns
 an exit code) whose docstring is its help: the first line in ``tempering --help``, the
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from tempering.errors import UserInputError
 
@@ -286,6 +288,101 @@ def _add_check_container(subparsers: argparse._SubParsersAction) -> None:
     _subcommand(subparsers, "check-container", _run_check_container)
 
 
+def _run_serve(args: argparse.Namespace) -> int:
+    """serve a model over the OpenAI API (chat, completions, streaming, /metrics)
+
+    Serve MODEL (an HF folder such as results/<run>/final_hf, a step_<N> checkpoint, or a
+    registered name such as tiny-arith) with the server GRPO runs use during training:
+    /v1/models, /v1/chat/completions, /v1/completions (stream and n included), /health and
+    Prometheus /metrics. Binds 127.0.0.1; any other --host needs --api-key (or
+    TEMPERING_API_KEY). Ctrl-C stops it. See docs/guides/serve.md.
+    """
+    import tempfile
+    import threading
+
+    with tempfile.TemporaryDirectory(prefix="tempering_serve_") as scratch:
+        close, server = build_serve(args, scratch)
+        server.start()
+        backend = f"{args.backend} backend" + (f", adapter {args.adapter}" if args.adapter else "")
+        print(f"serving {server.service.settings.model_name!r} on {server.base_url} ({backend}); "
+              "Ctrl-C stops", flush=True)  # fmt: skip
+        try:
+            threading.Event().wait()  # until Ctrl-C / SIGTERM (stop_cleanly)
+        finally:
+            server.stop()
+            close()
+    return 0
+
+
+def build_serve(args: argparse.Namespace, scratch: str) -> tuple[Callable[[], None], Any]:
+    """(the backend's close, the unstarted `OpenAIServer`) that ``tempering serve`` runs for
+    parsed `args`; the address, key and TLS files are checked before the model loads.
+    `scratch`: where a step checkpoint is exported."""
+    import os
+    from pathlib import Path
+
+    from tempering.evaluation import generation_backend, resolve_model
+    from tempering.models.generation.chat_service import ChatCompletionService, ServerSettings
+    from tempering.models.generation.interfaces import SamplingConfig
+    from tempering.models.generation.openai_server import OpenAIServer, require_key
+    from tempering.models.hf import load_tokenizer
+    from tempering.models.shapes import max_positions
+    from tempering.utils.serving import check_tls_files
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    api_key = args.api_key or os.environ.get("TEMPERING_API_KEY") or None
+    require_key(args.host, api_key, "pass --api-key KEY (or set TEMPERING_API_KEY)")
+    check_tls_files(args.ssl_certfile, args.ssl_keyfile, ("--ssl-certfile", "--ssl-keyfile"))
+    if args.adapter is not None and not (Path(args.adapter) / "adapter_config.json").is_file():
+        raise FileNotFoundError(f"--adapter {args.adapter}: no adapter_config.json there; pass "
+                                "a PEFT adapter folder (tempering export --adapter)")  # fmt: skip
+    path, _ = resolve_model(args.model, Path(scratch))
+    tokenizer = load_tokenizer(path, named=(f"MODEL {args.model!r}", "pass an HF folder"))
+    limit = max_positions(path) or args.max_model_len
+    sampling = SamplingConfig(max_new_tokens=args.max_tokens)
+    generation, close = generation_backend(path, args.backend, sampling, tokenizer, args.adapter)
+    settings = ServerSettings(
+        model_name=args.served_model_name or args.model,
+        max_model_len=min(limit, args.max_model_len or limit),
+        default_sampling=sampling,
+        training_mode=False,
+        max_batch_size=args.max_concurrency,
+        tool_parser=args.tool_parser,
+        chat_template=Path(args.chat_template).read_text() if args.chat_template else None,
+    )
+    service = ChatCompletionService(generation, tokenizer, settings)
+    return close, OpenAIServer(service, args.host, args.port, api_key, ssl_certfile=args.ssl_certfile,
+                        ssl_keyfile=args.ssl_keyfile)  # fmt: skip
+
+
+def _add_serve(subparsers: argparse._SubParsersAction) -> None:
+    p = _subcommand(subparsers, "serve", _run_serve)
+    p.add_argument("model", metavar="MODEL", help="HF folder, registered name or step_<N> folder")
+    p.add_argument("--adapter", default=None, help="a PEFT adapter folder, merged on load (torch)")
+    p.add_argument("--backend", choices=["torch", "vllm"], default="torch",
+                   help="torch (this process) or vllm (its worker venv); default %(default)s")  # fmt: skip
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="0: a free one (default %(default)s)")
+    p.add_argument("--api-key", default=None,
+                   help="required off loopback: clients send Authorization: Bearer KEY "
+                   "(default: $TEMPERING_API_KEY)")  # fmt: skip
+    p.add_argument("--ssl-certfile", default=None, help="PEM certificate: serve https")
+    p.add_argument("--ssl-keyfile", default=None, help="its unencrypted PEM private key")
+    p.add_argument("--max-concurrency", type=int, default=64,
+                   help="rows (requests x n) per decode batch; more wait (default %(default)s)")  # fmt: skip
+    p.add_argument("--max-tokens", type=int, default=256,
+                   help="max_tokens when a request leaves it out (default %(default)s)")  # fmt: skip
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + generation tokens (default: the model's positions)")  # fmt: skip
+    p.add_argument(
+        "--served-model-name", default=None, help="the name clients send (default MODEL)"
+    )
+    p.add_argument("--tool-parser", default="hermes",
+                   help="hermes | llama3_json | mistral | auto (the family's), as in training")  # fmt: skip
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja file (default: the tokenizer's own template)")  # fmt: skip
+
+
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_plan,
     _add_plot,
@@ -294,6 +391,7 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_eval,
     _add_envs,
     _add_check_container,
+    _add_serve,
 ]
 
 

@@ -139,18 +139,28 @@ def resolve_model(model: str, scratch: Path) -> tuple[str, dict[str, Any] | None
     return model, None
 
 
-def _backend(model_path: str, backend: str, sampling: Any, tokenizer: Any) -> tuple[Any, Any]:
-    """(generation backend, a close function) on the torch engine here or a vLLM worker."""
+def generation_backend(
+    model_path: str, backend: str, sampling: Any, tokenizer: Any, adapter: str | None = None
+) -> tuple[Any, Any]:
+    """(generation backend, a close function) on the torch engine here or a vLLM worker;
+    `adapter`: a PEFT adapter folder merged into the model (torch only)."""
     from tempering.models.generation.cpu_inference import optimize_for_cpu_inference
     from tempering.models.generation.torch_engine import TorchGenerationEngine
     from tempering.models.hf import load_causal_lm
 
     if backend == "torch":
         model = load_causal_lm(model_path)
+        if adapter is not None:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
         optimize_for_cpu_inference(model)  # as GRPO's generation workers do
         return TorchGenerationEngine(model, tokenizer, sampling), lambda: None
     if backend != "vllm":
         raise ValueError(f"--backend {backend!r}: use torch or vllm")
+    if adapter is not None:
+        raise ValueError(f"--adapter {adapter} with --backend vllm: merge it first (tempering "
+                         "export of the run's step, without --adapter) or use --backend torch")  # fmt: skip
     from tempering.distributed.virtual_cluster import cluster_from_config, init_ray
     from tempering.distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup
     from tempering.models.generation.builders import VLLM_WORKER_FQN, SplitGeneration
@@ -204,7 +214,7 @@ def evaluate(
                                  has_template=bool(getattr(tok, "chat_template", None)),
                                  max_positions=_max_positions(path))  # fmt: skip
         sampling = SamplingConfig(max_new_tokens=settings.max_new_tokens, temperature=temperature)
-        generation, close = _backend(path, backend, sampling, tok)
+        generation, close = generation_backend(path, backend, sampling, tok)
         try:
             rollouts = EvalRollouts(generation, tok, sampling, settings)
             chunks = [problems[i : i + batch_size] for i in range(0, len(problems), batch_size)]

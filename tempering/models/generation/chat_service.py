@@ -63,6 +63,7 @@ __all__ = [
     "ChatResult",
     "RequestError",
     "ServerSettings",
+    "StreamSink",
 ]
 
 
@@ -121,6 +122,27 @@ class ChatRequest:
     prompt_ids: list[int] | None = None  # in-process callers only: skip the template
     max_total_tokens: int | None = None  # in-process callers: a budget under max_model_len
     seeded: bool = False  # a per-request seed: served in a backend call of its own
+    n: int = 1  # choices: n rows of one backend call (HTTP path only)
+    return_token_ids: bool = False  # token ids on every choice outside training mode too
+    stream: StreamSink | None = None  # streamed responses: each generated token, as it comes
+
+
+class StreamSink:
+    """The tokens of one streamed request, from the generating thread to the event loop.
+
+    The service puts ``(choice, token_id, logprob, top)`` for every generated token (``top``:
+    ``(ids, logprobs)`` or None) into ``queue``; the HTTP layer reads them. Setting
+    ``cancelled`` (the client went away) stops the request's rows at the next decode step,
+    or skips it while it still waits in the queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.cancelled = False
+
+    def put(self, event: Any) -> None:
+        """Thread-safe: hand one event to the event loop."""
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
 
 @dataclass
@@ -160,6 +182,10 @@ class _Prepared:
     max_new_tokens: int
     key: tuple[Any, ...]  # requests with equal keys share one backend call
 
+    @property
+    def n(self) -> int:
+        return self.request.n
+
 
 class ChatCompletionService:
     """Prompt building, batching, replica routing and the refit lock; no HTTP.
@@ -183,8 +209,9 @@ class ChatCompletionService:
         self._in_flight = 0
         self._refitting = False
         self._routes: collections.OrderedDict[str, int] = collections.OrderedDict()
-        self._load = [0] * self.num_replicas  # rows queued or running per replica
-        self._pending: list[list[tuple[_Prepared, asyncio.Future[ChatResult]]]] = [
+        self._load = [0] * self.num_replicas  # requests queued or running per replica
+        self._running = 0  # rows inside backend calls now
+        self._pending: list[list[tuple[_Prepared, asyncio.Future[list[ChatResult]]]]] = [
             [] for _ in range(self.num_replicas)
         ]
         self._wake: list[asyncio.Event] = []
@@ -192,6 +219,7 @@ class ChatCompletionService:
         self._executor = ThreadPoolExecutor(self.num_replicas + 1, thread_name_prefix="chat-gen")
         self._warned_fields: set[str] = set()
         self._token_texts: dict[int, str] = {}  # token id -> its text, for log-prob entries
+        self.steps_reported = bool(getattr(backend, "reports_steps", False))
 
     # ---- requests ------------------------------------------------------------------------
     def count(self, key: str, n: int = 1) -> int:
@@ -283,27 +311,43 @@ class ChatCompletionService:
                 where.append(i)
             except RequestError as err:
                 out[i] = err
+        if any(p.n != 1 for p in prepared):
+            raise ValueError("complete_many serves n=1 requests; repeat a request for more")
         if prepared:
             for i, result in zip(where, self._run(prepared, replica=None), strict=True):
-                out[i] = result
+                out[i] = result[0]
         return [r for r in out if r is not None]
 
     async def complete(self, request: ChatRequest) -> ChatResult:
-        """HTTP path: queue on a replica, batched with concurrent requests."""
-        prepared = self.prepare(request)
+        """HTTP path: queue on a replica, batched with concurrent requests (n = 1)."""
+        return (await self.complete_choices(request))[0]
+
+    async def complete_choices(
+        self, request: ChatRequest, prepared: _Prepared | None = None
+    ) -> list[ChatResult]:
+        """HTTP path: the request's ``n`` choices, rows of one backend call, which it shares
+        with concurrent requests (a seeded request: with none). ``prepared``: `prepare`'s
+        result when the caller ran it already (a stream refuses before it starts)."""
+        prepared = prepared or self.prepare(request)
         self._ensure_loops()
         replica = self._route(request)
-        future: asyncio.Future[ChatResult] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[list[ChatResult]] = asyncio.get_running_loop().create_future()
         self._pending[replica].append((prepared, future))
         self._load[replica] += 1
         self._wake[replica].set()
         try:
-            result = await future
+            results = await future
         finally:
             self._load[replica] -= 1
         if request.session_id is None and not _anchor_key(request.messages):
-            self._remember(_ids_key(result.prompt_ids + result.generation_ids), replica)
-        return result
+            first = results[0]
+            self._remember(_ids_key(first.prompt_ids + first.generation_ids), replica)
+        return results
+
+    def load(self) -> dict[str, int]:
+        """Requests waiting for a backend call (``queued``) and rows inside one (``running``)."""
+        queued = sum(1 for pending in self._pending for _, f in pending if not f.done())
+        return {"queued": queued, "running": self._running}
 
     # ---- refit ---------------------------------------------------------------------------
     def refit(
@@ -357,8 +401,12 @@ class ChatCompletionService:
             await wake.wait()
             if len(pending) < limit:  # let concurrent requests join this batch
                 await asyncio.sleep(self.settings.batch_wait_ms / 1000)
-            batch = pending[:limit]
-            del pending[:limit]
+            take, rows = 0, 0  # whole requests, at most `limit` rows (one if it has more)
+            while take < len(pending) and (take == 0 or rows + pending[take][0].n <= limit):
+                rows += pending[take][0].n
+                take += 1
+            batch = pending[:take]
+            del pending[:take]
             if not pending:
                 wake.clear()
             live = [(p, f) for p, f in batch if not f.done()]
@@ -400,20 +448,23 @@ class ChatCompletionService:
         while len(self._routes) > 100_000:
             self._routes.popitem(last=False)
 
-    def _run(self, prepared: list[_Prepared], replica: int | None) -> list[ChatResult]:
-        """Blocking: one backend call per sampling key, results in input order."""
+    def _run(self, prepared: list[_Prepared], replica: int | None) -> list[list[ChatResult]]:
+        """Blocking: one backend call per sampling key; each request's n choices, in input
+        order."""
         groups: dict[tuple[Any, ...], list[int]] = {}
         for i, p in enumerate(prepared):
             groups.setdefault(p.key, []).append(i)
-        results: list[ChatResult | None] = [None] * len(prepared)
+        results: list[list[ChatResult]] = [[] for _ in prepared]
         for idx in groups.values():
-            rows = [prepared[i] for i in idx]
-            for i, result in zip(idx, self._generate(rows, replica), strict=True):
-                results[i] = result
-        return [r for r in results if r is not None]
+            rows = [prepared[i] for i in idx for _ in range(prepared[i].n)]  # n rows each
+            out = iter(self._generate(rows, replica))
+            for i in idx:
+                results[i] = [next(out) for _ in range(prepared[i].n)]
+        return results
 
     def _generate(self, rows: list[_Prepared], replica: int | None) -> list[ChatResult]:
         first = rows[0].request
+        streams = _StepRouter(self, rows) if any(r.request.stream for r in rows) else None
         width, pad = max(len(r.prompt_ids) for r in rows), _pad_id(self.tokenizer)
         lengths = torch.tensor([len(r.prompt_ids) for r in rows], dtype=torch.long)
         input_ids = rows_tensor([r.prompt_ids + [pad] * (width - len(r.prompt_ids)) for r in rows])
@@ -427,23 +478,30 @@ class ChatCompletionService:
         with self._cv:
             self._cv.wait_for(lambda: not self._refitting)
             self._in_flight += 1
+            self._running += len(rows)
             version = self.weight_version
         try:
-            if replica is None:
-                out = self.backend.generate(data, greedy=first.greedy, sampling=sampling)
-            else:
+            if replica is not None:
                 out = self.backend.generate_on(
                     replica, data, greedy=first.greedy, sampling=sampling
                 )
+            elif streams is not None and self.steps_reported:
+                out = self.backend.generate(data, first.greedy, sampling, on_step=streams)
+            else:
+                out = self.backend.generate(data, greedy=first.greedy, sampling=sampling)
         finally:
             with self._cv:
                 self._in_flight -= 1
+                self._running -= len(rows)
                 self._cv.notify_all()
         self.count("backend_calls")
-        self.count("requests", len(rows))
+        self.count("requests", len(set(map(id, rows))))
         lists = {k: out[k].tolist() for k in _OUTPUT_KEYS if k in out}  # once, not per row
         lists["finish_reasons"] = list(out["finish_reasons"])
-        return [self._result(r, lists, b, version, replica) for b, r in enumerate(rows)]
+        results = [self._result(r, lists, b, version, replica) for b, r in enumerate(rows)]
+        if streams is not None and (replica is not None or not self.steps_reported):
+            streams.replay(results)  # a backend that does not report steps: all at once
+        return results
 
     def _result(
         self, row: _Prepared, out: dict[str, Any], b: int, version: int, replica: int | None
@@ -493,6 +551,49 @@ class ChatCompletionService:
         if text is None:
             text = self._token_texts[token_id] = self.prompts.decode([token_id], False)
         return text
+
+
+class _StepRouter:
+    """The `StepCallback` of one backend call: each row's tokens to its request's stream
+    (choice = the row's place among its request's n rows); rows of cancelled streams stop."""
+
+    def __init__(self, service: ChatCompletionService, rows: list[_Prepared]) -> None:
+        self.service = service
+        self.sinks: list[tuple[StreamSink | None, int]] = []
+        seen: collections.Counter[int] = collections.Counter()
+        for row in rows:
+            self.sinks.append((row.request.stream, seen[id(row)]))
+            seen[id(row)] += 1
+
+    def __call__(self, rows: list[int], tokens: list[int], logprobs: list[float],
+                 top: Any) -> list[int]:  # fmt: skip
+        stop = []
+        for j, b in enumerate(rows):
+            sink, choice = self.sinks[b]
+            if sink is None:
+                continue
+            if sink.cancelled:
+                stop.append(b)
+                continue
+            alternatives = None if top is None else list(zip(top[0][j], top[1][j], strict=True))
+            sink.put((choice, tokens[j], logprobs[j], alternatives))
+        if stop:
+            self.service.count("stream_rows_cancelled", len(stop))
+            log.info("generation server: %d row(s) of a disconnected stream stopped", len(stop))
+        return stop
+
+    def replay(self, results: list[ChatResult]) -> None:
+        """After a call without step reports: every streamed row's tokens, in order."""
+        if self.service.count("streams_sent_whole", len(results)) == len(results):
+            log.warning("generation server: this backend does not report decode steps; "
+                        "streamed responses arrive whole when their generation ends")  # fmt: skip
+        for (sink, choice), result in zip(self.sinks, results, strict=True):
+            if sink is None:
+                continue
+            top = result.top_logprobs or [None] * len(result.generation_ids)
+            for token, lp, alt in zip(result.generation_ids, result.generation_logprobs, top,
+                                      strict=True):  # fmt: skip
+                sink.put((choice, token, lp, alt))
 
 
 _OUTPUT_KEYS = ("output_ids", "logprobs", "generation_lengths", "top_logprob_ids", "top_logprobs",

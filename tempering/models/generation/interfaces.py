@@ -24,7 +24,7 @@ settings it is given while keeping its own random stream.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -96,6 +96,32 @@ class GenerationInterface(Protocol):
         """Refit: load new weights in place, by parameter name (a full or partial state dict;
         remote backends may accept handles such as Ray object refs to one)."""
         ...
+
+
+StepCallback = Callable[
+    [list[int], list[int], list[float], tuple[list[list[int]], list[list[float]]] | None],
+    Collection[int],
+]
+"""``on_step(rows, tokens, logprobs, top)`` after one decode step: the batch rows that
+produced a token, those tokens and their log-probs (and ``(top_ids, top_logprobs)`` per row
+when asked); returns the rows that must stop now (their client is gone)."""
+
+
+@runtime_checkable
+class StreamingGeneration(Protocol):
+    """A backend that reports every decode step (`StepCallback`) and stops rows on request:
+    what streamed responses and disconnects need. The torch engine is one; a backend without
+    it is served whole, and a streamed response then arrives when its generation ends."""
+
+    reports_steps: bool  # True: `generate` takes `on_step`
+
+    def generate(
+        self,
+        data: Mapping[str, Any],
+        greedy: bool = False,
+        sampling: SamplingConfig | None = None,
+        on_step: StepCallback | None = None,
+    ) -> Mapping[str, Any]: ...
 
 
 def sampling_config(

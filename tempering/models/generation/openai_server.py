@@ -14,7 +14,11 @@ vLLM is an engine the service calls, never a server we patch.
     service.refit(lambda: generation.refit(policy), version=step)   # waits for in-flight work
     server.stop()
 
-Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /tokenize``, ``GET /health``.
+Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``
+(openai_completions.py), ``POST /tokenize``, ``GET /health`` and ``GET /metrics`` (Prometheus,
+server_metrics.py). ``stream: true`` answers in server-sent events (openai_streaming.py);
+``n`` choices are rows of one backend call. ``tempering serve MODEL`` runs this server over a
+trained folder (tempering/cli.py, docs/guides/serve.md).
 
 - **Training mode** (the default when a trainer starts the server): every choice's ``message``
   carries ``prompt_token_ids``, ``generation_token_ids`` and ``generation_log_probs`` (the
@@ -38,25 +42,36 @@ Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /tokenize``, `
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
 import time
-import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request  # module level: FastAPI resolves route annotations here
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from tempering.models.generation import openai_completions as completions
 from tempering.models.generation.chat_service import (
     ChatCompletionService,
     ChatRequest,
-    ChatResult,
     RequestError,
-    ServerSettings,
+    StreamSink,
 )
-from tempering.models.generation.interfaces import SamplingConfig
+from tempering.models.generation.openai_protocol import (
+    chat_response,
+    check_model,
+    error_body,
+    parse_chat_request,
+    tokenize_response,
+    usage,
+)
+from tempering.models.generation.openai_streaming import ChatChunks, event_stream, stream_options
+from tempering.models.generation.server_metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from tempering.utils.serving import AccessLog, BackgroundServer, check_tls_files, is_loopback
 
 log = logging.getLogger(__name__)
@@ -73,242 +88,9 @@ __all__ = [
     "check_model",
     "error_body",
     "parse_chat_request",
+    "require_key",
     "tokenize_response",
 ]
-
-
-def error_body(err: RequestError) -> dict[str, Any]:
-    """OpenAI's error shape for a refused request."""
-    kind = "not_found_error" if err.status == 404 else "invalid_request_error"
-    if err.status == 401:
-        kind = "authentication_error"
-    error = {"message": err.message, "type": kind, "param": err.param, "code": err.code}
-    return {"error": error}
-
-
-# --------------------------------------------------------------------- request parsing
-_SUPPORTED = {
-    "model", "messages", "tools", "tool_choice", "temperature", "top_p", "top_k",
-    "max_tokens", "max_completion_tokens", "stop", "seed", "logprobs", "top_logprobs", "n",
-    "return_tokens_as_token_ids", "chat_template_kwargs", "stream", "session_id",
-    "frequency_penalty", "presence_penalty", "logit_bias", "response_format",
-    "parallel_tool_calls", "user", "metadata", "store",
-}  # fmt: skip
-
-
-def _messages(value: Any) -> list[dict[str, Any]]:
-    if not isinstance(value, list) or not value:
-        raise RequestError("messages must be a non-empty list of message objects", "messages")
-    for i, m in enumerate(value):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise RequestError(f"messages[{i}] must be an object with a role", f"messages[{i}]")
-    return value
-
-
-def _number(body: dict[str, Any], name: str, kind: type, lo: float | None = None,
-            hi: float | None = None) -> Any:  # fmt: skip
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
-        raise RequestError(f"{name}={value!r} must be a {kind.__name__}", name)
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise RequestError(f"{name}={value!r} must be in [{lo}, {hi}]", name)
-    return kind(value)
-
-
-def parse_chat_request(
-    body: Any, service: ChatCompletionService, session_id: str | None = None
-) -> ChatRequest:
-    """A JSON body -> ChatRequest, or RequestError naming the field (the first bad one, in the
-    order of the steps below)."""
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    if "model" not in body:
-        raise RequestError("model is required", "model")
-    check_model(service.settings, body["model"])
-    messages = _messages(body.get("messages"))
-    service.note_ignored_fields([k for k in body if k not in _SUPPORTED])
-    _refuse_unsupported(body)
-    tools, tool_choice = _tools(body)
-    stops = _stop_strings(body)
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise RequestError("chat_template_kwargs must be an object", "chat_template_kwargs")
-    sampling, greedy, logprobs = _sampling(body, stops, service.settings)
-    return ChatRequest(
-        messages=messages,
-        sampling=sampling,
-        greedy=greedy,
-        tools=tools or None,
-        parse_tools=bool(tools) and tool_choice != "none",
-        logprobs=logprobs,
-        tokens_as_ids=bool(body.get("return_tokens_as_token_ids")),
-        chat_template_kwargs=kwargs,
-        session_id=session_id or body.get("session_id"),
-        seeded=sampling.seed is not None,
-    )
-
-
-def _refuse_unsupported(body: dict[str, Any]) -> None:
-    """OpenAI fields we do not implement: refused unless left at their no-op value."""
-    n = _number(body, "n", int, 1)
-    if n not in (None, 1):
-        raise RequestError(f"n={n} is not supported: send n separate requests", "n")
-    if body.get("stream"):
-        raise RequestError("stream=true is not supported; omit stream", "stream")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
-            raise RequestError(f"{name}={body[name]!r} is not supported (only 0)", name)
-    if body.get("logit_bias"):
-        raise RequestError("logit_bias is not supported", "logit_bias")
-    fmt = body.get("response_format")
-    if fmt not in (None, {"type": "text"}):
-        raise RequestError(f"response_format={fmt!r} is not supported", "response_format")
-
-
-def _tools(body: dict[str, Any]) -> tuple[Any, Any]:
-    """``tools`` (function tools only) and ``tool_choice`` ("auto" or "none")."""
-    tools = body.get("tools")
-    if tools is not None and (
-        not isinstance(tools, list)
-        or any(not isinstance(t, dict) or not isinstance(t.get("function"), dict) for t in tools)
-    ):
-        raise RequestError(
-            'tools must be a list of {"type": "function", "function": {...}}', "tools"
-        )
-    choice = body.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        raise RequestError(
-            f"tool_choice={choice!r} is not supported; use 'auto' or 'none'", "tool_choice"
-        )
-    return tools, choice
-
-
-def _stop_strings(body: dict[str, Any]) -> list[str]:
-    stop = body.get("stop")
-    stops = [stop] if isinstance(stop, str) else stop or []
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise RequestError("stop must be a non-empty string or a list of them", "stop")
-    return stops
-
-
-def _sampling(
-    body: dict[str, Any], stops: list[str], settings: ServerSettings
-) -> tuple[SamplingConfig, bool, bool]:
-    """The request's SamplingConfig (the server's defaults for fields it leaves out), whether
-    it is greedy (temperature 0), and whether it asks for log-probs."""
-    default = settings.default_sampling
-    temperature = _number(body, "temperature", float, 0.0, 2.0)
-    top_p = _number(body, "top_p", float, 0.0, 1.0)
-    if top_p == 0.0:
-        raise RequestError("top_p must be > 0", "top_p")
-    top_k = _number(body, "top_k", int, -1)
-    max_tokens = _number(body, "max_completion_tokens", int, 1) or _number(
-        body, "max_tokens", int, 1
-    )
-    top_logprobs = _number(body, "top_logprobs", int, 0, 20) or 0
-    seed = _number(body, "seed", int)
-    logprobs = body.get("logprobs")
-    if logprobs is not None and not isinstance(logprobs, bool):
-        raise RequestError(f"logprobs={logprobs!r} must be true or false", "logprobs")
-    if top_logprobs and not (logprobs or settings.training_mode):
-        raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
-    greedy = temperature == 0.0
-    sampling = SamplingConfig(
-        temperature=default.temperature if temperature is None or greedy else temperature,
-        top_p=default.top_p if top_p is None else top_p,
-        top_k=default.top_k if top_k is None else (None if top_k <= 0 else top_k),
-        max_new_tokens=max_tokens or default.max_new_tokens,
-        stop_strings=stops,
-        seed=seed,
-        top_logprobs=top_logprobs,
-    )
-    return sampling, greedy, bool(logprobs)
-
-
-def check_model(settings: ServerSettings, model: Any) -> None:
-    """A 404 for a model name this server does not serve (None: the field was left out)."""
-    if model is not None and model != settings.model_name:
-        raise RequestError(
-            f"model {model!r} does not exist; this server serves "
-            f"{settings.model_name!r} (GET /v1/models)",
-            "model",
-            404,
-        )
-
-
-# ---------------------------------------------------------------------- responses
-_TOKEN_ID_KEYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
-
-
-def chat_response(
-    service: ChatCompletionService, request: ChatRequest, result: ChatResult
-) -> dict[str, Any]:
-    """The ``chat.completion`` body of one result (token ids and log-probs in training mode)."""
-    training = service.settings.training_mode
-    message = result.message
-    if not training:
-        for key in _TOKEN_ID_KEYS:
-            del message[key]
-    logprobs = None
-    if training or request.logprobs:
-        logprobs = {"content": _logprob_entries(service, request, result)}
-    n_prompt, n_gen = len(result.prompt_ids), len(result.generation_ids)
-    return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": service.settings.model_name,
-        "choices": [
-            {
-                "index": 0,
-                "message": message,
-                "logprobs": logprobs,
-                "finish_reason": result.finish_reason,
-            }
-        ],
-        "usage": {
-            "prompt_tokens": n_prompt,
-            "completion_tokens": n_gen,
-            "total_tokens": n_prompt + n_gen,
-        },
-        "weight_version": result.weight_version,
-    }
-
-
-def _logprob_entries(
-    service: ChatCompletionService, request: ChatRequest, result: ChatResult
-) -> list[dict[str, Any]]:
-    def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = service.token_text(token_id)
-        token = f"token_id:{token_id}" if request.tokens_as_ids else text
-        return {"token": token, "logprob": logprob, "bytes": list(text.encode())}
-
-    top = result.top_logprobs or [[] for _ in result.generation_ids]
-    return [
-        {**entry(tok, lp), "top_logprobs": [entry(i, v) for i, v in alternatives]}
-        for tok, lp, alternatives in zip(
-            result.generation_ids, result.generation_logprobs, top, strict=True
-        )
-    ]
-
-
-def tokenize_response(service: ChatCompletionService, body: dict[str, Any]) -> dict[str, Any]:
-    """``POST /tokenize``: the same prompt construction as chat completions (messages),
-    or plain text (``prompt``)."""
-    check_model(service.settings, body.get("model"))
-    if "messages" in body:
-        messages = _messages(body.get("messages"))
-        add_generation_prompt = bool(body.get("add_generation_prompt", True))
-        tools, kwargs = body.get("tools"), body.get("chat_template_kwargs")
-        ids = service.encode(messages, tools, kwargs, add_generation_prompt).ids
-    elif isinstance(body.get("prompt"), str):
-        add = bool(body.get("add_special_tokens", True))
-        ids = list(service.tokenizer(body["prompt"], add_special_tokens=add)["input_ids"])
-    else:
-        raise RequestError("send either messages (a list) or prompt (a string)", "messages")
-    return {"count": len(ids), "max_model_len": service.settings.max_model_len, "tokens": ids}
 
 
 # ------------------------------------------------------------------------ HTTP server
@@ -319,6 +101,7 @@ def build_app(
 ) -> Any:
     """The FastAPI app: routes, the API-key check, the body limit and OpenAI-shaped errors."""
     app = FastAPI(title="tempering generation server", docs_url=None, redoc_url=None)
+    metrics = app.state.metrics = ServerMetrics(service)
 
     refusals_logged: set[str] = set()
 
@@ -328,15 +111,7 @@ def build_app(
         headers = {"Connection": "close"} if err.status == 413 else None
         return JSONResponse(error_body(err), status_code=err.status, headers=headers)
 
-    expected_auth = f"Bearer {api_key}".encode()
-
-    def check_key(request: Request) -> None:
-        # A plain check in each route: starlette's @app.middleware("http") wraps every request
-        # in task groups and memory streams, which cost more than the rest of a request here.
-        # hmac.compare_digest: the time taken does not tell how much of a guess was right.
-        given = request.headers.get("authorization", "").encode()
-        if api_key and not hmac.compare_digest(given, expected_auth):
-            raise RequestError("missing or wrong API key (Authorization: Bearer ...)", status=401)
+    check_key = _key_check(api_key)
 
     async def json_body(request: Request) -> Any:
         raw = await read_limited_body(request, max_request_bytes)
@@ -360,19 +135,27 @@ def build_app(
                 "max_model_len": service.settings.max_model_len}  # fmt: skip
         return {"object": "list", "data": [card]}
 
+    http = _Http(service, metrics, check_key, json_body, error)
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
+        return await _generation_route(http, request, "chat", parse_chat_request, chat_response,
+                                       ChatChunks)  # fmt: skip
+
+    @app.post("/v1/completions")
+    async def complete(request: Request) -> Any:
+        return await _generation_route(http, request, "completions",
+                                      completions.parse_completion_request,
+                                      completions.completion_response,
+                                      completions.CompletionChunks)  # fmt: skip
+
+    @app.get("/metrics")
+    async def prometheus(request: Request) -> Any:
         try:
             check_key(request)
-            body = await json_body(request)
-            req = parse_chat_request(body, service, request.headers.get("x-session-id"))
-            result = await service.complete(req)
         except RequestError as err:
             return error(err)
-        request.state.usage = (len(result.prompt_ids), len(result.generation_ids))  # access log
-        # JSONResponse directly: returning the dict would run FastAPI's jsonable_encoder over
-        # every token id and log-prob, the largest cost of a request after the model.
-        return JSONResponse(chat_response(service, req, result))
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Any:
@@ -386,6 +169,72 @@ def build_app(
             return error(err)
 
     return app
+
+
+def _key_check(api_key: str | None) -> Callable[[Request], None]:
+    """The API-key check each route calls (a 401 `RequestError`; no key: none needed)."""
+    expected_auth = f"Bearer {api_key}".encode()
+
+    def check_key(request: Request) -> None:
+        # A plain check in each route: starlette's @app.middleware("http") wraps every request
+        # in task groups and memory streams, which cost more than the rest of a request here.
+        # hmac.compare_digest: the time taken does not tell how much of a guess was right.
+        given = request.headers.get("authorization", "").encode()
+        if api_key and not hmac.compare_digest(given, expected_auth):
+            raise RequestError("missing or wrong API key (Authorization: Bearer ...)", status=401)
+
+    return check_key
+
+
+@dataclass(frozen=True)
+class _Http:
+    """What the generation routes share: the service, metrics and the request checks."""
+
+    service: ChatCompletionService
+    metrics: ServerMetrics
+    check_key: Callable[[Request], None]
+    json_body: Callable[[Request], Awaitable[Any]]
+    error: Callable[[RequestError], JSONResponse]
+
+
+async def _generation_route(
+    http: _Http, request: Request, route: str, parse: Any, respond: Any, chunks: Any
+) -> Any:
+    """``/v1/chat/completions`` and ``/v1/completions``: parse, then one JSON answer or a
+    stream (`parse`/`respond`/`chunks`: the route's request parser, response and chunks)."""
+    service, metrics, started = http.service, http.metrics, time.perf_counter()
+    try:
+        http.check_key(request)
+        body = await http.json_body(request)
+        req = parse(body, service, request.headers.get("x-session-id"))
+        options = stream_options(body)
+        if options is not None:  # refusals above and in prepare() are 4xx, before any byte
+            return _event_response(service, req, options, chunks, metrics, route, started)
+        results = await service.complete_choices(req)
+    except RequestError as err:
+        metrics.answered(route, err.status, started)
+        return http.error(err)
+    counts = usage(results)
+    request.state.usage = counts["prompt_tokens"], counts["completion_tokens"]  # access log
+    metrics.observe_usage(results)
+    metrics.answered(route, 200, started)
+    # JSONResponse directly: returning the dict would run FastAPI's jsonable_encoder over
+    # every token id and log-prob, the largest cost of a request after the model.
+    return JSONResponse(respond(service, req, results))
+
+
+def _event_response(
+    service: ChatCompletionService, req: ChatRequest, options: Any, chunks: Any,
+    metrics: Any, route: str, started: float,
+) -> StreamingResponse:  # fmt: skip
+    """A streamed answer (openai_streaming.py): the prompt is built first, so a request that
+    cannot be served is refused before the stream starts."""
+    prepared = service.prepare(req)
+    req.stream = StreamSink(asyncio.get_running_loop())
+    events = event_stream(service, req, prepared, options, chunks(service, req), metrics,
+                          started, route)  # fmt: skip
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})  # fmt: skip
 
 
 def _log_refusal(err: RequestError, count: int, logged: set[str]) -> None:
@@ -426,6 +275,19 @@ async def read_limited_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
+def require_key(
+    host: str,
+    api_key: str | None,
+    how: str = f"set one ({CONFIG_PREFIX}.api_key_env names the environment variable that holds it)",
+) -> None:
+    """ValueError unless `host` is loopback or an API key is set (`how`: where to set it)."""
+    if not is_loopback(host) and not api_key:
+        raise ValueError(
+            f"the generation server would listen on {host}, beyond this machine, without an "
+            f"API key; {how} or bind 127.0.0.1"
+        )
+
+
 class OpenAIServer:
     """Runs `build_app(service)` under uvicorn in a background thread of this process.
 
@@ -449,12 +311,7 @@ class OpenAIServer:
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         access_log: str | None = None,
     ) -> None:
-        if not is_loopback(host) and not api_key:
-            raise ValueError(
-                f"the generation server would listen on {host}, beyond this machine, without an "
-                f"API key; set one ({CONFIG_PREFIX}.api_key_env names the "
-                "environment variable that holds it) or bind 127.0.0.1"
-            )
+        require_key(host, api_key)
         names = (f"{CONFIG_PREFIX}.ssl_certfile", f"{CONFIG_PREFIX}.ssl_keyfile")
         tls = check_tls_files(ssl_certfile, ssl_keyfile, names)
         if ssl_ca_file is not None and (tls is None or not Path(ssl_ca_file).is_file()):

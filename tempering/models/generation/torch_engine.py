@@ -37,6 +37,7 @@ from tempering.distributed.batched_data_dict import BatchedDataDict
 from tempering.models.generation.cpu_inference import cache_dtype
 from tempering.models.generation.interfaces import (
     SamplingConfig,
+    StepCallback,
     check_input_lengths,
     sampling_config,
 )
@@ -54,6 +55,8 @@ _COMPACT_BELOW = 0.75
 
 class TorchGenerationEngine:
     """Batched generation for an HF causal LM held in this process (see module docstring)."""
+
+    reports_steps = True  # interfaces.StreamingGeneration: `generate` takes `on_step`
 
     def __init__(
         self,
@@ -171,12 +174,19 @@ class TorchGenerationEngine:
 
     @torch.inference_mode()
     def generate(
-        self, data: Mapping[str, Any], greedy: bool = False, sampling: SamplingConfig | None = None
+        self,
+        data: Mapping[str, Any],
+        greedy: bool = False,
+        sampling: SamplingConfig | None = None,
+        on_step: StepCallback | None = None,
     ) -> BatchedDataDict:
         """Continue each right-padded prompt; returns the contract's BatchedDataDict.
 
         `sampling` replaces the engine's settings for this call (its seed, if set, seeds a
         generator for this call only); an optional ``data["max_new_tokens"]`` [B] caps each row.
+        `on_step` (`interfaces.StepCallback`, the streaming server's): called after every
+        decode step with the tokens just generated; the rows it returns stop at once (a
+        client that went away), finish reason "length".
         """
         cfg = sampling if sampling is not None else self.config
         greedy = greedy or cfg.greedy
@@ -199,7 +209,7 @@ class TorchGenerationEngine:
             with self._weights_lock:
                 self._generating = True
             try:
-                decode = _Decode(self, cfg, greedy, generator)
+                decode = _Decode(self, cfg, greedy, generator, on_step)
                 decoded = decode.run(input_ids, lengths, row_caps)
             finally:
                 with self._weights_lock:
@@ -293,8 +303,10 @@ class _Decode:
         cfg: SamplingConfig,
         greedy: bool,
         generator: torch.Generator,
+        on_step: StepCallback | None = None,
     ) -> None:
         self.engine = engine
+        self.on_step = on_step
         self.model = engine.model
         self.cfg = cfg
         self.greedy = greedy
@@ -389,6 +401,8 @@ class _Decode:
                 hit |= self._stop_string_hits(generated[rows, :steps], active & ~hit)
             stopped[rows] |= hit
             finished[rows] |= hit | (gen_lengths[rows] >= row_caps[rows])
+            if self.on_step is not None:
+                self._report_step(decoded, rows, active, step, finished)
             live = ~finished[rows]
             n_live = int(live.sum())
             if n_live == 0:
@@ -413,6 +427,22 @@ class _Decode:
             logits = out.logits[:, -1, :]
             next_position[rows] += 1
         return steps
+
+    def _report_step(
+        self, decoded: _Decoded, rows: torch.Tensor, active: torch.Tensor, step: int,
+        finished: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """Tell `on_step` this step's tokens (rows that produced one); stop the rows it names."""
+        assert self.on_step is not None
+        emitted = rows[active]
+        top = None
+        if decoded.top_ids is not None and decoded.top_values is not None:
+            top = (decoded.top_ids[emitted, step].tolist(),
+                   decoded.top_values[emitted, step].tolist())  # fmt: skip
+        stop = self.on_step(emitted.tolist(), decoded.generated[emitted, step].tolist(),
+                            decoded.logprobs[emitted, step].tolist(), top)  # fmt: skip
+        if stop:
+            finished[torch.as_tensor(list(stop), dtype=torch.long, device=finished.device)] = True
 
     def _sample(self, logp: torch.Tensor) -> torch.Tensor:
         """Next tokens [B] from log-probs at temperature [B, V] (top-k/top-p filter the draw
