@@ -64,11 +64,11 @@ class RewardScalingConfig(Section):
     [source_min, source_max] (clamped rewards counted: train/rewards_clamped), then mapped onto
     [target_min, target_max]."""
 
-    enabled: bool = False
-    source_min: float = 0.0
-    source_max: float = 1.0
-    target_min: float = 0.0
-    target_max: float = 1.0
+    enabled: bool = Field(False, description="map each reward linearly before advantages")
+    source_min: float = Field(0.0, description="rewards below are clamped to this first")
+    source_max: float = Field(1.0, description="rewards above are clamped to this first")
+    target_min: float = Field(0.0, description="what source_min maps to")
+    target_max: float = Field(1.0, description="what source_max maps to")
 
     @model_validator(mode="after")
     def _range(self) -> RewardScalingConfig:
@@ -90,7 +90,7 @@ class RewardShapingConfig(Section):
     ``stop_properly_penalty_coef``, a truncated episode's reward is multiplied by it. The
     environment's own rewards stay in train/reward_mean, accuracy and dynamic sampling."""
 
-    enabled: bool = False
+    enabled: bool = Field(False, description="apply one length penalty (the keys below)")
     overlong_buffer_length: int | None = Field(
         None, ge=1, description="tokens before max_response_length where the penalty grows"
     )
@@ -135,10 +135,14 @@ class RewardShapingConfig(Section):
 
 
 class GRPOConfig(Section):
-    num_prompts_per_step: int = Field(16, ge=1)
-    num_generations_per_prompt: int = Field(8, ge=1)
-    max_num_steps: int = Field(60, ge=1)
-    max_num_epochs: int = Field(100, ge=1)
+    num_prompts_per_step: int = Field(16, ge=1, description="prompts (groups) per step")
+    num_generations_per_prompt: int = Field(
+        8, ge=1, description="samples per prompt: the group its advantages compare within"
+    )
+    max_num_steps: int = Field(60, ge=1, description="training steps (the lr schedule spans them)")
+    max_num_epochs: int = Field(
+        100, ge=1, description="stop after this many passes over the training problems"
+    )
     max_rollout_turns: int = Field(
         1, ge=1, description="turns per episode at most (generate -> environment -> observe)"
     )
@@ -151,23 +155,45 @@ class GRPOConfig(Section):
         True, description="divide advantages by the group std (with critic.enabled: whiten "
         "them over the batch's generated tokens)",
     )  # fmt: skip
-    use_leave_one_out_baseline: bool = True
+    use_leave_one_out_baseline: bool = Field(
+        True, description="each sample's baseline is the mean of its group's others (false: "
+        "the whole group's mean)"
+    )  # fmt: skip
     num_iterations: int = Field(
         1, ge=1, description="passes over each step's batch (the GRPO paper's mu, TRL's "
         "num_iterations, verl's ppo_epochs), each in train_global_batch_size mini-batches; "
         "after the first, the policy trains off its sampler, clipped against the log-probs it "
         "had before the step (a critic takes as many passes)",
     )  # fmt: skip
-    val_period: int = Field(10, ge=0)
-    val_at_start: bool = True
-    max_val_samples: int = Field(256, ge=1)
-    val_batch_size: int = Field(256, ge=1)
+    val_period: int = Field(10, ge=0, description="validate every this many steps; 0 = never")
+    val_at_start: bool = Field(
+        True, description="also validate before the first step (a fresh run with val_period > 0)"
+    )
+    max_val_samples: int = Field(
+        256,
+        ge=1,
+        description="held-out problems a validation reads (the first N, logged when fewer than held)",
+    )
+    val_batch_size: int = Field(
+        256, ge=1, description="held-out problems per greedy generation call"
+    )
     val_pass_at_k: int = Field(0, ge=0, description="k samples per val prompt for pass@k; 0 = off")
-    use_dynamic_sampling: bool = False
-    dynamic_sampling_max_gen_batches: int = Field(4, ge=1)
-    overlong_filtering: bool = False
+    use_dynamic_sampling: bool = Field(
+        False, description="DAPO: drop groups whose rewards are all equal and generate more "
+        "until num_prompts_per_step groups remain (dynamic_sampling/*)"
+    )  # fmt: skip
+    dynamic_sampling_max_gen_batches: int = Field(
+        4, ge=1, description="generation rounds per step at most; a shortfall is counted "
+        "(dynamic_sampling/shortfall)"
+    )  # fmt: skip
+    overlong_filtering: bool = Field(
+        False, description="DAPO: leave samples cut at the length limit out of the loss "
+        "(train/overlong_masked)"
+    )  # fmt: skip
     max_wall_time_s: float | None = Field(None, description="stop after this many seconds")
-    seed: int = 42
+    seed: int = Field(
+        42, description="seed of the prompt order, each step's sampling and the workers' torch"
+    )
     async_grpo: AsyncGRPOConfig = AsyncGRPOConfig()
     reward_scaling: RewardScalingConfig = RewardScalingConfig()
     reward_shaping: RewardShapingConfig = RewardShapingConfig()
@@ -180,7 +206,10 @@ class CriticConfig(Section):
     beside the policy, on the policy's bundles, with the policy's batch sizes, precision,
     optimizer and schedule (its own learning rate)."""
 
-    enabled: bool = False
+    enabled: bool = Field(
+        False, description="PPO: GAE advantages from a learned value model instead of the "
+        "group baseline"
+    )  # fmt: skip
     model_name: str | None = Field(
         None, description="the critic's starting model (its body; the value head is new); "
         "null: the policy's",
@@ -358,8 +387,14 @@ def kl_penalty_problems(
 class LossFnConfig(Section):
     """GRPO's `ClippedPGLoss` (tempering/losses.py), NeMo RL's key names and rules."""
 
-    reference_policy_kl_penalty: float = Field(0.0, ge=0)
-    kl_type: Literal["k1", "k2", "k3"] = "k3"
+    reference_policy_kl_penalty: float = Field(
+        0.0, ge=0, description="weight of the KL(policy || reference) term in the loss; 0: off "
+        "(no reference model is loaded)"
+    )  # fmt: skip
+    kl_type: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="Schulman's KL estimator, r = pi / pi_ref at the sampled token: k1 "
+        "log r, k2 (log r)^2 / 2, k3 1/r - 1 + log r (unbiased, >= 0)"
+    )  # fmt: skip
     use_on_policy_kl_approximation: bool = Field(
         False,
         description="weight each token's KL term by pi_theta / pi_generator (detached), so the "
@@ -371,10 +406,15 @@ class LossFnConfig(Section):
     kl_output_clamp_value: float | None = Field(
         KL_CLAMPS[1], description="each token's KL estimate clamped to +-this (null: none)"
     )
-    ratio_clip_min: float = Field(0.2, ge=0)
+    ratio_clip_min: float = Field(
+        0.2, ge=0, description="PPO clip: the ratio's lower bound is 1 - this"
+    )
     ratio_clip_max: float = Field(0.2, ge=0, description="> ratio_clip_min = DAPO clip-higher")
     ratio_clip_c: float | None = Field(None, gt=1, description="dual-clip constant (> 1)")
-    token_level_loss: bool = True
+    token_level_loss: bool = Field(
+        True, description="average over the batch's tokens (false: each sequence's mean, "
+        "then over sequences)"
+    )  # fmt: skip
     length_normalizer: int | None = Field(
         None,
         ge=1,
@@ -431,7 +471,9 @@ class LossFnConfig(Section):
 
 
 class MathEnvConfig(Section):
-    num_workers: int = Field(2, ge=1)
+    num_workers: int = Field(
+        2, ge=1, description="sandboxed verifier processes checking answers in parallel"
+    )
     timeout_s: float = Field(5.0, gt=0, description="wall-clock limit per answer checked")
     memory_limit_mb: int = Field(
         1024, ge=64, description="address space of each sandboxed verifier process"

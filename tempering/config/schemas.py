@@ -109,7 +109,10 @@ class LoraConfig(Section):
 
 class DTensorConfig(Section):
     enabled: bool = Field(True, description="the DTensor/FSDP2 path (the only one)")
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = Field(
+        False, description="recompute each decoder layer in backward: less activation memory, "
+        "about one more forward pass of compute"
+    )  # fmt: skip
     tensor_parallel_size: int = Field(
         1, ge=1, description="ranks splitting each decoder layer (inside a node); DP = ranks / TP"
     )
@@ -132,7 +135,10 @@ class DTensorConfig(Section):
 
 
 class DynamicBatchingConfig(Section):
-    enabled: bool = False
+    enabled: bool = Field(
+        False, description="micro-batches cut by padded-token budget (train_mb_tokens, "
+        "logprob_mb_tokens) instead of a fixed number of rows"
+    )  # fmt: skip
     train_mb_tokens: int = Field(
         4096, ge=1, description="padded-token budget per train micro-batch"
     )
@@ -158,14 +164,16 @@ class SequencePackingConfig(Section):
     train_mb_tokens: int = Field(
         4096, ge=1, description="tokens per packed bin; must hold the longest sequence"
     )
-    algorithm: Literal["first_fit_decreasing"] = "first_fit_decreasing"
+    algorithm: Literal["first_fit_decreasing"] = Field(
+        "first_fit_decreasing", description="how sequences fill the bins (the one implemented)"
+    )
 
 
 class OptimizerKwargs(Section):
-    lr: float = Field(5e-6, gt=0)
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
+    lr: float = Field(5e-6, gt=0, description="peak learning rate (the scheduler scales it)")
+    weight_decay: float = Field(0.0, description="AdamW's decoupled weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW's moment decay rates")
+    eps: float = Field(1e-8, description="AdamW's denominator term")
 
 
 class OptimizerConfig(Section):
@@ -176,9 +184,14 @@ class OptimizerConfig(Section):
 class SchedulerConfig(Section):
     """Simpler than NeMo RL's list of schedulers: linear warmup, then one shape."""
 
-    name: Literal["constant", "cosine", "linear"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    name: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="after warm-up: stay at lr, or decay to min_lr_ratio x lr by "
+        "the run's last step along half a cosine or a line"
+    )  # fmt: skip
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up to lr")
+    min_lr_ratio: float = Field(
+        0.0, ge=0, le=1, description="the decay's end, as a fraction of lr (cosine, linear)"
+    )
 
 
 class PolicyConfig(Section):
@@ -192,8 +205,14 @@ class PolicyConfig(Section):
     generation_batch_size: int | None = Field(
         None, description="not read: each generation worker batches its whole shard; only null"
     )
-    logprob_batch_size: int = Field(32, ge=1)
-    max_total_sequence_length: int = Field(512, ge=2)
+    logprob_batch_size: int = Field(
+        32, ge=1, description="rows per log-prob micro-batch (the policy's and the reference's "
+        "passes without a token budget)"
+    )  # fmt: skip
+    max_total_sequence_length: int = Field(
+        512, ge=2, description="prompt + response tokens per sequence: longer training "
+        "examples are cut (counted, logged); generation's prompt + new tokens must fit it"
+    )  # fmt: skip
     precision: Literal["float32", "bfloat16", "float16"] = Field(
         "float32",
         description="bfloat16: bf16 compute with fp32 master weights and fp32 gradient "
@@ -226,7 +245,10 @@ class PolicyConfig(Section):
         "cmeel-mimalloc wheel; a training step's resident peak ~0.6x glibc's, no slower) or "
         "system (glibc); tempering/utils/allocator.py"
     )  # fmt: skip
-    max_grad_norm: float | None = 1.0
+    max_grad_norm: float | None = Field(
+        1.0, description="clip the global gradient norm to this before each update (null: "
+        "no clipping); train/grad_norm is the norm before clipping"
+    )  # fmt: skip
     max_consecutive_nonfinite_steps: int = Field(
         3, ge=1, description="a NaN/Inf loss or gradient skips the update (counted in "
         "train/num_nonfinite_skipped); this many in a row stop the run, naming what was non-finite"
@@ -270,18 +292,20 @@ class PolicyConfig(Section):
 
 # ---------------------------------------------------------------- cluster/logging
 class ClusterConfig(Section):
-    num_nodes: int = Field(1, ge=1)
+    num_nodes: int = Field(1, ge=1, description="Ray nodes the run's workers are spread over")
     gpus_per_node: int = Field(0, ge=0, description="0 = CPU workers")
     workers_per_node: int = Field(1, ge=1, description="workers per node when gpus_per_node=0")
-    cpus_per_worker: int = Field(1, ge=1)
+    cpus_per_worker: int = Field(
+        1, ge=1, description="CPUs each worker's placement-group bundle reserves"
+    )
     gpu_memory_gb: float = Field(
         80.0, gt=0, description="memory of one GPU, for the placement plan's fit check"
     )
 
 
 class WandbConfig(Section):
-    project: str = "tempering"
-    name: str | None = None
+    project: str = Field("tempering", description="the W&B project runs are logged to")
+    name: str | None = Field(None, description="the W&B run name (null: W&B picks one)")
 
 
 class TensorboardConfig(Section):
@@ -292,19 +316,27 @@ class TensorboardConfig(Section):
 
 
 class MlflowConfig(Section):
-    experiment_name: str = "tempering"
-    tracking_uri: str | None = None
+    experiment_name: str = Field("tempering", description="the MLflow experiment")
+    tracking_uri: str | None = Field(
+        None, description="the MLflow server or store (null: file:<logger.log_dir>/mlruns)"
+    )
 
 
 class LoggerConfig(Section):
-    log_dir: str = "logs/run"
-    wandb_enabled: bool = False
-    tensorboard_enabled: bool = True
-    mlflow_enabled: bool = False
+    log_dir: str = Field(
+        "logs/run", description="where metrics.jsonl, timeline.jsonl and samples are written"
+    )
+    wandb_enabled: bool = Field(False, description="also log to Weights & Biases (logger.wandb)")
+    tensorboard_enabled: bool = Field(
+        True, description="also write TensorBoard event files (logger.tensorboard)"
+    )
+    mlflow_enabled: bool = Field(False, description="also log to MLflow (logger.mlflow)")
     monitor_gpus: bool = Field(
         True, description="per-role CPU, memory and GPU use in metrics.jsonl (resources/*)"
     )
-    num_val_samples_to_print: int = Field(3, ge=0)
+    num_val_samples_to_print: int = Field(
+        3, ge=0, description="validation samples (prompt, response, reward) printed per validation"
+    )
     wandb: WandbConfig = WandbConfig()
     tensorboard: TensorboardConfig = TensorboardConfig()
     mlflow: MlflowConfig = MlflowConfig()
@@ -330,12 +362,17 @@ class DeadlinesConfig(Section):
 
 
 class CheckpointingConfig(Section):
-    enabled: bool = True
-    checkpoint_dir: str = "results/run"
+    enabled: bool = Field(True, description="save step_<N> checkpoints (false: none, no resume)")
+    checkpoint_dir: str = Field(
+        "results/run", description="where step_<N> and final_hf go; a rerun resumes from here"
+    )
     metric_name: str | None = Field(None, description="e.g. val/accuracy; keep_top_k ranks by it")
-    higher_is_better: bool = True
-    keep_top_k: int | None = Field(3, ge=1)
-    save_period: int = Field(10, ge=1)
+    higher_is_better: bool = Field(True, description="metric_name's ranking direction")
+    keep_top_k: int | None = Field(
+        3, ge=1, description="checkpoints kept: the best by metric_name (else the newest), and "
+        "always the newest; null keeps all"
+    )  # fmt: skip
+    save_period: int = Field(10, ge=1, description="save every this many steps (and the last)")
 
 
 # how many training examples a generated dataset (arithmetic, ...) makes when
@@ -348,8 +385,14 @@ class DataConfig(Section):
         "arithmetic",
         description="arithmetic | gsm8k | problems | nemo_gym (GRPO) | squad | messages | prompt_response | text | hf | preference | helpsteer3 | messages_preference | unpaired (KTO)",
     )
-    train_data_path: str | None = None
-    val_data_path: str | None = None
+    train_data_path: str | None = Field(
+        None, description="a data file (JSONL, JSON, Parquet or CSV) or HF dataset for "
+        "dataset_name's loader; null: the built-in data"
+    )  # fmt: skip
+    val_data_path: str | None = Field(
+        None, description="held-out rows in the same format (null: num_val_samples held out of "
+        "the training rows)"
+    )  # fmt: skip
     prompt_key: str = Field(
         "prompt",
         description="the prompt column (SFT prompt_response/hf; DPO/RM/KTO "
@@ -374,12 +417,18 @@ class DataConfig(Section):
         description="training examples: the generated datasets make this many (null: 20000); "
         "any other uses its first N (null: all), logged when that differs from what it holds",
     )
-    num_val_samples: int = Field(256, ge=1)
+    num_val_samples: int = Field(
+        256, ge=1, description="held-out examples: generated, or split off the training rows "
+        "when there is no val_data_path"
+    )  # fmt: skip
     use_chat_template: bool = Field(
         False, description="format prompts with the tokenizer's chat template"
     )
-    on_bad_row: Literal["error", "skip"] = "error"
-    seed: int = 0
+    on_bad_row: Literal["error", "skip"] = Field(
+        "error", description="a malformed row stops the load naming it (error), or is skipped, "
+        "counted and logged (skip)"
+    )  # fmt: skip
+    seed: int = Field(0, description="seed of the generated datasets and of the held-out split")
     reasoning_gym_tasks: list[str] = Field(
         default_factory=list,
         description="GRPO: also train on these reasoning-gym generators (e.g. basic_arithmetic), "
