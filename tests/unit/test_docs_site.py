@@ -34,6 +34,13 @@ def test_the_config_reference_covers_every_key_and_names_no_other():
     assert not rows - keys, f"the reference names keys no schema has: {sorted(rows - keys)[:20]}"
 
 
+def test_every_config_key_says_what_it_does():
+    """The reference's doc column comes from each field's description: none may be empty."""
+    bare = sorted({key for schema in MASTER_CONFIGS.values()
+                   for key, field in schema_leaves(schema) if not (field.description or "").strip()})  # fmt: skip
+    assert not bare, f"config keys without a description= in tempering/config/: {bare[:20]}"
+
+
 # A metric key as the loops write it: a quoted literal or an f-string with a known prefix.
 _METRIC = re.compile(
     r"""f?"((?:train|val|env|gym|timing|critic|data|resources|dynamic_sampling|server|throughput|rollouts)"""
