@@ -467,24 +467,29 @@ def _same_model(saved: Any, now: Any, also_ignore: frozenset[str] = frozenset())
 
 
 def save_checkpoint(
-    checkpointer: Any | None,
+    run: Any,
     policy: Any,
     step: int,
+    val: dict[str, float],
     *,
-    metrics: dict[str, float],
-    dataloader: Any,
-    config: dict[str, Any],
     extra: dict[str, Any] | None = None,
     write_files: Any = None,
 ) -> Path | None:
-    """Atomically write step_<step>/ with the policy's sharded state and the loop's state;
-    ``write_files(folder)`` adds files of the loop's own (async GRPO's buffer)."""
+    """Atomically write step_<step>/ of `run` (its checkpointer, dataloader and resolved
+    config) with `policy`'s sharded state, the step's validation `val` (stored as val/<key>,
+    what keep_top_k ranks by) and the loop's state; ``write_files(folder)`` adds files of the
+    loop's own (async GRPO's buffer)."""
+    checkpointer = run.checkpointer
     if checkpointer is None:
         return None
-    info = {"metrics": metrics, "dataloader": dataloader.state_dict(), **(extra or {})}
+    info = {
+        "metrics": {f"val/{k}": v for k, v in val.items()},
+        "dataloader": run.dataloader.state_dict(),
+        **(extra or {}),
+    }
     from tempering.utils import faults
 
-    with checkpointer.save(step, info, config) as tmp:
+    with checkpointer.save(step, info, run.resolved) as tmp:
         policy.save_checkpoint(str(Path(tmp) / "policy"))
         if write_files is not None:
             write_files(Path(tmp))

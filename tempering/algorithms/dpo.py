@@ -113,12 +113,9 @@ def dpo_step(policy: Any, batch: Any, loss_fn: Any, **train_kwargs: Any) -> dict
 
 
 def train(run: PreferenceRun) -> dict[str, Any]:
-    """The DPO loop (`preference.train_loop` with `dpo_step`), then the final model.
-    Returns {"steps", "start": first val metrics, "end": last val metrics, "final_model"}."""
-    loss_fn = make_loss(run.cfg)
-    return preference.train_policy(
-        run, lambda batch: dpo_step(run.model, batch, loss_fn), validate, TRAIN_METRICS
-    )
+    """The DPO loop (`preference.train_loop` with `dpo_step`), then the final model
+    (`preference.train_policy`'s summary)."""
+    return preference.train_policy(run, dpo_step, make_loss(run.cfg), validate, TRAIN_METRICS)
 
 
 def validate(run: PreferenceRun, step: int) -> dict[str, float]:

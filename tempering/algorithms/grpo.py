@@ -401,15 +401,9 @@ def _train_loop(run: GRPORun, stepper: Any) -> dict[str, Any]:
             if run.checkpointer and run.checkpointer.should_save(step, is_last_step=is_last):
                 with stepper.saving() as write_files:
                     common.save_checkpoint(
-                        run.checkpointer,
-                        run.policy,
-                        step,
-                        metrics={f"val/{k}": v for k, v in val.items()},
-                        dataloader=run.dataloader,
-                        config=run.resolved,
+                        run, run.policy, step, val, write_files=write_files,
                         extra={"wall_time_s": run.prior_wall_time_s + deadline.elapsed},
-                        write_files=write_files,
-                    )
+                    )  # fmt: skip
             if deadline.passed():
                 log.info(
                     "grpo.max_wall_time_s=%s reached at step %d", cfg.grpo.max_wall_time_s, step

@@ -155,12 +155,9 @@ def kto_step(
 
 
 def train(run: PreferenceRun) -> dict[str, Any]:
-    """The KTO loop (`preference.train_loop` with `kto_step`), then the final model.
-    Returns {"steps", "start": first val metrics, "end": last val metrics, "final_model"}."""
-    loss_fn = make_loss(run.cfg)
-    return preference.train_policy(
-        run, lambda batch: kto_step(run.model, batch, loss_fn), validate, TRAIN_METRICS
-    )
+    """The KTO loop (`preference.train_loop` with `kto_step`), then the final model
+    (`preference.train_policy`'s summary)."""
+    return preference.train_policy(run, kto_step, make_loss(run.cfg), validate, TRAIN_METRICS)
 
 
 def validate(run: PreferenceRun, step: int) -> dict[str, float]:

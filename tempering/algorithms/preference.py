@@ -317,14 +317,7 @@ def train_loop(
             val_metrics = {f"val/{k}": v for k, v in val.items()}
             print_step_summary(step, cfg.max_num_steps, {**metrics, **val_metrics})
             if run.checkpointer and run.checkpointer.should_save(step, is_last_step=is_last):
-                common.save_checkpoint(
-                    run.checkpointer,
-                    run.model,
-                    step,
-                    metrics=val_metrics,
-                    dataloader=run.dataloader,
-                    config=run.resolved,
-                )
+                common.save_checkpoint(run, run.model, step, val)
     run.final_step = step
     first = first or common.first_logged(run.cfg.logger.log_dir, "val/")  # resumed: records
     if step == run.start_step:  # nothing left to do: the checkpoint's validation is the last
@@ -334,13 +327,17 @@ def train_loop(
 
 def train_policy(
     run: PreferenceRun,
-    train_step: Callable[[Any], dict[str, float]],
+    step_fn: Callable[[Any, Any, Any], dict[str, float]],
+    loss_fn: Any,
     validate: Callable[[PreferenceRun, int], dict[str, float]],
     train_metrics: tuple[str, ...],
 ) -> dict[str, Any]:
-    """DPO's and KTO's whole training: `train_loop`, then the final model. Returns {"steps",
-    "start": first val metrics, "end": last val metrics, "final_model"}."""
-    step, first, val = train_loop(run, train_step, validate, train_metrics)
+    """DPO's and KTO's whole training: `train_loop` with ``step_fn(run.model, batch,
+    loss_fn)`` a step, then the final model. Returns {"steps", "start": first val metrics,
+    "end": last val metrics, "final_model"}."""
+    step, first, val = train_loop(
+        run, lambda batch: step_fn(run.model, batch, loss_fn), validate, train_metrics
+    )
     final = common.export_final_model(
         run.model, run.cfg.checkpointing, run.cfg.policy.dtensor_cfg.lora_cfg.enabled
     )

@@ -251,14 +251,7 @@ def train(run: SFTRun) -> dict[str, float]:
             if run.checkpointer and (
                 run.checkpointer.should_save(step, is_last_step=is_last or stop)
             ):
-                common.save_checkpoint(
-                    run.checkpointer,
-                    run.policy,
-                    step,
-                    metrics={f"val/{k}": v for k, v in val_metrics.items()},
-                    dataloader=run.dataloader,
-                    config=run.resolved,
-                )
+                common.save_checkpoint(run, run.policy, step, val_metrics)
             if stop:
                 log.info(
                     "val/accuracy %.3f is inside %s: stopping at step %d",
