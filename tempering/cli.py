@@ -339,6 +339,9 @@ def build_serve(args: argparse.Namespace, scratch: str) -> tuple[Callable[[], No
     path, _ = resolve_model(args.model, Path(scratch))
     tokenizer = load_tokenizer(path, named=(f"MODEL {args.model!r}", "pass an HF folder"))
     limit = max_positions(path) or args.max_model_len
+    if limit is None:
+        raise ValueError(f"MODEL {args.model!r} names no max_position_embeddings; pass "
+                         "--max-model-len N (prompt + generated tokens)")  # fmt: skip
     sampling = SamplingConfig(max_new_tokens=args.max_tokens)
     generation, close = generation_backend(path, args.backend, sampling, tokenizer, args.adapter)
     settings = ServerSettings(
