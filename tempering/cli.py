@@ -326,6 +326,7 @@ def build_serve(args: argparse.Namespace, scratch: str) -> tuple[Callable[[], No
     from tempering.models.generation.interfaces import SamplingConfig
     from tempering.models.generation.openai_server import OpenAIServer, require_key
     from tempering.models.hf import load_tokenizer
+    from tempering.models.registry import resolve_model_path
     from tempering.models.shapes import max_positions
     from tempering.utils.serving import check_tls_files
 
@@ -338,15 +339,17 @@ def build_serve(args: argparse.Namespace, scratch: str) -> tuple[Callable[[], No
                                 "a PEFT adapter folder (tempering export --adapter)")  # fmt: skip
     path, _ = resolve_model(args.model, Path(scratch))
     tokenizer = load_tokenizer(path, named=(f"MODEL {args.model!r}", "pass an HF folder"))
-    limit = max_positions(path) or args.max_model_len
+    limit = max_positions(str(resolve_model_path(path))) or args.max_model_len  # a name: its folder
     if limit is None:
         raise ValueError(f"MODEL {args.model!r} names no max_position_embeddings; pass "
                          "--max-model-len N (prompt + generated tokens)")  # fmt: skip
     sampling = SamplingConfig(max_new_tokens=args.max_tokens)
-    generation, close = generation_backend(path, args.backend, sampling, tokenizer, args.adapter)
+    max_len = min(limit, args.max_model_len or limit)
+    generation, close = generation_backend(path, args.backend, sampling, tokenizer, args.adapter,
+                                           max_model_len=max_len, kv_cache_bytes=2**30)  # fmt: skip
     settings = ServerSettings(
         model_name=args.served_model_name or args.model,
-        max_model_len=min(limit, args.max_model_len or limit),
+        max_model_len=max_len,
         default_sampling=sampling,
         training_mode=False,
         max_batch_size=args.max_concurrency,

@@ -140,10 +140,12 @@ def resolve_model(model: str, scratch: Path) -> tuple[str, dict[str, Any] | None
 
 
 def generation_backend(
-    model_path: str, backend: str, sampling: Any, tokenizer: Any, adapter: str | None = None
-) -> tuple[Any, Any]:
+    model_path: str, backend: str, sampling: Any, tokenizer: Any, adapter: str | None = None,
+    *, max_model_len: int | None = None, kv_cache_bytes: int = 256 * 2**20,
+) -> tuple[Any, Any]:  # fmt: skip
     """(generation backend, a close function) on the torch engine here or a vLLM worker;
-    `adapter`: a PEFT adapter folder merged into the model (torch only)."""
+    `adapter`: a PEFT adapter folder merged into the model (torch only); `max_model_len` and
+    `kv_cache_bytes`: the vLLM engine's (None: the model's positions)."""
     from tempering.models.generation.cpu_inference import optimize_for_cpu_inference
     from tempering.models.generation.torch_engine import TorchGenerationEngine
     from tempering.models.hf import load_causal_lm
@@ -164,12 +166,15 @@ def generation_backend(
     from tempering.distributed.virtual_cluster import cluster_from_config, init_ray
     from tempering.distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup
     from tempering.models.generation.builders import VLLM_WORKER_FQN, SplitGeneration
+    from tempering.models.registry import resolve_model_path
 
+    model_path = str(resolve_model_path(model_path))  # a registered name: vLLM needs its folder
     init_ray()
     cluster = cluster_from_config(1, 0, workers_per_node=1, cpus_per_worker=1, name="eval")
     builder = RayWorkerBuilder(
         VLLM_WORKER_FQN, model_path, sampling, dtype="float32", enforce_eager=True,
-        kv_cache_memory_bytes=256 * 2**20, tokenizer_path=tokenizer.name_or_path,
+        kv_cache_memory_bytes=kv_cache_bytes, tokenizer_path=tokenizer.name_or_path,
+        max_model_len=max_model_len,
     )  # fmt: skip
     generation = SplitGeneration(RayWorkerGroup(cluster, builder, name_prefix="eval-vllm"), cluster)
     return generation, generation.shutdown
