@@ -42,6 +42,7 @@ from tempering.distributed.batched_data_dict import BatchedDataDict
 from tempering.utils import faults
 from tempering.utils.timers import Timer
 
+EXTERNAL = "external_harness"  # the run's ExternalHarness among its environments
 log = logging.getLogger(__name__)
 
 
@@ -173,8 +174,11 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any], plan: Any = None) -> 
     dataloader = _loader(cfg, train_problems)
     tasks = {p.task_name for p in train_problems + val_problems}
     threshold = scoring.reward_threshold(cfg, tasks)
+    if cfg.grpo.rollout_transport == "external":  # the harness's rewards mean what it says
+        threshold = cfg.grpo.external_harness.correct_above
     common.start_ray(cfg.cluster)  # the inputs are good: now the workers
-    environments = scoring.build_environments(cfg, tasks)
+    external = cfg.grpo.rollout_transport == "external"  # the harness reports the rewards
+    environments = {} if external else scoring.build_environments(cfg, tasks)
 
     cluster = common.build_cluster(plan.policy, cfg.cluster, "grpo")
     _warn_uncorrected_precision(cfg)
@@ -195,6 +199,11 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any], plan: Any = None) -> 
     server = start_http_server(cfg.policy.generation, chat, cfg.logger.log_dir)
     if "nemo_gym" in tasks:
         environments["nemo_gym"] = scoring.build_gym(cfg, server, tokenizer)
+    if external:  # among the environments: its counters are logged, it is shut down
+        from tempering.experience.external import build_external_harness
+
+        pad = tokenizer.pad_token_id or 0
+        environments[EXTERNAL] = build_external_harness(cfg, server, chat, pad)
     turns = _turn_client(cfg, chat, server, tokenizer, train_problems[0].prompt)
     checkpointer = common.build_checkpointer(scoring.checkpoint_ranking(cfg, threshold))
     start_step, info = common.maybe_resume(checkpointer, policy, dataloader, resolved)
@@ -267,13 +276,15 @@ def _warn_uncorrected_precision(cfg: GRPOMasterConfig) -> None:
 
 def _turn_client(cfg: GRPOMasterConfig, chat: Any, server: Any, tokenizer: Any, prompt: str) -> Any:
     """How rollouts reach the chat service: over HTTP through the run's server
-    (``grpo.rollout_transport=http``; raw prompts checked, `_check_http_prompts`), or in
-    process."""
+    (``grpo.rollout_transport=http``; raw prompts checked, `_check_http_prompts`, as for an
+    external harness, whose calls reach the server themselves), or in process."""
     from tempering.experience.rollouts import HttpTurnClient, InProcessTurnClient
 
-    if cfg.grpo.rollout_transport != "http":
+    if cfg.grpo.rollout_transport == "in_process":
         return InProcessTurnClient(chat)
     _check_http_prompts(cfg, tokenizer, prompt)
+    if cfg.grpo.rollout_transport == "external":  # the harness's calls reach the server
+        return InProcessTurnClient(chat)
     return HttpTurnClient(
         server.base_url, chat.settings.model_name, server.api_key, ca_file=server.ca_file
     )
@@ -288,7 +299,8 @@ def _check_http_prompts(cfg: GRPOMasterConfig, tokenizer: Any, prompt: str) -> N
         return
     if prompt_token_ids(prompt, tokenizer, False) != prompt_token_ids(prompt, tokenizer, True):
         raise ValueError(
-            "grpo.rollout_transport=http renders prompts with the chat template, but "
+            f"grpo.rollout_transport={cfg.grpo.rollout_transport} renders prompts with the "
+            "chat template, but "
             "data.use_chat_template=false and this tokenizer's template changes the prompt "
             f"{prompt[:40]!r}; set data.use_chat_template=true or use rollout_transport=in_process"
         )
@@ -660,6 +672,9 @@ def rollouts(
         rows = [p.row or problem_row(p.prompt, p.answer) for p in problems]
         gym = run.environments["nemo_gym"]
         return gym.rollouts(rows, sampling=sampling, greedy=greedy, repeat=repeat)
+    if cfg.grpo.rollout_transport == "external":  # the harness runs whole episodes itself
+        harness = run.environments[EXTERNAL]
+        return harness.rollouts(problems, sampling=sampling, greedy=greedy, repeat=repeat)
     in_process = isinstance(run.turns, InProcessTurnClient)
     once = problem_samples(problems, run.tokenizer, cfg.data.use_chat_template, in_process)
     samples = [sample for sample in once for _ in range(repeat)]

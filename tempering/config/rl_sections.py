@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from tempering.config.external_sections import ExternalHarnessConfig
 from tempering.config.section import Section
 
 
@@ -146,10 +147,11 @@ class GRPOConfig(Section):
     max_rollout_turns: int = Field(
         1, ge=1, description="turns per episode at most (generate -> environment -> observe)"
     )
-    rollout_transport: Literal["in_process", "http"] = Field(
+    rollout_transport: Literal["in_process", "http", "external"] = Field(
         "in_process",
         description="rollouts call the chat service directly, or over HTTP through "
-        "policy.generation.http_server (which must be enabled)",
+        "policy.generation.http_server (which must be enabled), or come from an external "
+        "harness that calls that server itself (grpo.external_harness)",
     )
     normalize_rewards: bool = Field(
         True, description="divide advantages by the group std (with critic.enabled: whiten "
@@ -197,6 +199,7 @@ class GRPOConfig(Section):
     async_grpo: AsyncGRPOConfig = AsyncGRPOConfig()
     reward_scaling: RewardScalingConfig = RewardScalingConfig()
     reward_shaping: RewardShapingConfig = RewardShapingConfig()
+    external_harness: ExternalHarnessConfig = ExternalHarnessConfig()
 
 
 class CriticConfig(Section):

@@ -19,6 +19,7 @@ from tempering.config.distillation_sections import (  # noqa: F401 -- part of th
     TeacherDTensorConfig,
     as_grpo_config,
 )
+from tempering.config.external_sections import ExternalHarnessConfig, check_external  # noqa: F401
 from tempering.config.generation_sections import (  # noqa: F401 -- part of this namespace
     ColocatedConfig,
     GenerationConfig,
@@ -692,6 +693,7 @@ class GRPOMasterConfig(_Master):
             raise ValueError(
                 "grpo.rollout_transport=http needs policy.generation.http_server.enabled=true"
             )
+        check_external(self)  # grpo.rollout_transport=external
         _check_async(self)
         _check_reward_shaping(self)
         problems = critic_problems(self)

@@ -232,6 +232,22 @@ METRICS: dict[str, dict[str, str]] = {
         "`policy.max_total_sequence_length`",
         "gym/retries": "retried HTTP calls to Gym's agents this step (`env.nemo_gym.max_retries`)",
     },
+    "External harnesses (`grpo.rollout_transport=external`)": {
+        "rollouts/external_episodes": "episodes the harness was given this step (rows x "
+        "generations; validation's are not counted here)",
+        "rollouts/external_model_calls": "model calls the server recorded under those episodes' "
+        "rollout ids",
+        "rollouts/external_failed": "episodes masked as failed: the harness reported an error, "
+        "no result or no finite reward, made no model call, or more than "
+        "`grpo.external_harness.max_calls_per_episode`",
+        "rollouts/external_noncontiguous": "episodes masked because a call's prompt did not "
+        "extend the previous call's prompt + generation (the harness rewrote or forked the "
+        "history)",
+        "rollouts/external_mixed_weight_versions": "episodes masked because their tokens came "
+        "from more than one weight version",
+        "rollouts/external_ids_attached": "assistant messages the harness sent back without token "
+        "ids that the server gave their recorded ids (so the splice stayed on-policy)",
+    },
     "Resources, per role (controller, policy, generation, environment)": {
         "resources/<role>/cpu_cores": "CPU cores the role kept busy over the step",
         "resources/<role>/peak_rss_gb": "peak resident memory of the role's processes, GB",

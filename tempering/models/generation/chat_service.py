@@ -23,6 +23,10 @@ routing and the refit lock. Two ways in:
   its first assistant turn's token ids (a new conversation goes to the least busy replica).
 - **Refit** (`ChatCompletionService.refit`): waits for in-flight backend calls, holds new ones
   until the new weights are loaded, then bumps ``weight_version``.
+- **Rollout ids** (`ChatRequest.rollout_id`, from an external harness's base URL or its
+  ``X-Rollout-ID`` header): with a `capture` (rollout_capture.py) set by the trainer, each
+  such call is refused unless its id is open, its plain assistant messages get their recorded
+  ids, and what it served is recorded under the id.
 - **Refusals**: what cannot be served (a history that cannot be continued, a prompt with no
   room left to generate, a bad field found by the HTTP layer) raises `RequestError` with the
   HTTP status, the field and what to do; the HTTP layer turns it into OpenAI's error shape.
@@ -125,6 +129,7 @@ class ChatRequest:
     n: int = 1  # choices: n rows of one backend call (HTTP path only)
     return_token_ids: bool = False  # token ids on every choice outside training mode too
     stream: StreamSink | None = None  # streamed responses: each generated token, as it comes
+    rollout_id: str | None = None  # an external harness's episode: recorded (`capture`)
 
 
 class StreamSink:
@@ -220,6 +225,8 @@ class ChatCompletionService:
         self._warned_fields: set[str] = set()
         self._token_texts: dict[int, str] = {}  # token id -> its text, for log-prob entries
         self.steps_reported = bool(getattr(backend, "reports_steps", False))
+        # RolloutCapture (rollout_capture.py) while a trainer collects external rollouts
+        self.capture: Any = None
 
     # ---- requests ------------------------------------------------------------------------
     def count(self, key: str, n: int = 1) -> int:
@@ -260,6 +267,8 @@ class ChatCompletionService:
 
     def prepare(self, request: ChatRequest) -> _Prepared:
         """Prompt ids and token budget; RequestError for what cannot be served."""
+        if request.rollout_id is not None:
+            self._attach_captured_ids(request)
         if request.prompt_ids is not None:
             ids = list(request.prompt_ids)
         else:
@@ -339,6 +348,8 @@ class ChatCompletionService:
             results = await future
         finally:
             self._load[replica] -= 1
+        if request.rollout_id is not None:
+            self.capture.record(request.rollout_id, results)
         if request.session_id is None and not _anchor_key(request.messages):
             first = results[0]
             self._remember(_ids_key(first.prompt_ids + first.generation_ids), replica)
@@ -348,6 +359,23 @@ class ChatCompletionService:
         """Requests waiting for a backend call (``queued``) and rows inside one (``running``)."""
         queued = sum(1 for pending in self._pending for _, f in pending if not f.done())
         return {"queued": queued, "running": self._running}
+
+    def _attach_captured_ids(self, request: ChatRequest) -> None:
+        """An external harness's call: refused unless its rollout id is open; its plain
+        assistant messages get the ids recorded for them (`RolloutCapture.attach`), in place
+        (a stream's sink is set on this object after `prepare`)."""
+        rid = request.rollout_id
+        if self.capture is None or not self.capture.is_open(rid):
+            self.count("rollout_id_refused")
+            raise RequestError(
+                f"rollout id {rid!r} is not open on this server (its episode was reported "
+                "already, it was never issued, or no external rollouts are being collected); "
+                "use the base URL or X-Rollout-ID the trainer gave this episode",
+                "rollout_id",
+                status=404,
+                code="rollout_not_found",
+            )
+        request.messages = self.capture.attach(rid, request.messages)
 
     # ---- refit ---------------------------------------------------------------------------
     def refit(

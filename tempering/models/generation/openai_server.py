@@ -17,7 +17,9 @@ vLLM is an engine the service calls, never a server we patch.
 Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``
 (openai_completions.py), ``POST /tokenize``, ``GET /health`` and ``GET /metrics`` (Prometheus,
 server_metrics.py). ``stream: true`` answers in server-sent events (openai_streaming.py);
-``n`` choices are rows of one backend call. ``tempering serve MODEL`` runs this server over a
+``n`` choices are rows of one backend call. The generation routes are also served under
+``/rollouts/<id>/v1/...`` (or take an ``X-Rollout-ID`` header): an external harness's calls,
+recorded under that id for the trainer (rollout_capture.py, docs/agentic.md). ``tempering serve MODEL`` runs this server over a
 trained folder (tempering/cli.py, docs/guides/serve.md).
 
 - **Training mode** (the default when a trainer starts the server): every choice's ``message``
@@ -125,6 +127,7 @@ def build_app(
         return {"status": "ok", "weight_version": service.weight_version, "stats": service.stats}
 
     @app.get("/v1/models")
+    @app.get("/rollouts/{rollout_id}/v1/models")
     async def models(request: Request) -> Any:
         try:
             check_key(request)
@@ -137,12 +140,15 @@ def build_app(
 
     http = _Http(service, metrics, check_key, json_body, error)
 
+    # /rollouts/<id>/v1/...: an external harness's base URL names its episode (rollout_capture.py)
     @app.post("/v1/chat/completions")
+    @app.post("/rollouts/{rollout_id}/v1/chat/completions")
     async def chat(request: Request) -> Any:
         return await _generation_route(http, request, "chat", parse_chat_request, chat_response,
                                        ChatChunks)  # fmt: skip
 
     @app.post("/v1/completions")
+    @app.post("/rollouts/{rollout_id}/v1/completions")
     async def complete(request: Request) -> Any:
         return await _generation_route(http, request, "completions",
                                       completions.parse_completion_request,
@@ -207,6 +213,9 @@ async def _generation_route(
         http.check_key(request)
         body = await http.json_body(request)
         req = parse(body, service, request.headers.get("x-session-id"))
+        req.rollout_id = request.path_params.get("rollout_id") or request.headers.get(
+            "x-rollout-id"
+        )  # an external harness's episode: its calls are recorded under it
         options = stream_options(body)
         if options is not None:  # refusals above and in prepare() are 4xx, before any byte
             return _event_response(service, req, options, chunks, metrics, route, started)
