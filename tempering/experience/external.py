@@ -185,6 +185,9 @@ class ExternalHarness:
             self.stats["episodes"] += 1
             self.stats["model_calls"] += len(calls)
             if why is not None:
+                if not self.stats[why]:  # the first of each kind in a step, in full
+                    log.warning("external harness: episode %s masked (%s): %s", rid, why,
+                                str(result)[:300] if why == "failed" else f"{len(calls)} calls")  # fmt: skip
                 self.stats[why] += 1
         self.stats["ids_attached"] += self.capture.snapshot().get("ids_attached", 0) - attached
         return build_batch(episodes, self.pad_token_id)

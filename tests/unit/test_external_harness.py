@@ -97,8 +97,11 @@ def test_example_harness_episodes_are_exactly_the_ids_the_server_served(tokenize
     with_server = _serve(backend, tokenizer)
     try:
         harness = _harness(with_server, [*HARNESS, "--attempts", "3"])
-        batch = harness.rollouts(_problems(12), sampling=SamplingConfig(max_new_tokens=6),
-                                 repeat=2)  # fmt: skip
+        # greedy (temperature 0 in the tasks): the same episodes however the server batches
+        # the concurrent calls; a wrong answer is asked again and answered again, so the
+        # episodes run to three turns
+        batch = harness.rollouts(_problems(24), sampling=SamplingConfig(max_new_tokens=6),
+                                 greedy=True)  # fmt: skip
         _, metrics = harness.global_post_process_and_metrics({})
     finally:
         with_server.stop()
@@ -282,3 +285,53 @@ def test_the_shipped_external_config_loads():
                          schema=GRPOMasterConfig)  # fmt: skip
     assert cfg.grpo.rollout_transport == "external"
     assert cfg.grpo.external_harness.command[1] == "examples/harness_calculator.py"
+
+
+def test_an_endpoint_harness_is_posted_its_tasks_and_its_results_count(tokenizer):
+    """``grpo.external_harness.endpoint``: a harness service (here a thread of this process,
+    stdlib only) gets ``{"tasks": [...]}``, calls the model under each task's base URL and
+    answers ``{"results": [...]}``; an unreachable endpoint fails its episodes, counted."""
+    import http.server
+    import threading
+    import urllib.request
+
+    class Harness(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - the stdlib's name
+            tasks = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["tasks"]
+            results = []
+            for t in tasks:
+                body = json.dumps({"model": t["model"], "messages": t["messages"]}).encode()
+                req = urllib.request.Request(f"{t['base_url']}/chat/completions", body,
+                                             {"Content-Type": "application/json"})  # fmt: skip
+                reply = json.loads(urllib.request.urlopen(req).read())["choices"][0]["message"]
+                results.append({"rollout_id": t["rollout_id"],
+                                "reward": float(reply["content"].strip() == t["answer"])})  # fmt: skip
+            out = json.dumps({"results": results}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *args):
+            pass
+
+    endpoint = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Harness)
+    threading.Thread(target=endpoint.serve_forever, daemon=True).start()
+    srv = _serve(ScriptedBackend(tokenizer, lambda p: " 5"), tokenizer)
+    try:
+        url = f"http://127.0.0.1:{endpoint.server_address[1]}/episodes"
+        s = HarnessSettings(endpoint=url, processes=2, timeout_s=30)
+        harness = ExternalHarness(s, srv.service.capture, srv.url, "policy")
+        problems = [Problem("Q: 2+3=? A:", "5", "arithmetic"), Problem("Q: 2+2=? A:", "4", "x")]
+        batch = harness.rollouts(problems, sampling=SamplingConfig(max_new_tokens=4), repeat=2)
+        _, m = harness.global_post_process_and_metrics({})
+        assert batch["rewards"].tolist() == [1.0, 1.0, 0.0, 0.0]
+        assert batch["sample_mask"].tolist() == [1.0] * 4 and m["rollouts/external_failed"] == 0
+        assert m["rollouts/external_model_calls"] == 4
+        endpoint.shutdown()
+        endpoint.server_close()
+        batch = harness.rollouts(problems, sampling=SamplingConfig(max_new_tokens=4))
+        assert batch["sample_mask"].tolist() == [0.0, 0.0]
+        assert harness.global_post_process_and_metrics({})[1]["rollouts/external_failed"] == 2
+    finally:
+        srv.stop()
