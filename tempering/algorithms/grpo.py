@@ -114,6 +114,7 @@ def _problems(cfg: GRPOMasterConfig, tokenizer: Any) -> tuple[list[Problem], lis
         for p in train_problems + val_problems:
             p.task_name = cfg.env.task_name
     _check_chat_template(cfg, tokenizer, {p.task_name for p in train_problems + val_problems})
+    scoring.check_gym_hosts(cfg, train_problems, val_problems)  # before Ray: every row hosted
     if len(val_problems) > cfg.grpo.max_val_samples:
         log.warning(
             "grpo.max_val_samples=%d: each validation reads the first %d of the %d held-out "

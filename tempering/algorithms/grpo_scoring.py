@@ -108,7 +108,24 @@ def build_gym(cfg: GRPOMasterConfig, server: Any, tokenizer: Any) -> Any:
         max_seq_len=cfg.policy.max_total_sequence_length,
         pad_token_id=pad_token_id_of(tokenizer),
         work_dir=str(Path(cfg.logger.log_dir).resolve() / "nemo_gym"),
+        num_nodes=cfg.cluster.num_nodes,
     )
+
+
+def check_gym_hosts(cfg: GRPOMasterConfig, train: list[Any], val: list[Any]) -> None:
+    """With `env.nemo_gym.shards`, every Gym row's target hosted by a shard (else a
+    ValueError naming the rows, the agents, the shards and the fix); nothing otherwise."""
+    from tempering.config.rl_sections import gym_shards
+    from tempering.data.nemo_gym import problem_row
+    from tempering.environments.nemo_gym_shards import check_rows_hosted
+
+    gym = cfg.env.nemo_gym
+    if not gym.shards:
+        return
+    for name, problems in (("the training data", train), ("the validation data", val)):
+        rows = [p.row or problem_row(p.prompt, p.answer) for p in problems
+                if p.task_name == "nemo_gym"]  # fmt: skip
+        check_rows_hosted(rows, gym_shards(gym), gym.default_route, name)
 
 
 def environment_metrics(

@@ -503,6 +503,31 @@ class CalculatorEnvConfig(Section):
     max_tool_calls: int = Field(4, ge=0, description="calls per episode before it ends unscored")
 
 
+class NemoGymShardConfig(Section):
+    """One shard of a launched Gym (tempering/environments/nemo_gym_shards.py)."""
+
+    name: str = Field(
+        min_length=1,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="the shard's name, in metrics (gym/shard/<name>/...) and messages",
+    )
+    entries: list[str] = Field(
+        min_length=1,
+        description="the Gym entries (instance names in env.nemo_gym.config_paths) this shard "
+        "hosts: the agents or environment servers rows name, or resources servers; each "
+        "belongs to one shard. What they reference (resources server, policy model) and the "
+        "environment servers in front of their agents come along",
+    )
+    replicas: int = Field(
+        1, ge=1, description="identical copies of this shard; prompt groups go round-robin"
+    )
+    extra_config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="this shard's keys for Gym's global config, merged over "
+        "env.nemo_gym.extra_config",
+    )
+
+
 class NemoGymConfig(Section):
     """NeMo Gym (tempering/environments/nemo_gym.py): attach to a running Gym, or launch one."""
 
@@ -536,6 +561,41 @@ class NemoGymConfig(Section):
     on_noncontiguous: Literal["error", "truncate"] = Field(
         "error", description="a rollout whose model calls do not extend each other"
     )
+    shards: list[NemoGymShardConfig] = Field(
+        default_factory=list,
+        description="launch mode: split the Gym config over several Ray actors, each hosting "
+        "the entries it claims (empty: one Gym runs every entry); instance k listens on "
+        "head_server_port + k",
+    )
+
+    @model_validator(mode="after")
+    def _shards(self) -> NemoGymConfig:
+        if not self.shards:
+            return self
+        from tempering.environments.nemo_gym_shards import claims, instance_names
+
+        if self.head_server_url:
+            raise ValueError(
+                "env.nemo_gym.shards splits a Gym tempering launches, and head_server_url "
+                "attaches to one you run: use config_paths with shards, or drop shards"
+            )
+        claims(gym_shards(self))
+        last = self.head_server_port + len(instance_names(gym_shards(self))) - 1
+        if last > 65535:
+            raise ValueError(
+                f"env.nemo_gym.shards: instance k listens on head_server_port + k, and the "
+                f"last would be {last} > 65535: lower env.nemo_gym.head_server_port"
+            )
+        return self
+
+
+def gym_shards(gym: NemoGymConfig) -> list[Any]:
+    """`env.nemo_gym.shards` as `GymShard`s (plain values for the environment's builder)."""
+    from tempering.environments.nemo_gym_shards import GymShard
+
+    return [
+        GymShard(s.name, tuple(s.entries), s.replicas, dict(s.extra_config)) for s in gym.shards
+    ]
 
 
 class EnvConfig(Section):

@@ -169,6 +169,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     teacher: GroupPlan | None = None  # on-policy distillation's frozen scorer
     critic: GroupPlan | None = None  # PPO's value model, on the policy's bundles
+    gym: list[str] = field(default_factory=list)  # NeMo Gym shard instances, a line each
 
     @property
     def on_gpus(self) -> bool:
@@ -228,6 +229,8 @@ class Plan:
                 lines.append(f"  while generating: {gen}  = {self.memory.generation_gib:.1f}")
             if self.on_gpus:
                 lines.append(f"  fits: {self.gpu_memory_gib:g} GiB per GPU")
+        if self.gym:
+            lines += ["", "NeMo Gym instances (env.nemo_gym.shards):", *self.gym]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -312,7 +315,31 @@ def make_plan(
                 pol.model_name, shape, memory, notes)  # fmt: skip
     if isinstance(cfg, GRPOMasterConfig) and cfg.critic.enabled:
         _with_critic(plan, cfg, critic_shape, critic_positions)
+    if isinstance(cfg, GRPOMasterConfig) and cfg.env.nemo_gym.shards:
+        plan.gym = _gym_lines(cfg)
     return plan
+
+
+def _gym_lines(cfg: Any) -> list[str]:
+    """One line per Gym shard instance: its head port, placement and entries."""
+    from tempering.config.rl_sections import gym_shards
+    from tempering.environments.nemo_gym_shards import (
+        instance_names,
+        instance_ports,
+        placement_strategy,
+    )
+
+    shards = gym_shards(cfg.env.nemo_gym)
+    names = instance_names(shards)
+    strategy = placement_strategy(len(names), cfg.cluster.num_nodes)
+    where = strategy or "the driver's node"
+    entries = {s.name: ", ".join(s.entries) for s in shards}
+    return [
+        f"  {shard}[{replica}]  head port {port}  placement {where}  entries {entries[shard]}"
+        for (shard, replica), (port, _) in zip(
+            names, instance_ports(cfg.env.nemo_gym.head_server_port, shards), strict=True
+        )
+    ]
 
 
 def has_reference(cfg: Any) -> bool:

@@ -191,24 +191,27 @@ class NemoGymClient:
         return agent, f"http://{conf.get('host', '127.0.0.1')}:{conf['port']}/run"
 
     # ---- /run ------------------------------------------------------------------------------
-    def run(self, rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-        """``POST /run`` for every row (bounded concurrency); results in row order."""
+    def run(self, rows: Sequence[dict[str, Any]], group_size: int = 1) -> list[dict[str, Any]]:
+        """``POST /run`` for every row (bounded concurrency); results in row order.
+        (`group_size`: the rows of one prompt group, which only `ShardedGymClient` reads.)"""
         from tempering.utils.aio import run_async
 
-        targets = [self.route(r) for r in rows]
+        return run_async(self.post_rows(rows, [self.route(r)[1] for r in rows]))
 
-        async def all_rows() -> list[dict[str, Any]]:
-            gate = asyncio.Semaphore(self.concurrency)
+    async def post_rows(self, rows: Sequence[dict[str, Any]], urls: list[str]) -> list[Any]:
+        """``POST`` each row to its URL (`route`'s, resolved before: `route` may fetch Gym's
+        config, which cannot wait on the loop this runs on); results in row order."""
+        gate = asyncio.Semaphore(self.concurrency)
 
-            async def one(row: dict[str, Any], url: str) -> dict[str, Any]:
-                async with gate:
-                    return json.loads(await self._request("POST", url, row))
+        async def one(row: dict[str, Any], url: str) -> dict[str, Any]:
+            async with gate:
+                return json.loads(await self._request("POST", url, row))
 
-            return list(
-                await asyncio.gather(*(one(r, u) for r, (_, u) in zip(rows, targets, strict=True)))
-            )
+        return list(await asyncio.gather(*(one(r, u) for r, u in zip(rows, urls, strict=True))))
 
-        return run_async(all_rows())
+    def take_metrics(self) -> dict[str, float]:
+        """Per-instance counters since the last call (one Gym has none beyond `stats`)."""
+        return {}
 
     async def _request(self, method: str, url: str, body: Any) -> str:
         import aiohttp
@@ -415,7 +418,7 @@ class NemoGymEnvironment:
     ) -> Any:
         """`repeat` episodes per row, with the trainer's sampling written into each row."""
         prepared = [self._with_sampling(r, sampling, greedy) for r in rows for _ in range(repeat)]
-        results = self.client.run(prepared)
+        results = self.client.run(prepared, group_size=repeat)
         names = [self.client.route(r)[0] for r in prepared]
         episodes = []
         for i, (result, name) in enumerate(zip(results, names, strict=True)):
@@ -462,6 +465,7 @@ class NemoGymEnvironment:
             "retries",
         ):
             metrics[f"gym/{key}"] = float(stats[key])
+        metrics.update(self.client.take_metrics())
         self._rewards.clear()
         self._components.clear()
         self.stats.clear()
@@ -474,15 +478,93 @@ class NemoGymEnvironment:
             self.launcher = None
 
 
+# ---------------------------------------------------------------------------- shards
+@dataclass(eq=False)
+class ShardedGymClient:
+    """Several launched Gyms (`env.nemo_gym.shards`, tempering/environments/nemo_gym_shards.py)
+    behind `NemoGymClient`'s methods: each prompt group goes to a replica of the shard that
+    claims its target (`GroupRouter`), every instance's rows in flight at once; counters per
+    shard and per replica come out of `take_metrics`."""
+
+    clients: dict[tuple[str, int], NemoGymClient]
+    router: Any  # nemo_gym_shards.GroupRouter
+    stats: Counter[str] = field(default_factory=Counter, init=False)
+    _counts: Counter[str] = field(default_factory=Counter, init=False, repr=False)
+
+    @property
+    def head_server_url(self) -> str:
+        return ", ".join(c.head_server_url for c in self.clients.values())
+
+    def wait_ready(self, timeout_s: float) -> None:
+        import time
+
+        deadline = time.monotonic() + timeout_s  # one deadline for every instance
+        for client in self.clients.values():
+            client.wait_ready(max(deadline - time.monotonic(), 1.0))
+
+    def route(self, row: dict[str, Any]) -> tuple[str, str]:
+        """(agent name for metrics, /run URL on the shard's first replica) for `row`."""
+        return self.clients[(self.router.shard_of(row), 0)].route(row)
+
+    def run(self, rows: Sequence[dict[str, Any]], group_size: int = 1) -> list[dict[str, Any]]:
+        from tempering.utils.aio import run_async
+
+        where = self.router.assign(rows, group_size)
+        by_instance: dict[tuple[str, int], list[int]] = defaultdict(list)
+        for i, key in enumerate(where):
+            by_instance[key].append(i)
+        for (shard, replica), idx in by_instance.items():
+            self._counts[f"gym/shard/{shard}/samples"] += len(idx)
+            self._counts[f"gym/shard/{shard}/groups"] += len(idx) // group_size
+            self._counts[f"gym/shard/{shard}/replica_{replica}_groups"] += len(idx) // group_size
+
+        batches = {key: [rows[i] for i in idx] for key, idx in by_instance.items()}
+        urls = {key: [self.clients[key].route(r)[1] for r in b] for key, b in batches.items()}
+
+        async def every_instance() -> list[list[dict[str, Any]]]:
+            return list(await asyncio.gather(*(
+                self.clients[key].post_rows(batch, urls[key]) for key, batch in batches.items()
+            )))  # fmt: skip
+
+        try:
+            answers = run_async(every_instance())
+        finally:
+            for (shard, _), client in self.clients.items():
+                self._counts[f"gym/shard/{shard}/retries"] += client.stats["retries"]
+                self.stats += client.stats
+                client.stats.clear()
+        results: list[dict[str, Any]] = [{}] * len(rows)
+        for idx, answer in zip(by_instance.values(), answers, strict=True):
+            for i, result in zip(idx, answer, strict=True):
+                results[i] = result
+        return results
+
+    def take_metrics(self) -> dict[str, float]:
+        """Every shard's and replica's counts since the last call, zeros included."""
+        out: dict[str, float] = {}
+        for shard, replica in self.clients:
+            for key in ("samples", "groups", "retries"):
+                out[f"gym/shard/{shard}/{key}"] = float(self._counts[f"gym/shard/{shard}/{key}"])
+            key = f"gym/shard/{shard}/replica_{replica}_groups"
+            out[key] = float(self._counts[key])
+        self._counts.clear()
+        return out
+
+
 # ---------------------------------------------------------------------------- builder
 LAUNCHER_FQN = "tempering.environments.nemo_gym_launcher.NemoGymLauncher"
 
 
 class LaunchedGym:
-    """Gym started for this run by a `NemoGymLauncher` actor in Gym's own venv."""
+    """Gyms started for this run, each by a `NemoGymLauncher` actor in Gym's own venv: one,
+    or one per shard replica (`env.nemo_gym.shards`)."""
 
-    def __init__(self, actor: Any, head_url: str) -> None:
-        self.actor, self.head_url = actor, head_url
+    def __init__(self, actors: list[Any], head_urls: list[str], group: Any = None) -> None:
+        self.actors, self.head_urls, self.group = actors, head_urls, group
+
+    @property
+    def head_url(self) -> str:
+        return self.head_urls[0]
 
     @classmethod
     def start(
@@ -497,48 +579,90 @@ class LaunchedGym:
         extra_config: dict[str, Any],
         prebuilt_server_venvs: bool,
         timeout_s: float,
+        shards: Sequence[Any] = (),
+        num_nodes: int = 1,
     ) -> LaunchedGym:
+        """Start Gym (`shards` empty) or every shard's replicas, all within `timeout_s`."""
         import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from tempering.distributed.actor_environments import get_actor_executable, resolve_python
         from tempering.environments.nemo_gym_launcher import NemoGymLauncher
+        from tempering.environments.nemo_gym_shards import (
+            instance_names,
+            instance_ports,
+            placement_strategy,
+        )
 
         python = resolve_python(LAUNCHER_FQN, get_actor_executable(LAUNCHER_FQN))
-        here = ray.get_runtime_context().get_node_id()  # the venv was built on this node
-        actor = (
-            ray.remote(num_cpus=0, max_restarts=0)(NemoGymLauncher)
-            .options(
-                runtime_env={"py_executable": python},
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
-            )
-            .remote(work_dir)
-        )
+        names = instance_names(shards) if shards else [(None, 0)]
+        ports = instance_ports(head_port, shards) if shards else [(head_port, None)]
+        by_name = {s.name: s for s in shards}
+        strategies, group = _gym_placement(placement_strategy(len(names), num_nodes), len(names))
         ray_address = ray.get_runtime_context().gcs_address
-        future = actor.start.remote(
-            config_paths, policy_base_urls, policy_model_name, policy_api_key, ray_address,
-            head_port, extra_config, prebuilt_server_venvs,
-        )  # fmt: skip
+        actors, futures = [], []
+        for (shard, replica), (port, port_range), strategy in zip(
+            names, ports, strategies, strict=True
+        ):
+            own = work_dir if shard is None else f"{work_dir}/{shard}_{replica}"
+            actor = (
+                ray.remote(num_cpus=0, max_restarts=0)(NemoGymLauncher)
+                .options(runtime_env={"py_executable": python}, scheduling_strategy=strategy)
+                .remote(own)
+            )
+            spec = by_name.get(shard)
+            extra = {**extra_config, **(dict(spec.extra_config) if spec else {})}
+            actors.append(actor)
+            futures.append(actor.start.remote(
+                config_paths, policy_base_urls, policy_model_name, policy_api_key, ray_address,
+                port, extra, prebuilt_server_venvs, shard,
+                list(spec.entries) if spec else None, port_range,
+                [p for p, _ in ports] if shards else None, group is not None,
+            ))  # fmt: skip
         try:
-            head_url = ray.get(future, timeout=timeout_s)
+            head_urls = ray.get(futures, timeout=timeout_s)
         except BaseException as err:
-            ray.kill(actor)
+            for actor in actors:
+                ray.kill(actor)
+            if group is not None:
+                ray.util.remove_placement_group(group)
             if isinstance(err, ray.exceptions.GetTimeoutError):
                 raise TimeoutError(
-                    f"NeMo Gym did not come up within env.nemo_gym.startup_timeout_s="
-                    f"{timeout_s:.0f} s (config files {config_paths}); see {work_dir}"
+                    f"NeMo Gym ({len(names)} instance(s)) did not come up within "
+                    f"env.nemo_gym.startup_timeout_s={timeout_s:.0f} s (config files "
+                    f"{config_paths}); see {work_dir}"
                 ) from None
             raise
-        log.info("NeMo Gym is up: head server %s (venv %s)", head_url, python)
-        return cls(actor, head_url)
+        log.info("NeMo Gym is up: head server(s) %s (venv %s)", ", ".join(head_urls), python)
+        return cls(actors, head_urls, group)
 
     def shutdown(self) -> None:
         import ray
 
         try:
-            ray.get(self.actor.shutdown.remote(), timeout=120)
+            ray.get([a.shutdown.remote() for a in self.actors], timeout=120)
         finally:
-            ray.kill(self.actor)
+            for actor in self.actors:
+                ray.kill(actor)
+            if self.group is not None:
+                ray.util.remove_placement_group(self.group)
+
+
+def _gym_placement(strategy: str | None, n: int) -> tuple[list[Any], Any]:
+    """Ray scheduling strategies for `n` Gym actors, and the placement group holding them:
+    on one node, all on the driver's (where Gym's venv was built); on several, one bundle
+    each under `strategy` (STRICT_SPREAD: one instance per node)."""
+    import ray
+    from ray.util.scheduling_strategies import (
+        NodeAffinitySchedulingStrategy,
+        PlacementGroupSchedulingStrategy,
+    )
+
+    if strategy is None:
+        here = ray.get_runtime_context().get_node_id()
+        return [NodeAffinitySchedulingStrategy(node_id=here, soft=False)] * n, None
+    group = ray.util.placement_group([{"CPU": 0.01}] * n, strategy=strategy)
+    ray.get(group.ready(), timeout=120)
+    return [PlacementGroupSchedulingStrategy(group, k) for k in range(n)], group
 
 
 def build_nemo_gym_environment(
@@ -550,10 +674,18 @@ def build_nemo_gym_environment(
     max_seq_len: int,
     pad_token_id: int,
     work_dir: str,
+    num_nodes: int = 1,
 ) -> NemoGymEnvironment:
-    """`env.nemo_gym` (a NemoGymConfig) -> the environment; launches Gym in launch mode."""
+    """`env.nemo_gym` (a NemoGymConfig) -> the environment; launches Gym in launch mode (one
+    instance per shard replica with `shards`, placed over `num_nodes` nodes)."""
+    from urllib.parse import urlparse
+
+    from tempering.config.rl_sections import gym_shards
+    from tempering.environments.nemo_gym_shards import GroupRouter
+
     launched = None
     head = gym.head_server_url
+    shards = gym_shards(gym)
     if gym.config_paths and policy_base_url.startswith("https://"):
         raise ValueError(
             f"env.nemo_gym.config_paths (launch mode) with the generation server on https "
@@ -562,6 +694,21 @@ def build_nemo_gym_environment(
             "127.0.0.1 without policy.generation.http_server.ssl_certfile/ssl_keyfile, or run "
             "Gym yourself (env.nemo_gym.head_server_url) with SSL_CERT_FILE naming the CA"
         )
+    spread = bool(shards) and num_nodes > 1  # instances on other nodes: reachable addresses
+    if spread and urlparse(policy_base_url).hostname in ("127.0.0.1", "localhost", "::1"):
+        raise ValueError(
+            f"env.nemo_gym.shards over cluster.num_nodes={num_nodes} nodes, and the generation "
+            f"server listens on loopback ({policy_base_url}): Gym's model servers on other "
+            "nodes could not reach it. Set policy.generation.http_server.host to this node's "
+            "address (with an api_key), or cluster.num_nodes=1"
+        )
+    common = dict(
+        default_route=gym.default_route,
+        concurrency=gym.concurrency,
+        request_timeout_s=gym.request_timeout_s,
+        max_retries=gym.max_retries,
+        retry_backoff_s=gym.retry_backoff_s,
+    )
     if gym.config_paths:
         launched = LaunchedGym.start(
             work_dir=work_dir,
@@ -573,16 +720,21 @@ def build_nemo_gym_environment(
             extra_config=dict(gym.extra_config),
             prebuilt_server_venvs=gym.prebuilt_server_venvs,
             timeout_s=gym.startup_timeout_s,
+            shards=shards,
+            num_nodes=num_nodes if spread else 1,
         )
         head = launched.head_url
-    client = NemoGymClient(
-        head,
-        default_route=gym.default_route,
-        concurrency=gym.concurrency,
-        request_timeout_s=gym.request_timeout_s,
-        max_retries=gym.max_retries,
-        retry_backoff_s=gym.retry_backoff_s,
-    )
+    client: Any
+    if shards:
+        from tempering.environments.nemo_gym_shards import instance_names
+
+        urls = dict(zip(instance_names(shards), launched.head_urls, strict=True))  # type: ignore[union-attr]
+        client = ShardedGymClient(
+            {key: NemoGymClient(url, **common) for key, url in urls.items()},  # type: ignore[arg-type]
+            GroupRouter(shards, gym.default_route),
+        )
+    else:
+        client = NemoGymClient(head, **common)  # type: ignore[arg-type]
     client.wait_ready(gym.startup_timeout_s)  # attach mode: Gym may still be starting
     return NemoGymEnvironment(
         client,

@@ -50,24 +50,49 @@ class NemoGymLauncher:
         head_port: int,
         extra_config: dict[str, Any],
         prebuilt_server_venvs: bool,
+        shard: str | None = None,
+        entries: list[str] | None = None,
+        port_range: tuple[int, int] | None = None,
+        disallowed_ports: list[int] | None = None,
+        on_node_address: bool = False,
     ) -> str:
-        """Start Gym; returns the head server's URL once every server answers."""
+        """Start Gym; returns the head server's URL once every server answers. A shard
+        (`entries` given) runs only what they need (`nemo_gym_shards.hosted_entries`), its
+        servers on ports in `port_range` and never on `disallowed_ports` (the other
+        instances' head ports). `on_node_address`: the head and every server listen on this
+        node's address, not loopback (shards spread over several nodes)."""
         from nemo_gym.cli.env import RunHelper
         from nemo_gym.global_config import GlobalConfigDictParserConfig
         from omegaconf import OmegaConf
 
+        host = "127.0.0.1"
+        if on_node_address:
+            import ray
+
+            host = ray.util.get_node_ip_address()
         initial: dict[str, Any] = {
             "config_paths": [POLICY_MODEL_CONFIG, *config_paths],
             "policy_base_url": list(policy_base_urls),
             "policy_model_name": policy_model_name,
             "policy_api_key": policy_api_key,
             "ray_head_node_address": ray_address,
-            "head_server": {"host": "127.0.0.1", "port": head_port},
+            "head_server": {"host": host, "port": head_port},
             **extra_config,
         }
+        if on_node_address:
+            initial.setdefault("default_host", host)
         if prebuilt_server_venvs:
             initial["uv_venv_dir"] = str(self._link_server_venvs())
             initial["skip_venv_if_present"] = True
+        if port_range is not None:
+            initial.setdefault("port_range_low", port_range[0])
+            initial.setdefault("port_range_high", port_range[1])
+        if disallowed_ports:
+            initial["disallowed_ports"] = sorted(
+                {*disallowed_ports, *initial.get("disallowed_ports", [])} - {head_port}
+            )
+        if entries is not None:
+            initial = self._only(initial, shard or "?", entries)
         self._helper = RunHelper()
         self._helper.start(
             GlobalConfigDictParserConfig(
@@ -76,7 +101,37 @@ class NemoGymLauncher:
                 skip_load_from_dotenv=True,
             )
         )
-        return f"http://127.0.0.1:{head_port}"
+        return f"http://{host}:{head_port}"
+
+    @staticmethod
+    def _only(initial: dict[str, Any], shard: str, entries: list[str]) -> dict[str, Any]:
+        """Gym's merged config (read offline: no ports taken) with only the servers the
+        shard hosts; their placeholder ports cleared so the real start assigns them, and
+        ``config_paths`` dropped so it does not load the other entries again."""
+        from nemo_gym.global_config import GlobalConfigDictParser, GlobalConfigDictParserConfig
+        from omegaconf import OmegaConf
+
+        from tempering.environments.nemo_gym_shards import hosted_entries, server_entries
+
+        merged = GlobalConfigDictParser().parse(
+            GlobalConfigDictParserConfig(
+                initial_global_config_dict=OmegaConf.create(initial),
+                skip_load_from_cli=True,
+                skip_load_from_dotenv=True,
+                offline=True,
+            )
+        )
+        config = OmegaConf.to_container(merged, resolve=False)
+        assert isinstance(config, dict)
+        hosted = set(hosted_entries(config, entries, shard))
+        for name, (_, conf) in server_entries(config).items():
+            if name not in hosted:
+                del config[name]
+            elif conf.get("port") == -1:  # offline's placeholder
+                conf["port"] = None
+        config.pop("config_paths", None)
+        log.info("shard %s runs %s", shard, sorted(hosted))
+        return config
 
     def _link_server_venvs(self) -> Path:
         """``<work_dir>/venvs/<kind>/<server>/.venv`` -> this venv, for every bundled server."""

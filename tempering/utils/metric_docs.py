@@ -231,6 +231,12 @@ METRICS: dict[str, dict[str, str]] = {
         "gym/over_length_truncated": "Gym episodes cut at the model call that would pass "
         "`policy.max_total_sequence_length`",
         "gym/retries": "retried HTTP calls to Gym's agents this step (`env.nemo_gym.max_retries`)",
+        "gym/shard/<name>/groups": "prompt groups one Gym shard ran this step "
+        "(`env.nemo_gym.shards`; every shard is logged, 0 when no row went to it)",
+        "gym/shard/<name>/samples": "episodes (rows x generations) that shard ran this step",
+        "gym/shard/<name>/retries": "retried HTTP calls to that shard's servers this step",
+        "gym/shard/<name>/replica_<index>_groups": "prompt groups one replica of that shard "
+        "ran this step (groups go round-robin over `replicas`, carried over between steps)",
     },
     "External harnesses (`grpo.rollout_transport=external`)": {
         "rollouts/external_episodes": "episodes the harness was given this step (rows x "
