@@ -19,11 +19,27 @@ from tempering.utils.metric_docs import METRICS  # noqa: E402
 def test_the_site_builds_strict(tmp_path):
     """`mkdocs build --strict` fails on any warning: a broken link or anchor, a nav entry missing."""
     proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+        # no -q: it hides the warnings --strict counts (a page outside the nav built green)
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
         cwd=ROOT, capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (tmp_path / "site" / "reference" / "config" / "index.html").exists()
+
+
+def test_the_benchmark_tables_come_from_result_files_git_tracks():
+    """The Benchmarks page renders bench/results/*.json: on a clean clone they must be there
+    (a `results/` ignore rule once kept them out of git, and the page's tables were empty)."""
+    from mkdocs_hooks import bench_tables
+
+    tracked = subprocess.run(
+        ["git", "ls-files", "bench/results"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    names = {Path(t).name for t in tracked}
+    assert {"sft_vs_trl.json", "dpo_vs_trl.json", "kto_vs_trl.json", "grpo_vs_trl.json"} <= names
+    rows = [line for line in bench_tables(ROOT / "bench" / "results").splitlines()
+            if re.match(r"^\| (tiny-arith|SmolLM2-135M|smollm2)", line)]  # fmt: skip
+    assert len(rows) >= 8 and all(re.search(r"\| 20\d\d-\d\d-\d\d \|", r) for r in rows)
 
 
 def test_the_config_reference_covers_every_key_and_names_no_other():
