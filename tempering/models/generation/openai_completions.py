@@ -12,8 +12,6 @@ a choice differ (``text``; legacy ``logprobs``: ``tokens``, ``token_logprobs``,
 
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Any
 
 from tempering.models.generation.chat_service import (
@@ -29,7 +27,7 @@ from tempering.models.generation.openai_protocol import (
     _sampling,
     _stop_strings,
     check_model,
-    usage,
+    response_body,
     with_logprobs,
     with_token_ids,
 )
@@ -128,15 +126,7 @@ def completion_response(
         if with_token_ids(service, request):
             choice.update(_token_fields(r))
         choices.append(choice)
-    return {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": service.settings.model_name,
-        "choices": choices,
-        "usage": usage(results),
-        "weight_version": min(r.weight_version for r in results),
-    }
+    return response_body(service, "cmpl", "text_completion", choices, results)
 
 
 class CompletionChunks:

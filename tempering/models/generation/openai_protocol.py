@@ -222,9 +222,17 @@ def chat_response(
             logprobs = {"content": logprob_entries(service, request, result)}
         choices.append({"index": index, "message": message, "logprobs": logprobs,
                         "finish_reason": result.finish_reason})  # fmt: skip
+    return response_body(service, "chatcmpl", "chat.completion", choices, results)
+
+
+def response_body(
+    service: ChatCompletionService, id_prefix: str, kind: str, choices: list, results: list
+) -> dict[str, Any]:
+    """A whole (non-streamed) response of `kind` ("chat.completion", "text_completion"):
+    OpenAI's envelope, usage, and the oldest weight version its choices were sampled under."""
     return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion",
+        "id": f"{id_prefix}-{uuid.uuid4().hex}",
+        "object": kind,
         "created": int(time.time()),
         "model": service.settings.model_name,
         "choices": choices,
