@@ -174,13 +174,12 @@ def setup(cfg: GRPOMasterConfig, resolved: dict[str, Any], plan: Any = None) -> 
     train_problems, val_problems = _problems(cfg, tokenizer)
     dataloader = _loader(cfg, train_problems)
     tasks = {p.task_name for p in train_problems + val_problems}
+    external = cfg.grpo.rollout_transport == "external"  # the harness reports the rewards
     threshold = scoring.reward_threshold(cfg, tasks)
-    if cfg.grpo.rollout_transport == "external":  # the harness's rewards mean what it says
+    if external:  # the harness's rewards mean what it says
         threshold = cfg.grpo.external_harness.correct_above
     common.start_ray(cfg.cluster)  # the inputs are good: now the workers
-    external = cfg.grpo.rollout_transport == "external"  # the harness reports the rewards
     environments = {} if external else scoring.build_environments(cfg, tasks)
-
     cluster = common.build_cluster(plan.policy, cfg.cluster, "grpo")
     _warn_uncorrected_precision(cfg)
     trainers = functools.partial(_start_trainers, cfg, cluster, plan)

@@ -572,7 +572,7 @@ class NemoGymConfig(Section):
     def _shards(self) -> NemoGymConfig:
         if not self.shards:
             return self
-        from tempering.environments.nemo_gym_shards import claims, instance_names
+        from tempering.utils.gym_shards import claims, instance_names
 
         if self.head_server_url:
             raise ValueError(
@@ -591,7 +591,7 @@ class NemoGymConfig(Section):
 
 def gym_shards(gym: NemoGymConfig) -> list[Any]:
     """`env.nemo_gym.shards` as `GymShard`s (plain values for the environment's builder)."""
-    from tempering.environments.nemo_gym_shards import GymShard
+    from tempering.utils.gym_shards import GymShard
 
     return [
         GymShard(s.name, tuple(s.entries), s.replicas, dict(s.extra_config)) for s in gym.shards

@@ -323,11 +323,7 @@ def make_plan(
 def _gym_lines(cfg: Any) -> list[str]:
     """One line per Gym shard instance: its head port, placement and entries."""
     from tempering.config.rl_sections import gym_shards
-    from tempering.environments.nemo_gym_shards import (
-        instance_names,
-        instance_ports,
-        placement_strategy,
-    )
+    from tempering.utils.gym_shards import instance_names, instance_ports, placement_strategy
 
     shards = gym_shards(cfg.env.nemo_gym)
     names = instance_names(shards)

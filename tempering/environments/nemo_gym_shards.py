@@ -40,7 +40,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tempering.errors import UserInputError
+from tempering.utils.gym_shards import (  # the shards as declared; re-exported here
+    GymShard,
+    GymShardError,
+    claims,
+    describe,
+    instance_names,
+    instance_ports,
+    placement_strategy,
+)
 
 __all__ = [
     "GymShardError",
@@ -58,49 +66,6 @@ __all__ = [
 
 SERVER_KINDS = ("resources_servers", "responses_api_agents", "responses_api_models",
                 "environment_servers")  # fmt: skip
-# Gym spreads servers over this range by default (nemo_gym.global_config)
-GYM_PORT_RANGE = (10_001, 20_000)
-
-
-class GymShardError(ValueError, UserInputError):
-    """Shards that claim an entry twice, or rows that no shard hosts; names the fix."""
-
-
-@dataclass(frozen=True)
-class GymShard:
-    """One shard: the Gym entries it claims, its copies, its own overrides of Gym's config
-    (merged over ``env.nemo_gym.extra_config``)."""
-
-    name: str
-    entries: tuple[str, ...]
-    replicas: int = 1
-    extra_config: Mapping[str, Any] = field(default_factory=dict)
-
-
-def claims(shards: Sequence[GymShard]) -> dict[str, str]:
-    """Entry -> the shard claiming it; ValueError where a shard name repeats or an entry is
-    claimed twice (by one shard or by two), naming them."""
-    problems: list[str] = []
-    names = Counter(s.name for s in shards)
-    problems += [f"shard name {n!r} is used {k} times" for n, k in names.items() if k > 1]
-    owner: dict[str, str] = {}
-    for shard in shards:
-        for entry in shard.entries:
-            if entry in owner:
-                by = (
-                    f"shard {shard.name!r} twice"
-                    if owner[entry] == shard.name
-                    else f"shards {owner[entry]!r} and {shard.name!r}"
-                )
-                problems.append(f"entry {entry!r} is claimed by {by}")
-            else:
-                owner[entry] = shard.name
-    if problems:
-        raise GymShardError(
-            "env.nemo_gym.shards: " + "; ".join(problems) + " (each Gym entry belongs to "
-            "exactly one shard: name it once, and use replicas: N for copies)"
-        )
-    return owner
 
 
 def row_target(row: Mapping[str, Any], default_route: str | None) -> str | None:
@@ -113,14 +78,6 @@ def row_target(row: Mapping[str, Any], default_route: str | None) -> str | None:
     if row.get("task_source"):
         return str(row["task_source"])
     return default_route
-
-
-def describe(shards: Sequence[GymShard]) -> str:
-    """``tools: [a, b]; arith (2 replicas): [c]``, for messages."""
-    return "; ".join(
-        f"{s.name}{f' ({s.replicas} replicas)' if s.replicas > 1 else ''}: {list(s.entries)}"
-        for s in shards
-    )
 
 
 def check_rows_hosted(
@@ -220,28 +177,6 @@ def hosted_entries(config: Mapping[str, Any], claimed: Sequence[str], shard: str
 
 
 # -------------------------------------------------------------------- instances, groups
-def instance_names(shards: Sequence[GymShard]) -> list[tuple[str, int]]:
-    """(shard, replica index) for every Gym instance, in start order."""
-    return [(s.name, r) for s in shards for r in range(s.replicas)]
-
-
-def instance_ports(head_port: int, shards: Sequence[GymShard]) -> list[tuple[int, tuple[int, int]]]:
-    """(head port, (server port low, high)) per instance (see the module docstring)."""
-    n = len(instance_names(shards))
-    low, high = GYM_PORT_RANGE
-    width = (high - low + 1) // n
-    return [(head_port + k, (low + k * width, low + (k + 1) * width - 1)) for k in range(n)]
-
-
-def placement_strategy(instances: int, num_nodes: int) -> str | None:
-    """How the Gym actors are placed: None (all on the driver's node, where Gym's venv is)
-    on one node; on several, STRICT_SPREAD (one instance per node) where there are nodes
-    enough, else SPREAD."""
-    if num_nodes <= 1:
-        return None
-    return "STRICT_SPREAD" if instances <= num_nodes else "SPREAD"
-
-
 @dataclass
 class GroupRouter:
     """Which instance runs each prompt group: the shard claiming its target, then that
