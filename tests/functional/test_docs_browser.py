@@ -7,10 +7,12 @@ header bar and the navigation's text (counted pixels), which an unstyled or blan
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,13 +22,27 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _apt_install_chromium() -> None:
+    """Debian's chromium, waiting for the dpkg lock (a fresh machine may still be running its own
+    apt at start-up: apt exits 100 at once on a held lock) and refreshing stale package lists
+    once. A failure shows apt's own words, which name the cause."""
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    wait = ["-o", "DPkg::Lock::Timeout=600"]
+    cmd = ["apt-get", *wait, "install", "-y", "-q", "--no-install-recommends", "chromium"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if proc.returncode != 0:
+        subprocess.run(
+            ["apt-get", *wait, "update", "-q"], capture_output=True, env=env, check=False
+        )
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    assert proc.returncode == 0, f"`{' '.join(cmd)}` failed:\n{(proc.stdout + proc.stderr)[-3000:]}"
+
+
+@functools.cache
 def _chromium() -> str:
     found = shutil.which("chromium")
     if found is None and os.geteuid() == 0 and shutil.which("apt-get"):
-        cmd = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "chromium"]
-        if subprocess.run(cmd, capture_output=True, check=False).returncode != 0:
-            subprocess.run(["apt-get", "update", "-q"], capture_output=True, check=True)
-            subprocess.run(cmd, capture_output=True, check=True)
+        _apt_install_chromium()
         found = shutil.which("chromium")
     assert found, "no chromium: `apt-get install chromium` (Debian's package), then rerun"
     return found
@@ -42,8 +58,13 @@ def site(tmp_path_factory) -> Path:
 
 
 def _browse(page: Path, *flags: str) -> str:
-    cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", *flags, page.as_uri()]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    # no background networking: this machine's closed network refuses Chromium's own calls home
+    quiet = ["--disable-quic", "--no-first-run", "--disable-background-networking"]
+    quiet += ["--disable-component-update", "--disable-sync"]
+    with tempfile.TemporaryDirectory() as profile:
+        cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", *quiet]
+        cmd += [f"--user-data-dir={profile}", *flags, page.as_uri()]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout
 
