@@ -4,9 +4,9 @@ Rewards arrive flat, ``[P * G]``, with the G generations of each prompt contiguo
 layout that ``BatchedDataDict.repeat_interleave(G)`` produces). Each sample's advantage is its
 reward minus a baseline computed inside its group, optionally divided by the group's std:
 
-- ``leave_one_out_advantages``: baseline = mean of the OTHER G - 1 rewards of the group
-  (NeMo RL's ``use_leave_one_out_baseline=True``; an unbiased REINFORCE baseline).
-- ``mean_baseline_advantages``: baseline = mean of all G rewards (classic GRPO).
+- ``group_advantages(leave_one_out=True)``: baseline = mean of the OTHER G - 1 rewards of the
+  group (NeMo RL's ``use_leave_one_out_baseline=True``; an unbiased REINFORCE baseline).
+- ``group_advantages(leave_one_out=False)``: baseline = mean of all G rewards (classic GRPO).
 
 With ``normalize_std=True`` the advantage is divided by ``std + eps`` where std is the
 **sample** standard deviation of the whole group (Bessel-corrected, ``torch.std`` default,
@@ -28,9 +28,8 @@ from torch import Tensor
 __all__ = [
     "Advantages",
     "gae_advantages",
+    "group_advantages",
     "group_std",
-    "leave_one_out_advantages",
-    "mean_baseline_advantages",
     "whiten",
 ]
 
@@ -89,43 +88,34 @@ def _finish(
     return Advantages(adv.reshape(-1), baseline.reshape(-1), std)
 
 
-def leave_one_out_advantages(
+def group_advantages(
     rewards: Tensor,
     group_size: int,
+    leave_one_out: bool = True,
     normalize_std: bool = True,
     eps: float = 1e-6,
     valid: Tensor | None = None,
 ) -> Advantages:
-    """Advantage = reward - mean of the other G - 1 rewards in the group (optionally / std).
+    """Advantage = reward - a baseline from its group (optionally / the group's std): with
+    ``leave_one_out`` the mean of the OTHER G - 1 valid rewards (needs ``group_size >= 2``),
+    else the mean of all G.
 
-    rewards: ``[P * G]`` with groups contiguous. Needs ``group_size >= 2``.
+    rewards: ``[P * G]`` with groups contiguous.
     """
-    if group_size < 2:
+    if leave_one_out and group_size < 2:
         raise ValueError(
             f"leave-one-out baseline needs group_size >= 2 (got {group_size}); raise "
-            f"grpo.num_generations_per_prompt or use mean_baseline_advantages."
+            f"grpo.num_generations_per_prompt or set grpo.use_leave_one_out_baseline=false."
         )
     grouped = _grouped(rewards, group_size)  # [P, G]
     ok = _valid(valid, grouped)
     v = ok.to(grouped.dtype)
     total, n = (grouped * v).sum(dim=1, keepdim=True), v.sum(dim=1, keepdim=True)
-    baseline = (total - grouped * v) / (n - v).clamp(min=1)  # [P, G]: the other valid ones
+    if leave_one_out:
+        baseline = (total - grouped * v) / (n - v).clamp(min=1)  # [P, G]: the other valid ones
+    else:
+        baseline = (total / n.clamp(min=1)).expand_as(grouped)
     return _finish(grouped, baseline, normalize_std, eps, ok)
-
-
-def mean_baseline_advantages(
-    rewards: Tensor,
-    group_size: int,
-    normalize_std: bool = True,
-    eps: float = 1e-6,
-    valid: Tensor | None = None,
-) -> Advantages:
-    """Advantage = reward - mean of all G rewards in the group (optionally / std)."""
-    grouped = _grouped(rewards, group_size)  # [P, G]
-    ok = _valid(valid, grouped)
-    v = ok.to(grouped.dtype)
-    mean = (grouped * v).sum(dim=1, keepdim=True) / v.sum(dim=1, keepdim=True).clamp(min=1)
-    return _finish(grouped, mean.expand_as(grouped), normalize_std, eps, ok)
 
 
 def gae_advantages(

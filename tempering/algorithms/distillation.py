@@ -122,12 +122,7 @@ def make_loss(cfg: DistillationMasterConfig) -> Any:
     """The run's `DistillationLoss`, from ``loss_fn``."""
     from tempering.losses import DistillationLoss
 
-    lf = cfg.loss_fn
-    return DistillationLoss(
-        kl_type=lf.kl_type,
-        mixed_kl_weight=lf.mixed_kl_weight,
-        zero_outside_topk=lf.zero_outside_topk,
-    )
+    return DistillationLoss(**cfg.loss_fn.model_dump())  # its keys are the loss's arguments
 
 
 class DistillationSteps(grpo.SyncSteps):

@@ -311,25 +311,14 @@ def make_loss(cfg: GRPOMasterConfig) -> Any:
     """The run's `ClippedPGLoss`, from ``loss_fn``."""
     from tempering.losses import ClippedPGLoss
 
-    lf = cfg.loss_fn
+    # every loss_fn key is the loss's own argument of that name, but two that NeMo RL names
+    # differently; the temperature is the sampler's (the trainer's logits scaled as sampled)
+    lf = cfg.loss_fn.model_dump(exclude={"kl_type", "token_level_loss"})
     return ClippedPGLoss(
-        ratio_clip_min=lf.ratio_clip_min,
-        ratio_clip_max=lf.ratio_clip_max,
-        ratio_clip_c=lf.ratio_clip_c,
-        reference_policy_kl_penalty=lf.reference_policy_kl_penalty,
-        kl_estimator=lf.kl_type,
-        loss_type="token" if lf.token_level_loss else "sequence",
-        use_importance_sampling_correction=lf.use_importance_sampling_correction,
-        truncated_importance_sampling_ratio=lf.truncated_importance_sampling_ratio,
-        truncated_importance_sampling_type=lf.truncated_importance_sampling_type,
-        truncated_importance_sampling_ratio_min=lf.truncated_importance_sampling_ratio_min,
-        sequence_level_importance_ratios=lf.sequence_level_importance_ratios,
-        temperature=cfg.policy.generation.temperature,  # the trainer's logits at the sampler's
-        entropy_coeff=lf.entropy_coeff,
-        length_normalizer=lf.length_normalizer,
-        use_on_policy_kl_approximation=lf.use_on_policy_kl_approximation,
-        kl_input_clamp_value=lf.kl_input_clamp_value,
-        kl_output_clamp_value=lf.kl_output_clamp_value,
+        **lf,
+        kl_estimator=cfg.loss_fn.kl_type,
+        loss_type="token" if cfg.loss_fn.token_level_loss else "sequence",
+        temperature=cfg.policy.generation.temperature,
     )
 
 
@@ -698,7 +687,7 @@ def rollout_batch(
     finish_reasons and message logs (and ``deadline_cut`` with a ``deadline_s``; with
     ``grpo.reward_scaling`` or ``grpo.reward_shaping``, the ``shaped_rewards`` the advantages
     read, `reward_shaping.shape_rewards`)."""
-    from tempering.algorithms.advantages import leave_one_out_advantages, mean_baseline_advantages
+    from tempering.algorithms.advantages import group_advantages
     from tempering.config.schemas import overlong_limit
 
     cfg = run.cfg
@@ -712,13 +701,9 @@ def rollout_batch(
         rewards = batch["shaped_rewards"]
     if cfg.critic.enabled:  # PPO: the critic's GAE advantages, set by grpo_step
         return batch
-    baseline = (
-        leave_one_out_advantages
-        if cfg.grpo.use_leave_one_out_baseline
-        else mean_baseline_advantages
-    )
     valid = batch["sample_mask"] > 0  # e.g. NeMo Gym's mask_sample: out of every baseline
-    adv = baseline(rewards, group_size, normalize_std=cfg.grpo.normalize_rewards, valid=valid)
+    adv = group_advantages(rewards, group_size, cfg.grpo.use_leave_one_out_baseline,
+                           normalize_std=cfg.grpo.normalize_rewards, valid=valid)  # fmt: skip
     # [B, S]: one advantage per episode, on its generated tokens
     batch["advantages"] = adv.advantages[:, None] * batch["token_mask"]
     return batch

@@ -287,7 +287,7 @@ def test_the_advantages_read_the_scaled_and_shaped_rewards(grpo_run):
     penalty from the first generated token on) on a real batch: the shaped rewards equal the
     environment's, mapped and penalized by each episode's own length, the advantages are
     those of the shaped rewards, and the environment's rewards stay under ``rewards``."""
-    from tempering.algorithms.advantages import leave_one_out_advantages
+    from tempering.algorithms.advantages import group_advantages
     from tempering.algorithms.grpo import rollout_batch
     from tempering.algorithms.reward_shaping import shaping_metrics
     from tempering.config.rl_sections import RewardScalingConfig, RewardShapingConfig
@@ -311,8 +311,8 @@ def test_the_advantages_read_the_scaled_and_shaped_rewards(grpo_run):
     torch.testing.assert_close(batch["shaped_rewards"], expected)
 
     def advantages(rewards):
-        adv = leave_one_out_advantages(rewards, GROUP, normalize_std=False,
-                                       valid=batch["sample_mask"] > 0)  # fmt: skip
+        adv = group_advantages(rewards, GROUP, normalize_std=False,
+                                valid=batch["sample_mask"] > 0)  # fmt: skip
         return adv.advantages[:, None] * batch["token_mask"]
 
     torch.testing.assert_close(batch["advantages"], advantages(expected))

@@ -72,7 +72,7 @@ class Loop:
         return float(self.rollouts(self.val_problems[:n], 1, greedy=True)["rewards"].mean())
 
     def step(self, loss_fn: Any) -> dict[str, float]:
-        from tempering.algorithms.advantages import leave_one_out_advantages
+        from tempering.algorithms.advantages import group_advantages
         from tempering.algorithms.grpo_learning import TRAIN_KEYS
         from tempering.distributed.batched_data_dict import BatchedDataDict
 
@@ -80,8 +80,8 @@ class Loop:
         problems = self.rng.sample(self.train_problems, g.num_prompts_per_step)
         batch = self.rollouts(problems, g.num_generations_per_prompt, greedy=False)
         valid = batch["sample_mask"] > 0
-        adv = leave_one_out_advantages(batch["rewards"], g.num_generations_per_prompt,
-                                       normalize_std=g.normalize_rewards, valid=valid)  # fmt: skip
+        adv = group_advantages(batch["rewards"], g.num_generations_per_prompt,
+                                normalize_std=g.normalize_rewards, valid=valid)  # fmt: skip
         batch["advantages"] = adv.advantages[:, None] * batch["token_mask"]
         data = BatchedDataDict({k: batch[k] for k in TRAIN_KEYS})
         metrics = self.worker.train(data, loss_fn, global_batch_size=data.size)
