@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tempering.config.schemas import KL_CLAMPS, kl_penalty_problems, off_policy_loss_problems
+from tempering.config.schemas import KL_CLAMPS, loss_fn_problems
 from tempering.logits import (
     HiddenLogits,
     NextTokenLogprob,
@@ -434,20 +434,8 @@ class ClippedPGLoss:
             raise ValueError(f"loss_type='{loss_type}' is unknown; use 'token' or 'sequence'.")
         if kl_estimator not in ("k1", "k2", "k3"):
             raise ValueError(f"kl_estimator='{kl_estimator}' is unknown; use 'k1', 'k2' or 'k3'.")
-        problems = off_policy_loss_problems(
-            use_importance_sampling_correction=use_importance_sampling_correction,
-            truncated_importance_sampling_type=truncated_importance_sampling_type,
-            truncated_importance_sampling_ratio=truncated_importance_sampling_ratio,
-            truncated_importance_sampling_ratio_min=truncated_importance_sampling_ratio_min,
-            sequence_level_importance_ratios=sequence_level_importance_ratios,
-            token_level_loss=loss_type == "token",
-            length_normalizer=length_normalizer,
-        ) + kl_penalty_problems(
-            reference_policy_kl_penalty=reference_policy_kl_penalty,
-            use_on_policy_kl_approximation=use_on_policy_kl_approximation,
-            kl_input_clamp_value=kl_input_clamp_value,
-            kl_output_clamp_value=kl_output_clamp_value,
-        )
+        # its arguments by the config's names: the config's rules, checked again here
+        problems = loss_fn_problems({**locals(), "token_level_loss": loss_type == "token"})
         if problems:  # token_level_loss=true is loss_type='token' here
             raise ValueError("ClippedPGLoss: " + "; ".join(problems))
         self.ratio_clip_min = ratio_clip_min

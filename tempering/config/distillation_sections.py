@@ -14,36 +14,25 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from tempering.config import loop_keys
 from tempering.config.section import Section
 
 
 class DistillationConfig(Section):
-    num_prompts_per_step: int = Field(
-        128, ge=1, description="prompts a step rolls out (x num_generations_per_prompt samples)"
-    )
-    num_generations_per_prompt: int = Field(1, ge=1, description="student samples per prompt")
-    max_rollout_turns: int = Field(
-        1, ge=1, description="turns per episode at most (multi-turn environments)"
-    )
+    num_prompts_per_step: loop_keys.NumPromptsPerStep = 128
+    num_generations_per_prompt: loop_keys.NumGenerationsPerPrompt = 1
+    max_rollout_turns: loop_keys.MaxRolloutTurns = 1
     rollout_transport: Literal["in_process", "http"] = Field(
         "in_process",
         description="rollouts call the chat service directly, or over HTTP through "
         "policy.generation.http_server (which must be enabled)",
     )
-    max_num_steps: int = Field(
-        1000, ge=1, description="training steps (the lr schedule spans them)"
-    )
-    max_num_epochs: int = Field(
-        10, ge=1, description="stop after this many passes over the training prompts"
-    )
-    val_period: int = Field(20, ge=0, description="held-out greedy accuracy every N steps; 0 = off")
-    val_at_start: bool = Field(
-        True, description="also validate before the first step (a fresh run with val_period > 0)"
-    )
-    max_val_samples: int = Field(
-        512, ge=1, description="held-out problems a validation reads at most (the first N)"
-    )
-    val_batch_size: int = Field(64, ge=1, description="held-out problems per greedy rollout call")
+    max_num_steps: loop_keys.MaxNumSteps = 1000
+    max_num_epochs: loop_keys.MaxNumEpochs = 10
+    val_period: loop_keys.ValPeriod = 20
+    val_at_start: loop_keys.ValAtStart = True
+    max_val_samples: loop_keys.MaxValSamples = 512
+    val_batch_size: loop_keys.ValBatchSize = 64
     topk_logits_k: int = Field(
         64, ge=1, description="teacher log-probs kept per token (the only teacher output sent)"
     )

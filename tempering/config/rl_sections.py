@@ -4,10 +4,13 @@ holds the rest and the master configs, and re-exports these."""
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from tempering.config import loop_keys
 from tempering.config.external_sections import ExternalHarnessConfig
 from tempering.config.section import Section
 
@@ -136,17 +139,11 @@ class RewardShapingConfig(Section):
 
 
 class GRPOConfig(Section):
-    num_prompts_per_step: int = Field(16, ge=1, description="prompts (groups) per step")
-    num_generations_per_prompt: int = Field(
-        8, ge=1, description="samples per prompt: the group its advantages compare within"
-    )
-    max_num_steps: int = Field(60, ge=1, description="training steps (the lr schedule spans them)")
-    max_num_epochs: int = Field(
-        100, ge=1, description="stop after this many passes over the training problems"
-    )
-    max_rollout_turns: int = Field(
-        1, ge=1, description="turns per episode at most (generate -> environment -> observe)"
-    )
+    num_prompts_per_step: loop_keys.NumPromptsPerStep = 16
+    num_generations_per_prompt: loop_keys.NumGenerationsPerPrompt = 8
+    max_num_steps: loop_keys.MaxNumSteps = 60
+    max_num_epochs: loop_keys.MaxNumEpochs = 100
+    max_rollout_turns: loop_keys.MaxRolloutTurns = 1
     rollout_transport: Literal["in_process", "http", "external"] = Field(
         "in_process",
         description="rollouts call the chat service directly, or over HTTP through "
@@ -167,18 +164,10 @@ class GRPOConfig(Section):
         "after the first, the policy trains off its sampler, clipped against the log-probs it "
         "had before the step (a critic takes as many passes)",
     )  # fmt: skip
-    val_period: int = Field(10, ge=0, description="validate every this many steps; 0 = never")
-    val_at_start: bool = Field(
-        True, description="also validate before the first step (a fresh run with val_period > 0)"
-    )
-    max_val_samples: int = Field(
-        256,
-        ge=1,
-        description="held-out problems a validation reads (the first N, logged when fewer than held)",
-    )
-    val_batch_size: int = Field(
-        256, ge=1, description="held-out problems per greedy generation call"
-    )
+    val_period: loop_keys.ValPeriod = 10
+    val_at_start: loop_keys.ValAtStart = True
+    max_val_samples: loop_keys.MaxValSamples = 256
+    val_batch_size: loop_keys.ValBatchSize = 256
     val_pass_at_k: int = Field(0, ge=0, description="k samples per val prompt for pass@k; 0 = off")
     use_dynamic_sampling: bool = Field(
         False, description="DAPO: drop groups whose rewards are all equal and generate more "
@@ -358,6 +347,18 @@ def off_policy_loss_problems(
 KL_CLAMPS = (20.0, 10.0)  # NeMo RL's kl_input_clamp_value, kl_output_clamp_value defaults
 
 
+def loss_fn_problems(keys: Mapping[str, Any]) -> list[str]:
+    """`off_policy_loss_problems` and `kl_penalty_problems` over a mapping that holds their
+    arguments by name, among others: a `LossFnConfig`'s dump, or `ClippedPGLoss`'s arguments."""
+
+    def args(rules: Callable[..., list[str]]) -> dict[str, Any]:
+        return {n: keys[n] for n in inspect.signature(rules).parameters if n in keys}
+
+    return off_policy_loss_problems(**args(off_policy_loss_problems)) + kl_penalty_problems(
+        **args(kl_penalty_problems)
+    )
+
+
 def kl_penalty_problems(
     *,
     reference_policy_kl_penalty: float,
@@ -454,20 +455,7 @@ class LossFnConfig(Section):
 
     @model_validator(mode="after")
     def _off_policy(self) -> LossFnConfig:
-        problems = off_policy_loss_problems(
-            use_importance_sampling_correction=self.use_importance_sampling_correction,
-            truncated_importance_sampling_type=self.truncated_importance_sampling_type,
-            truncated_importance_sampling_ratio=self.truncated_importance_sampling_ratio,
-            truncated_importance_sampling_ratio_min=self.truncated_importance_sampling_ratio_min,
-            sequence_level_importance_ratios=self.sequence_level_importance_ratios,
-            token_level_loss=self.token_level_loss,
-            length_normalizer=self.length_normalizer,
-        ) + kl_penalty_problems(
-            reference_policy_kl_penalty=self.reference_policy_kl_penalty,
-            use_on_policy_kl_approximation=self.use_on_policy_kl_approximation,
-            kl_input_clamp_value=self.kl_input_clamp_value,
-            kl_output_clamp_value=self.kl_output_clamp_value,
-        )
+        problems = loss_fn_problems(self.model_dump())
         if problems:
             raise ValueError("; ".join(problems))
         return self

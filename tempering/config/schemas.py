@@ -42,6 +42,7 @@ from tempering.config.rl_sections import (  # noqa: F401 -- part of this module'
     NemoGymConfig,
     critic_problems,
     kl_penalty_problems,
+    loss_fn_problems,
     off_policy_loss_problems,
 )
 from tempering.config.run_sections import (  # noqa: F401 -- part of this namespace

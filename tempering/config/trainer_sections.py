@@ -8,33 +8,22 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from tempering.config import loop_keys
 from tempering.config.section import Section
 
 
 class SFTConfig(Section):
-    max_num_steps: int = Field(
-        300,
-        ge=1,
-        description="training steps, one optimizer step each (the lr schedule spans them)",
-    )
-    max_num_epochs: int = Field(
-        100, ge=1, description="stop after this many passes over the training examples"
-    )
-    val_period: int = Field(50, ge=0, description="0 = no validation")
-    val_batches: int = Field(
-        4,
-        ge=1,
-        description="a validation reads at most this many whole batches of held-out examples",
-    )
+    max_num_steps: loop_keys.MaxNumSteps = 300
+    max_num_epochs: loop_keys.MaxNumEpochs = 100
+    val_period: loop_keys.ValPeriod = 50
+    val_batches: loop_keys.ValBatches = 4
     val_global_batch_size: int = Field(
         64, ge=1, description="held-out examples per validation batch"
     )
     val_micro_batch_size: int = Field(
         32, ge=1, description="held-out examples per validation forward pass"
     )
-    val_at_start: bool = Field(
-        True, description="also validate before the first step (a fresh run with val_period > 0)"
-    )
+    val_at_start: loop_keys.ValAtStart = True
     seed: int = Field(
         42,
         description="torch seed of the policy workers and of the training examples' shuffle order",
@@ -54,20 +43,10 @@ class PreferenceLoopConfig(Section):
     """The keys of the preference-training loop DPO and the reward model share
     (`tempering.algorithms.preference.train_loop`)."""
 
-    max_num_steps: int = Field(
-        100,
-        ge=1,
-        description="training steps, one optimizer step each (the lr schedule spans them)",
-    )
-    max_num_epochs: int = Field(
-        100, ge=1, description="stop after this many passes over the training pairs (KTO: rows)"
-    )
-    val_period: int = Field(
-        20, ge=0, description="validate every N steps and at the last one; 0 = no validation"
-    )
-    val_batches: int = Field(
-        4, ge=1, description="a validation reads at most this many whole batches of held-out pairs"
-    )
+    max_num_steps: loop_keys.MaxNumSteps = 100
+    max_num_epochs: loop_keys.MaxNumEpochs = 100
+    val_period: loop_keys.ValPeriod = 20
+    val_batches: loop_keys.ValBatches = 4
     val_global_batch_size: int = Field(
         32,
         ge=2,
@@ -76,9 +55,7 @@ class PreferenceLoopConfig(Section):
     val_micro_batch_size: int = Field(
         16, ge=2, description="sequences per validation forward pass (even: whole pairs)"
     )
-    val_at_start: bool = Field(
-        True, description="also validate before the first step (a fresh run with val_period > 0)"
-    )
+    val_at_start: loop_keys.ValAtStart = True
     seed: int = Field(
         42, description="torch seed of the model workers and of the training pairs' shuffle order"
     )

@@ -152,13 +152,25 @@ PHI3_TEMPLATE = (
 
 _QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 _QWEN3_SPECIALS = (*_QWEN_SPECIALS, "<think>", "</think>", "<tool_call>", "</tool_call>")
+# what every ChatML family's tokenizer says of its turns (Qwen2.5's and Qwen3's configs)
+_CHATML_TOKENS: dict[str, Any] = {
+    "eot_token": "<|im_end|>",
+    "pad_token": "<|endoftext|>",
+    "bos_token": None,
+}
+# Qwen3's chat format, dense and MoE alike
+_QWEN3_FORMAT: dict[str, Any] = {
+    "special_tokens": _QWEN3_SPECIALS,
+    **_CHATML_TOKENS,
+    "chat_template": QWEN3_TEMPLATE,
+    "template_source": "Qwen3 tokenizer_config.json (ChatML, enable_thinking)",
+}
 
 FAMILIES: dict[str, ModelFamily] = {
     "qwen2": ModelFamily(
         name="qwen2", model_type="qwen2",
         config_class="Qwen2Config", model_class="Qwen2ForCausalLM",
-        special_tokens=(*_QWEN_SPECIALS, "<tool_call>", "</tool_call>"),
-        eot_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None,
+        special_tokens=(*_QWEN_SPECIALS, "<tool_call>", "</tool_call>"), **_CHATML_TOKENS,
         chat_template=QWEN2_TEMPLATE,
         template_source="Qwen2.5-Instruct tokenizer_config.json (ChatML)",
         tp_plan=LLAMA_TP_PLAN,
@@ -168,10 +180,7 @@ FAMILIES: dict[str, ModelFamily] = {
     "qwen3": ModelFamily(
         name="qwen3", model_type="qwen3",
         config_class="Qwen3Config", model_class="Qwen3ForCausalLM",
-        special_tokens=_QWEN3_SPECIALS,
-        eot_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None,
-        chat_template=QWEN3_TEMPLATE,
-        template_source="Qwen3 tokenizer_config.json (ChatML, enable_thinking)",
+        **_QWEN3_FORMAT,
         tp_plan=LLAMA_TP_PLAN,
         config_kwargs={"tie_word_embeddings": True},
         notes="q_norm/k_norm act per head (head_dim), so a column split by heads keeps them.",
@@ -239,10 +248,7 @@ FAMILIES: dict[str, ModelFamily] = {
     "qwen3_moe": ModelFamily(
         name="qwen3_moe", model_type="qwen3_moe",
         config_class="Qwen3MoeConfig", model_class="Qwen3MoeForCausalLM",
-        special_tokens=_QWEN3_SPECIALS,
-        eot_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None,
-        chat_template=QWEN3_TEMPLATE,
-        template_source="Qwen3 tokenizer_config.json (ChatML, enable_thinking)",
+        **_QWEN3_FORMAT,
         tp_plan=None,
         tp_refusal="Qwen3-MoE keeps its experts as one fused 3-D parameter per layer "
         "(mlp.experts.gate_up_proj/down_proj), not nn.Linear modules: ColwiseParallel/"
