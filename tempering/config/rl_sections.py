@@ -516,6 +516,9 @@ class NemoGymShardConfig(Section):
     )
 
 
+SHARD_RESTARTS = 2  # env.nemo_gym.shard_restarts's default
+
+
 class NemoGymConfig(Section):
     """NeMo Gym (tempering/environments/nemo_gym.py): attach to a running Gym, or launch one."""
 
@@ -555,10 +558,21 @@ class NemoGymConfig(Section):
         "the entries it claims (empty: one Gym runs every entry); instance k listens on "
         "head_server_port + k",
     )
+    shard_restarts: int = Field(
+        SHARD_RESTARTS, ge=0, description="with shards: restarts of a shard instance that dies "
+        "mid-step a run allows, each retrying that instance's in-flight groups once (counted: "
+        "gym/shard/<name>/restarts); 0: a dead instance fails the step",
+    )  # fmt: skip
 
     @model_validator(mode="after")
     def _shards(self) -> NemoGymConfig:
         if not self.shards:
+            if self.shard_restarts != SHARD_RESTARTS:
+                raise ValueError(
+                    f"env.nemo_gym.shard_restarts={self.shard_restarts} is read only with "
+                    "env.nemo_gym.shards (one Gym is not restarted alone: fault_tolerance."
+                    "max_restarts restarts the run): remove it, or split Gym into shards"
+                )
             return self
         from tempering.utils.gym_shards import claims, instance_names
 

@@ -48,9 +48,12 @@ from tempering.models.generation.interfaces import SamplingConfig
 
 log = logging.getLogger(__name__)
 
+LAUNCHER_FQN = "tempering.environments.nemo_gym_launcher.NemoGymLauncher"
+
 __all__ = [
     "GymResultError",
     "GymServerError",
+    "GymUnreachableError",
     "NemoGymClient",
     "NemoGymEnvironment",
     "episode_from_result",
@@ -63,6 +66,11 @@ _RUNNABLE = ("environment_servers", "responses_api_agents")
 
 class GymServerError(RuntimeError):
     """A Gym server could not be reached or kept failing; names the URL and the fix."""
+
+
+class GymUnreachableError(GymServerError):
+    """A Gym server kept failing to answer (connections refused or reset, timeouts, 5xx)
+    through every retry: dead, or unreachable; a request it refused (4xx) is not this."""
 
 
 class GymResultError(ValueError):
@@ -237,7 +245,7 @@ class NemoGymClient:
                         raise GymServerError(f"{method} {url} answered {last}")
             except (TimeoutError, aiohttp.ClientConnectionError) as err:
                 last = f"{type(err).__name__}: {err}"
-        raise GymServerError(
+        raise GymUnreachableError(
             f"{method} {url} failed {self.max_retries + 1} times (last: {last}); check that the "
             f"NeMo Gym servers are up (head server {self.head_server_url}) and reachable"
         )
@@ -478,193 +486,6 @@ class NemoGymEnvironment:
             self.launcher = None
 
 
-# ---------------------------------------------------------------------------- shards
-@dataclass(eq=False)
-class ShardedGymClient:
-    """Several launched Gyms (`env.nemo_gym.shards`, tempering/environments/nemo_gym_shards.py)
-    behind `NemoGymClient`'s methods: each prompt group goes to a replica of the shard that
-    claims its target (`GroupRouter`), every instance's rows in flight at once; counters per
-    shard and per replica come out of `take_metrics`."""
-
-    clients: dict[tuple[str, int], NemoGymClient]
-    router: Any  # nemo_gym_shards.GroupRouter
-    stats: Counter[str] = field(default_factory=Counter, init=False)
-    _counts: Counter[str] = field(default_factory=Counter, init=False, repr=False)
-
-    @property
-    def head_server_url(self) -> str:
-        return ", ".join(c.head_server_url for c in self.clients.values())
-
-    def wait_ready(self, timeout_s: float) -> None:
-        import time
-
-        deadline = time.monotonic() + timeout_s  # one deadline for every instance
-        for client in self.clients.values():
-            client.wait_ready(max(deadline - time.monotonic(), 1.0))
-
-    def route(self, row: dict[str, Any]) -> tuple[str, str]:
-        """(agent name for metrics, /run URL on the shard's first replica) for `row`."""
-        return self.clients[(self.router.shard_of(row), 0)].route(row)
-
-    def run(self, rows: Sequence[dict[str, Any]], group_size: int = 1) -> list[dict[str, Any]]:
-        from tempering.utils.aio import run_async
-
-        where = self.router.assign(rows, group_size)
-        by_instance: dict[tuple[str, int], list[int]] = defaultdict(list)
-        for i, key in enumerate(where):
-            by_instance[key].append(i)
-        for (shard, replica), idx in by_instance.items():
-            self._counts[f"gym/shard/{shard}/samples"] += len(idx)
-            self._counts[f"gym/shard/{shard}/groups"] += len(idx) // group_size
-            self._counts[f"gym/shard/{shard}/replica_{replica}_groups"] += len(idx) // group_size
-
-        batches = {key: [rows[i] for i in idx] for key, idx in by_instance.items()}
-        urls = {key: [self.clients[key].route(r)[1] for r in b] for key, b in batches.items()}
-
-        async def every_instance() -> list[list[dict[str, Any]]]:
-            return list(await asyncio.gather(*(
-                self.clients[key].post_rows(batch, urls[key]) for key, batch in batches.items()
-            )))  # fmt: skip
-
-        try:
-            answers = run_async(every_instance())
-        finally:
-            for (shard, _), client in self.clients.items():
-                self._counts[f"gym/shard/{shard}/retries"] += client.stats["retries"]
-                self.stats += client.stats
-                client.stats.clear()
-        results: list[dict[str, Any]] = [{}] * len(rows)
-        for idx, answer in zip(by_instance.values(), answers, strict=True):
-            for i, result in zip(idx, answer, strict=True):
-                results[i] = result
-        return results
-
-    def take_metrics(self) -> dict[str, float]:
-        """Every shard's and replica's counts since the last call, zeros included."""
-        out: dict[str, float] = {}
-        for shard, replica in self.clients:
-            for key in ("samples", "groups", "retries"):
-                out[f"gym/shard/{shard}/{key}"] = float(self._counts[f"gym/shard/{shard}/{key}"])
-            key = f"gym/shard/{shard}/replica_{replica}_groups"
-            out[key] = float(self._counts[key])
-        self._counts.clear()
-        return out
-
-
-# ---------------------------------------------------------------------------- builder
-LAUNCHER_FQN = "tempering.environments.nemo_gym_launcher.NemoGymLauncher"
-
-
-class LaunchedGym:
-    """Gyms started for this run, each by a `NemoGymLauncher` actor in Gym's own venv: one,
-    or one per shard replica (`env.nemo_gym.shards`)."""
-
-    def __init__(self, actors: list[Any], head_urls: list[str], group: Any = None) -> None:
-        self.actors, self.head_urls, self.group = actors, head_urls, group
-
-    @property
-    def head_url(self) -> str:
-        return self.head_urls[0]
-
-    @classmethod
-    def start(
-        cls,
-        *,
-        work_dir: str,
-        config_paths: list[str],
-        policy_base_urls: list[str],
-        policy_model_name: str,
-        policy_api_key: str,
-        head_port: int,
-        extra_config: dict[str, Any],
-        prebuilt_server_venvs: bool,
-        timeout_s: float,
-        shards: Sequence[Any] = (),
-        num_nodes: int = 1,
-    ) -> LaunchedGym:
-        """Start Gym (`shards` empty) or every shard's replicas, all within `timeout_s`."""
-        import ray
-
-        from tempering.distributed.actor_environments import get_actor_executable, resolve_python
-        from tempering.environments.nemo_gym_launcher import NemoGymLauncher
-        from tempering.environments.nemo_gym_shards import (
-            instance_names,
-            instance_ports,
-            placement_strategy,
-        )
-
-        python = resolve_python(LAUNCHER_FQN, get_actor_executable(LAUNCHER_FQN))
-        names = instance_names(shards) if shards else [(None, 0)]
-        ports = instance_ports(head_port, shards) if shards else [(head_port, None)]
-        by_name = {s.name: s for s in shards}
-        strategies, group = _gym_placement(placement_strategy(len(names), num_nodes), len(names))
-        ray_address = ray.get_runtime_context().gcs_address
-        actors, futures = [], []
-        for (shard, replica), (port, port_range), strategy in zip(
-            names, ports, strategies, strict=True
-        ):
-            own = work_dir if shard is None else f"{work_dir}/{shard}_{replica}"
-            actor = (
-                ray.remote(num_cpus=0, max_restarts=0)(NemoGymLauncher)
-                .options(runtime_env={"py_executable": python}, scheduling_strategy=strategy)
-                .remote(own)
-            )
-            spec = by_name.get(shard)
-            extra = {**extra_config, **(dict(spec.extra_config) if spec else {})}
-            actors.append(actor)
-            futures.append(actor.start.remote(
-                config_paths, policy_base_urls, policy_model_name, policy_api_key, ray_address,
-                port, extra, prebuilt_server_venvs, shard,
-                list(spec.entries) if spec else None, port_range,
-                [p for p, _ in ports] if shards else None, group is not None,
-            ))  # fmt: skip
-        try:
-            head_urls = ray.get(futures, timeout=timeout_s)
-        except BaseException as err:
-            for actor in actors:
-                ray.kill(actor)
-            if group is not None:
-                ray.util.remove_placement_group(group)
-            if isinstance(err, ray.exceptions.GetTimeoutError):
-                raise TimeoutError(
-                    f"NeMo Gym ({len(names)} instance(s)) did not come up within "
-                    f"env.nemo_gym.startup_timeout_s={timeout_s:.0f} s (config files "
-                    f"{config_paths}); see {work_dir}"
-                ) from None
-            raise
-        log.info("NeMo Gym is up: head server(s) %s (venv %s)", ", ".join(head_urls), python)
-        return cls(actors, head_urls, group)
-
-    def shutdown(self) -> None:
-        import ray
-
-        try:
-            ray.get([a.shutdown.remote() for a in self.actors], timeout=120)
-        finally:
-            for actor in self.actors:
-                ray.kill(actor)
-            if self.group is not None:
-                ray.util.remove_placement_group(self.group)
-
-
-def _gym_placement(strategy: str | None, n: int) -> tuple[list[Any], Any]:
-    """Ray scheduling strategies for `n` Gym actors, and the placement group holding them:
-    on one node, all on the driver's (where Gym's venv was built); on several, one bundle
-    each under `strategy` (STRICT_SPREAD: one instance per node)."""
-    import ray
-    from ray.util.scheduling_strategies import (
-        NodeAffinitySchedulingStrategy,
-        PlacementGroupSchedulingStrategy,
-    )
-
-    if strategy is None:
-        here = ray.get_runtime_context().get_node_id()
-        return [NodeAffinitySchedulingStrategy(node_id=here, soft=False)] * n, None
-    group = ray.util.placement_group([{"CPU": 0.01}] * n, strategy=strategy)
-    ray.get(group.ready(), timeout=120)
-    return [PlacementGroupSchedulingStrategy(group, k) for k in range(n)], group
-
-
 def build_nemo_gym_environment(
     gym: Any,
     *,
@@ -681,6 +502,7 @@ def build_nemo_gym_environment(
     from urllib.parse import urlparse
 
     from tempering.config.rl_sections import gym_shards
+    from tempering.environments.nemo_gym_instances import LaunchedGym, ShardedGymClient
     from tempering.environments.nemo_gym_shards import GroupRouter
 
     launched = None
@@ -732,6 +554,8 @@ def build_nemo_gym_environment(
         client = ShardedGymClient(
             {key: NemoGymClient(url, **common) for key, url in urls.items()},  # type: ignore[arg-type]
             GroupRouter(shards, gym.default_route),
+            launched,
+            max_restarts=gym.shard_restarts,
         )
     else:
         client = NemoGymClient(head, **common)  # type: ignore[arg-type]

@@ -35,6 +35,8 @@ SERVER_KINDS = ("resources_servers", "responses_api_agents", "responses_api_mode
 
 class NemoGymLauncher:
     def __init__(self, work_dir: str) -> None:
+        if os.getpgrp() != os.getpid():  # a process group of its own: this actor and every
+            os.setpgid(0, 0)  # Gym server it starts, which the trainer can kill as one
         Path(work_dir).mkdir(parents=True, exist_ok=True)
         os.chdir(work_dir)  # Gym writes results/ and cache/ here
         self.work_dir = Path(work_dir)
@@ -145,6 +147,14 @@ class NemoGymLauncher:
                     if not link.exists():
                         link.symlink_to(sys.prefix, target_is_directory=True)
         return root
+
+    def process(self) -> tuple[str, int]:
+        """(Ray node id, process group) of this instance: the group `LaunchedGym.kill` ends."""
+        import ray
+
+        if os.getpgrp() != os.getpid():
+            raise RuntimeError(f"the Gym launcher (pid {os.getpid()}) leads no process group")
+        return ray.get_runtime_context().get_node_id(), os.getpgrp()
 
     def shutdown(self) -> None:
         if self._helper is not None:

@@ -21,14 +21,17 @@ import os
 import signal
 import threading
 from collections import Counter
+from collections.abc import Callable
 
 FAULT_ENV = "TEMPERING_FAULT"
 MARKER_ENV = "TEMPERING_FAULT_MARKER"
 _seen: Counter[tuple[str, str]] = Counter()
 
 
-def maybe_fault(role: str, phase: str) -> None:
-    """Count this entry into ``phase`` as ``role``; die here if ``TEMPERING_FAULT`` says so."""
+def maybe_fault(role: str, phase: str, fire: Callable[[], None] | None = None) -> None:
+    """Count this entry into ``phase`` as ``role``; die here if ``TEMPERING_FAULT`` says so
+    (or, with `fire`, call it instead: the caller kills what plays `role`, e.g. a Gym
+    instance the trainer launched)."""
     spec = os.environ.get(FAULT_ENV)
     if not spec:
         return
@@ -46,13 +49,13 @@ def maybe_fault(role: str, phase: str) -> None:
             except FileExistsError:
                 return  # fired already
         delay = float(parts[3]) if len(parts) >= 4 else 0.0
-        fire = _SENDERS[parts[4] if len(parts) == 5 else "KILL"]
+        send = fire or _SENDERS[parts[4] if len(parts) == 5 else "KILL"]
         if delay > 0:
-            timer = threading.Timer(delay, fire)
+            timer = threading.Timer(delay, send)
             timer.daemon = True
             timer.start()
         else:
-            fire()
+            send()
 
 
 def _die() -> None:

@@ -13,6 +13,7 @@ import pytest
 from tempering.config import MASTER_CONFIGS, ConfigError, load_config
 from tempering.config.rl_sections import NemoGymConfig, gym_shards
 from tempering.data.nemo_gym import problem_row
+from tempering.environments.nemo_gym import GymServerError
 from tempering.environments.nemo_gym_shards import (
     GroupRouter,
     GymShard,
@@ -202,7 +203,8 @@ def test_grpo_refuses_rows_no_shard_hosts_before_ray_starts(monkeypatch):
 
 # ---------------------------------------------------- the sharded client, over HTTP
 def test_sharded_client_runs_each_group_on_its_shards_replica_and_counts_it():
-    from tempering.environments.nemo_gym import NemoGymClient, NemoGymEnvironment, ShardedGymClient
+    from tempering.environments.nemo_gym import NemoGymClient, NemoGymEnvironment
+    from tempering.environments.nemo_gym_instances import ShardedGymClient
     from tempering.environments.nemo_gym_standin import GymStandIn
     from tempering.models.generation.chat_service import ChatCompletionService, ServerSettings
     from tempering.models.generation.interfaces import SamplingConfig
@@ -252,3 +254,125 @@ def test_sharded_client_runs_each_group_on_its_shards_replica_and_counts_it():
     # a row built later whose target no shard claims is refused, not sent somewhere
     with pytest.raises(GymShardError, match="agent 'nobody'"):
         client.run([{"agent_ref": {"name": "nobody"}}])
+
+
+# ------------------------------------------- an instance that dies mid-step, restarted
+class _StandInLaunch:
+    """`LaunchedGym`'s restart surface over stand-in Gyms in child processes (the real
+    launcher's restart runs in tests/functional/test_nemo_gym_real.py): `kill` SIGKILLs an
+    instance's process, `restart` kills what is left and starts a fresh one."""
+
+    timeout_s = 30.0
+
+    def __init__(self, base_url, keys, dies_again=()):
+        from tempering.environments.nemo_gym_standin import StandInProcess
+
+        self.base_url, self.dies_again, self.restarted = base_url, set(dies_again), []
+        self.procs = {key: StandInProcess(base_url, "policy").__enter__() for key in keys}
+
+    def kill(self, key):
+        self.procs[key]._proc.kill()
+        self.procs[key]._proc.wait()
+
+    def restart(self, key):
+        from tempering.environments.nemo_gym_standin import StandInProcess
+
+        self.kill(key)
+        self.restarted.append(key)
+        self.procs[key] = StandInProcess(self.base_url, "policy").__enter__()
+        if key in self.dies_again:  # comes up, then dies before it answers
+            self.kill(key)
+        return self.procs[key].head_url
+
+    def work_dir_of(self, key):
+        return f"<{key}>"
+
+    def shutdown(self):
+        for proc in self.procs.values():
+            proc.__exit__(None, None, None)
+
+
+def _dying_shards_run(dies_again=(), max_restarts=2):
+    """Shards `env` (2 replicas) and `agent` over stand-in processes; the model's first call
+    for 5+6 (a group of replica env/1) kills that replica while its episode is in flight.
+    Returns (batch or the exception raised, metrics, the launcher's restarts)."""
+    import threading
+
+    from tempering.environments.nemo_gym import NemoGymClient, NemoGymEnvironment
+    from tempering.environments.nemo_gym_instances import ShardedGymClient
+    from tempering.environments.nemo_gym_standin import GymStandIn
+    from tempering.models.generation.chat_service import ChatCompletionService, ServerSettings
+    from tempering.models.generation.interfaces import SamplingConfig
+    from tempering.models.generation.openai_server import OpenAIServer
+    from tempering.models.hf import load_tokenizer
+    from tests.scripted_backend import ScriptedBackend
+
+    killed = threading.Event()
+    launch = None
+
+    def reply(prompt: str) -> str:
+        a, b = map(int, prompt.rsplit("Q: ", 1)[1].split("=")[0].split("+"))
+        if (a, b) == (5, 6) and not killed.is_set():
+            killed.set()
+            launch.kill(("env", 1))  # mid-episode: the agent waits on this very call
+        return f" {a + b}"
+
+    tokenizer = load_tokenizer("tiny-arith")
+    sampling = SamplingConfig(max_new_tokens=6)
+    settings = ServerSettings(model_name="policy", max_model_len=64, default_sampling=sampling)
+    backend = ScriptedBackend(tokenizer, reply)
+    shards = [GymShard("env", (GymStandIn.ENVIRONMENT_SERVER,), replicas=2),
+              GymShard("agent", (GymStandIn.AGENT,))]  # fmt: skip
+    with OpenAIServer(ChatCompletionService(backend, tokenizer, settings)) as server:
+        launch = _StandInLaunch(server.base_url, instance_names(shards), dies_again)
+        try:
+            clients = {k: NemoGymClient(p.head_url, retry_backoff_s=0.01)
+                       for k, p in launch.procs.items()}  # fmt: skip
+            client = ShardedGymClient(clients, GroupRouter(shards), launch, max_restarts)
+            env = NemoGymEnvironment(client, max_seq_len=64)
+            env_rows = [
+                {
+                    **problem_row(f"Q: {a}+{b}=? A:", str(a + b)),
+                    "_ng_environment_server": GymStandIn.ENVIRONMENT_SERVER,
+                }
+                for a, b in ((1, 2), (5, 6), (3, 4))
+            ]  # replicas 0, 1, 0
+            agent_row = {**problem_row("Q: 2+2=? A:", "4"), "agent_ref": {"name": GymStandIn.AGENT}}
+            try:
+                out = env.rollouts([*env_rows, agent_row], sampling=sampling, repeat=2)
+            except Exception as err:  # noqa: BLE001 -- the test reads it
+                out = err
+            _, metrics = env.global_post_process_and_metrics({})
+        finally:
+            launch.shutdown()
+    assert killed.is_set()
+    return out, metrics, launch.restarted
+
+
+def test_a_shard_replica_killed_mid_step_is_restarted_and_its_groups_retried_once():
+    batch, metrics, restarted = _dying_shards_run()
+    # every episode came back, the killed replica's group from its restarted instance
+    assert batch["rewards"].tolist() == [1.0] * 8 and batch["sample_mask"].all()
+    assert restarted == [("env", 1)]
+    assert metrics["gym/shard/env/restarts"] == 1.0
+    assert metrics["gym/shard/env/retried_groups"] == 1.0  # the one group replica 1 held
+    assert metrics["gym/shard/agent/restarts"] == 0.0
+    assert metrics["gym/shard/env/replica_1_groups"] == 1.0  # counted once, not per try
+
+
+def test_a_replica_that_dies_again_after_its_restart_fails_the_step_naming_it():
+    err, _, restarted = _dying_shards_run(dies_again=[("env", 1)])
+    assert restarted == [("env", 1)]  # retried once, not again
+    assert isinstance(err, GymServerError)
+    assert "shard 'env' replica 1" in str(err) and "failed again" in str(err)
+
+
+def test_with_no_restarts_left_a_dead_replica_fails_the_step_naming_the_budget():
+    err, _, restarted = _dying_shards_run(max_restarts=0)
+    assert restarted == [] and isinstance(err, GymServerError)
+    assert "shard 'env' replica 1" in str(err) and "shard_restarts=0" in str(err)
+
+
+def test_shard_restarts_without_shards_is_refused():
+    with pytest.raises(ValueError, match="shard_restarts=5 is read only with env.nemo_gym.shards"):
+        NemoGymConfig(config_paths=["x.yaml"], shard_restarts=5)
