@@ -570,8 +570,8 @@ class NemoGymConfig(Section):
             if self.shard_restarts != SHARD_RESTARTS:
                 raise ValueError(
                     f"env.nemo_gym.shard_restarts={self.shard_restarts} is read only with "
-                    "env.nemo_gym.shards (one Gym is not restarted alone: fault_tolerance."
-                    "max_restarts restarts the run): remove it, or split Gym into shards"
+                    "env.nemo_gym.shards (one Gym without shards is not restarted): remove "
+                    "it, or split Gym into shards"
                 )
             return self
         from tempering.utils.gym_shards import claims, instance_names

@@ -235,6 +235,10 @@ METRICS: dict[str, dict[str, str]] = {
         "(`env.nemo_gym.shards`; every shard is logged, 0 when no row went to it)",
         "gym/shard/<name>/samples": "episodes (rows x generations) that shard ran this step",
         "gym/shard/<name>/retries": "retried HTTP calls to that shard's servers this step",
+        "gym/shard/<name>/restarts": "instances of that shard restarted this step after dying "
+        "mid-step (`env.nemo_gym.shard_restarts` bounds them per run)",
+        "gym/shard/<name>/retried_groups": "prompt groups sent again, once, to a restarted "
+        "instance of that shard this step",
         "gym/shard/<name>/replica_<index>_groups": "prompt groups one replica of that shard "
         "ran this step (groups go round-robin over `replicas`, carried over between steps)",
     },
