@@ -74,7 +74,6 @@ class ShardedGymClient:
         return self.clients[(self.router.shard_of(row), 0)].route(row)
 
     def run(self, rows: Sequence[dict[str, Any]], group_size: int = 1) -> list[dict[str, Any]]:
-        from tempering.utils.aio import run_async
 
         by_instance: dict[Instance, list[int]] = defaultdict(list)
         for i, key in enumerate(self.router.assign(rows, group_size)):
@@ -88,7 +87,7 @@ class ShardedGymClient:
                                    fire=lambda key=(shard, replica): self.launched.kill(key))  # fmt: skip
         batches = {key: [rows[i] for i in idx] for key, idx in by_instance.items()}
         try:
-            answers = run_async(self._post(batches, return_exceptions=True))
+            answers = self._post(batches, return_exceptions=True)
             for key, answer in list(answers.items()):
                 if isinstance(answer, GymUnreachableError):
                     answers[key] = self._restart_and_retry(key, batches[key], group_size, answer)
@@ -102,20 +101,27 @@ class ShardedGymClient:
                 results[i] = result
         return results
 
-    async def _post(
+    def _post(
         self, batches: dict[Instance, list[dict[str, Any]]], return_exceptions: bool
     ) -> dict[Instance, Any]:
+        """Every instance's rows at once; its answers (or, with `return_exceptions`, the
+        error it raised) by instance."""
+        from tempering.utils.aio import run_async
+
+        # routed here, not on the loop: `route` may fetch Gym's config, which waits on it
         urls = {key: [self.clients[key].route(r)[1] for r in b] for key, b in batches.items()}
-        answers = await asyncio.gather(*(
-            self.clients[key].post_rows(batch, urls[key]) for key, batch in batches.items()
-        ), return_exceptions=return_exceptions)  # fmt: skip
-        return dict(zip(batches, answers, strict=True))
+
+        async def every_instance() -> list[Any]:
+            return list(await asyncio.gather(*(
+                self.clients[key].post_rows(batch, urls[key]) for key, batch in batches.items()
+            ), return_exceptions=return_exceptions))  # fmt: skip
+
+        return dict(zip(batches, run_async(every_instance()), strict=True))
 
     def _restart_and_retry(
         self, key: Instance, rows: list[dict[str, Any]], group_size: int, err: Exception
     ) -> list[Any]:
         """Restart the instance `key` and send its rows once more (see the module docstring)."""
-        from tempering.utils.aio import run_async
 
         shard, replica = key
         where = f"NeMo Gym shard {shard!r} replica {replica}"
@@ -128,13 +134,13 @@ class ShardedGymClient:
                     where, err, len(rows) // group_size)  # fmt: skip
         old = self.clients[key]
         self.clients[key] = dataclasses.replace(old, head_server_url=self.launched.restart(key))
-        self.clients[key].wait_ready(self.launched.timeout_s)
         self._counts[f"gym/shard/{shard}/restarts"] += 1
         self._counts[f"gym/shard/{shard}/retried_groups"] += len(rows) // group_size
         self.stats += old.stats
         old.stats.clear()
         try:
-            return run_async(self._post({key: rows}, return_exceptions=False))[key]
+            self.clients[key].wait_ready(self.launched.timeout_s)
+            return self._post({key: rows}, return_exceptions=False)[key]
         except GymServerError as again:
             raise GymServerError(
                 f"{where} failed mid-step, was restarted, and its {len(rows) // group_size} "

@@ -190,8 +190,12 @@ def test_real_gym_split_over_shards_and_replicas(ray_session, worker_venvs_dir, 
     environment server and resources server come along). Each instance's own Gym must run
     only its shard's entries plus the policy model, with its shard's overrides over the
     common ones; rows must reach their shard (Gym's rewards say so) and the arith groups
-    must alternate between the replicas. Measured 2026-12-07 on 2 cores: 43 s after the test
-    above built Gym's venv (three Gyms, 12 servers, up together under one deadline)."""
+    must alternate between the replicas. Mid-step, while its episode for 5+6 waits on the
+    model, replica arith/1 is SIGKILLed (its process group: the launcher actor and every Gym
+    server under it): it must be restarted on its ports and its two in-flight groups sent
+    again, counted, with every reward as without the kill. Measured 2026-12-07 on 2 cores: 43 s
+    after the test above built Gym's venv (three Gyms, 12 servers, up together under one
+    deadline), before the kill was added."""
     from tempering.config.schemas import NemoGymConfig
     from tempering.data.nemo_gym import problem_row
     from tempering.distributed.actor_environments import (
@@ -211,12 +215,17 @@ def test_real_gym_split_over_shards_and_replicas(ray_session, worker_venvs_dir, 
     from tempering.models.hf import load_tokenizer
     from tests.scripted_backend import ScriptedBackend
 
+    killed: list = []  # the launched Gym, once it has killed replica arith/1
+
     def reply(prompt: str) -> str:
         if prompt.count("<tool_response>") > 1:
             return "It is cold in San Francisco."
         if '"name": "get_weather"' in prompt:
             return TOOL_CALL
         a, b = map(int, re.findall(r"Q: (\d+)\+(\d+)=\? A:", prompt[-400:])[-1])
+        if (a, b) == (5, 6) and not killed:  # replica arith/1's episode waits on this call
+            killed.append(env.launcher)
+            env.launcher.kill(("arith", 1))  # its whole process group: actor and servers
         return f" {a + b if a != 11 else 0}"  # 11+12 answered wrongly on purpose
 
     tokenizer = load_tokenizer("tiny-arith")
@@ -279,7 +288,10 @@ def test_real_gym_split_over_shards_and_replicas(ray_session, worker_venvs_dir, 
     assert batch["turns"][:2].tolist() == [2, 2] and batch["sample_mask"].all()
     assert metrics["gym/shard/tools/samples"] == 2.0 and metrics["gym/shard/arith/groups"] == 4.0
     assert metrics["gym/shard/arith/replica_0_groups"] == 2.0
-    assert metrics["gym/shard/arith/replica_1_groups"] == 2.0
+    assert metrics["gym/shard/arith/replica_1_groups"] == 2.0  # counted once, not per try
+    assert killed and metrics["gym/shard/arith/restarts"] == 1.0
+    assert metrics["gym/shard/arith/retried_groups"] == 2.0  # 11+12 and 5+6, both in flight
+    assert metrics["gym/shard/tools/restarts"] == 0.0
     for url in heads.values():  # shut down means gone, every instance
         with pytest.raises(GymServerError):
             NemoGymClient(url, max_retries=0).global_config()

@@ -262,7 +262,7 @@ class _StandInLaunch:
     launcher's restart runs in tests/functional/test_nemo_gym_real.py): `kill` SIGKILLs an
     instance's process, `restart` kills what is left and starts a fresh one."""
 
-    timeout_s = 30.0
+    timeout_s = 5.0  # a stand-in is up in well under a second
 
     def __init__(self, base_url, keys, dies_again=()):
         from tempering.environments.nemo_gym_standin import StandInProcess
