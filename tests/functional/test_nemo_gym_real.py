@@ -195,7 +195,8 @@ def test_real_gym_split_over_shards_and_replicas(ray_session, worker_venvs_dir, 
     server under it): it must be restarted on its ports and its two in-flight groups sent
     again, counted, with every reward as without the kill. Measured 2026-12-07 on 2 cores: 43 s
     after the test above built Gym's venv (three Gyms, 12 servers, up together under one
-    deadline), before the kill was added."""
+    deadline), before the kill was added; 71 s with it, run alone (the restart brings one
+    Gym up again, 4 servers)."""
     from tempering.config.schemas import NemoGymConfig
     from tempering.data.nemo_gym import problem_row
     from tempering.distributed.actor_environments import (
