@@ -113,8 +113,8 @@ def gym_rollouts_per_s(mode: str, repeats: int) -> tuple[list[float], list[float
     from tempering.environments.nemo_gym import (
         NemoGymClient,
         NemoGymEnvironment,
-        build_nemo_gym_environment,
     )
+    from tempering.environments.nemo_gym_instances import build_nemo_gym_environment
     from tempering.environments.nemo_gym_standin import GymStandIn
 
     cfg, resolved = load_config(

@@ -98,7 +98,7 @@ def build_gym(cfg: GRPOMasterConfig, server: Any, tokenizer: Any) -> Any:
     from pathlib import Path
 
     from tempering.data.collate import pad_token_id_of
-    from tempering.environments.nemo_gym import build_nemo_gym_environment
+    from tempering.environments.nemo_gym_instances import build_nemo_gym_environment
 
     return build_nemo_gym_environment(
         cfg.env.nemo_gym,

@@ -5,6 +5,8 @@
   servers Gym starts under it), so `kill` and `restart` take the whole instance down, servers
   included, and `restart` starts it again with the arguments it was first started with
   (same head port and server port range).
+- `build_nemo_gym_environment` turns ``env.nemo_gym`` into the environment (launching Gym
+  first in launch mode); with shards, its client is a `ShardedGymClient`.
 - `ShardedGymClient` sends each prompt group to a replica of the shard claiming its target
   (`nemo_gym_shards.GroupRouter`), every instance's rows in flight at once. An instance whose
   servers cannot be reached mid-step (`GymUnreachableError`: connections refused or reset,
@@ -31,12 +33,13 @@ from tempering.environments.nemo_gym import (
     GymServerError,
     GymUnreachableError,
     NemoGymClient,
+    NemoGymEnvironment,
 )
 from tempering.utils import faults
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LAUNCHER_FQN", "LaunchedGym", "ShardedGymClient"]
+__all__ = ["LaunchedGym", "ShardedGymClient", "build_nemo_gym_environment"]
 
 Instance = tuple[str, int]  # (shard, replica)
 
@@ -350,3 +353,96 @@ def _gym_placement(strategy: str | None, n: int) -> tuple[list[Any], Any]:
     group = ray.util.placement_group([{"CPU": 0.01}] * n, strategy=strategy)
     ray.get(group.ready(), timeout=120)
     return [PlacementGroupSchedulingStrategy(group, k) for k in range(n)], group
+
+
+# ---------------------------------------------------------------------------- builder
+def build_nemo_gym_environment(
+    gym: Any,
+    *,
+    policy_base_url: str,
+    policy_model_name: str,
+    policy_api_key: str | None,
+    max_seq_len: int,
+    pad_token_id: int,
+    work_dir: str,
+    num_nodes: int = 1,
+) -> NemoGymEnvironment:
+    """`env.nemo_gym` (a NemoGymConfig) -> the environment; launches Gym in launch mode (one
+    instance per shard replica with `shards`, placed over `num_nodes` nodes)."""
+    from tempering.config.rl_sections import gym_shards
+    from tempering.environments.nemo_gym_shards import GroupRouter
+
+    launched = None
+    head = gym.head_server_url
+    shards = gym_shards(gym)
+    _check_launch(gym, shards, policy_base_url, num_nodes)
+    spread = bool(shards) and num_nodes > 1  # instances on other nodes: reachable addresses
+    common = dict(
+        default_route=gym.default_route,
+        concurrency=gym.concurrency,
+        request_timeout_s=gym.request_timeout_s,
+        max_retries=gym.max_retries,
+        retry_backoff_s=gym.retry_backoff_s,
+    )
+    if gym.config_paths:
+        launched = LaunchedGym.start(
+            work_dir=work_dir,
+            config_paths=list(gym.config_paths),
+            policy_base_urls=[policy_base_url],
+            policy_model_name=policy_model_name,
+            policy_api_key=policy_api_key or "none",  # Gym's OpenAI client needs some key
+            head_port=gym.head_server_port,
+            extra_config=dict(gym.extra_config),
+            prebuilt_server_venvs=gym.prebuilt_server_venvs,
+            timeout_s=gym.startup_timeout_s,
+            shards=shards,
+            num_nodes=num_nodes if spread else 1,
+        )
+        head = launched.head_url
+    client: Any
+    if shards:
+        from tempering.environments.nemo_gym_shards import instance_names
+
+        urls = dict(zip(instance_names(shards), launched.head_urls, strict=True))  # type: ignore[union-attr]
+        client = ShardedGymClient(
+            {key: NemoGymClient(url, **common) for key, url in urls.items()},  # type: ignore[arg-type]
+            GroupRouter(shards, gym.default_route),
+            launched,
+            max_restarts=gym.shard_restarts,
+        )
+    else:
+        client = NemoGymClient(head, **common)  # type: ignore[arg-type]
+    client.wait_ready(gym.startup_timeout_s)  # attach mode: Gym may still be starting
+    return NemoGymEnvironment(
+        client,
+        max_seq_len=max_seq_len,
+        on_noncontiguous=gym.on_noncontiguous,
+        pad_token_id=pad_token_id,
+        launcher=launched,
+    )
+
+
+def _check_launch(gym: Any, shards: Sequence[Any], policy_base_url: str, num_nodes: int) -> None:
+    """What launch mode refuses before any Gym starts: an https generation server, and shards
+    spread over nodes while the generation server listens on loopback."""
+    from urllib.parse import urlparse
+
+    if gym.config_paths and policy_base_url.startswith("https://"):
+        raise ValueError(
+            f"env.nemo_gym.config_paths (launch mode) with the generation server on https "
+            f"({policy_base_url}): Gym's model server cannot be handed our CA, so it would "
+            "refuse the certificate. Gym runs on this node: serve the generation server on "
+            "127.0.0.1 without policy.generation.http_server.ssl_certfile/ssl_keyfile, or run "
+            "Gym yourself (env.nemo_gym.head_server_url) with SSL_CERT_FILE naming the CA"
+        )
+    if (
+        bool(shards)
+        and num_nodes > 1
+        and urlparse(policy_base_url).hostname in ("127.0.0.1", "localhost", "::1")
+    ):
+        raise ValueError(
+            f"env.nemo_gym.shards over cluster.num_nodes={num_nodes} nodes, and the generation "
+            f"server listens on loopback ({policy_base_url}): Gym's model servers on other "
+            "nodes could not reach it. Set policy.generation.http_server.host to this node's "
+            "address (with an api_key), or cluster.num_nodes=1"
+        )

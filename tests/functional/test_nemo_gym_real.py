@@ -44,8 +44,8 @@ def test_real_gym_rollouts_score_and_return_contiguous_token_ids(
         GymServerError,
         NemoGymClient,
         NemoGymEnvironment,
-        build_nemo_gym_environment,
     )
+    from tempering.environments.nemo_gym_instances import build_nemo_gym_environment
     from tempering.models.generation.chat_service import ChatCompletionService, ServerSettings
     from tempering.models.generation.interfaces import SamplingConfig
     from tempering.models.generation.openai_server import OpenAIServer
@@ -208,8 +208,8 @@ def test_real_gym_split_over_shards_and_replicas(ray_session, worker_venvs_dir, 
         LAUNCHER_FQN,
         GymServerError,
         NemoGymClient,
-        build_nemo_gym_environment,
     )
+    from tempering.environments.nemo_gym_instances import build_nemo_gym_environment
     from tempering.models.generation.chat_service import ChatCompletionService, ServerSettings
     from tempering.models.generation.interfaces import SamplingConfig
     from tempering.models.generation.openai_server import OpenAIServer

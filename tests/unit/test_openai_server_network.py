@@ -210,7 +210,7 @@ def test_config_keys_reach_the_server(tokenizer, cert, tmp_path):
 def test_nemo_gym_launch_mode_refuses_an_https_server():
     """Gym's model server cannot be handed our CA: refused before anything starts."""
     from tempering.config.schemas import NemoGymConfig
-    from tempering.environments.nemo_gym import build_nemo_gym_environment
+    from tempering.environments.nemo_gym_instances import build_nemo_gym_environment
 
     gym = NemoGymConfig(config_paths=["resources_servers/x.yaml"])
     with pytest.raises(ValueError, match="launch mode.*https://127.0.0.1:1/v1"):
