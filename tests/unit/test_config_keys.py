@@ -134,6 +134,7 @@ UNTYPED: dict[tuple[str, str], str] = {
     ("tempering/algorithms/preference.py", "PreferenceRun.section"): ALGORITHM,
     ("tempering/algorithms/preference.py", "section"): ALGORITHM,
     ("tempering/environments/nemo_gym.py", "gym"): "NemoGymConfig",
+    ("tempering/environments/nemo_gym_instances.py", "gym"): "NemoGymConfig",
 }
 
 SECTIONS: dict[str, type[BaseModel]] = {
