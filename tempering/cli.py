@@ -105,10 +105,22 @@ def _run_gym_examples(args: argparse.Namespace) -> int:
     """write NeMo Gym's bundled example rows as one GRPO JSONL file
 
     Copy the example.jsonl rows that NeMo Gym ships for each environment into OUT, routed to
-    <environment>_simple_agent (builds Gym's venv on first use).
+    <environment>_simple_agent (builds Gym's venv on first use). With --arithmetic N, write N
+    tiny-arith problems of --split instead, routed in turn to each of --routes.
     """
     from tempering.environments.nemo_gym import write_gym_examples
 
+    if args.arithmetic:
+        import json
+
+        from tempering.data.nemo_gym import arithmetic_rows
+        from tempering.utils.atomic import atomic_write_text
+
+        routes = [r.strip() for r in args.routes.split(",") if r.strip()]
+        rows = arithmetic_rows(args.arithmetic, args.split, routes)
+        atomic_write_text(args.out, "".join(json.dumps(r) + "\n" for r in rows))
+        print(f"wrote {len(rows)} rows to {args.out}")
+        return 0
     names = [n.strip() for n in args.environments.split(",") if n.strip()]
     n = write_gym_examples(args.out, names)
     print(f"wrote {n} rows to {args.out}")
@@ -122,6 +134,16 @@ def _add_gym_examples(subparsers: argparse._SubParsersAction) -> None:
         "--environments",
         default="math_with_judge,workplace_assistant,example_single_tool_call",
         help="comma-separated Gym resources servers (default: %(default)s)",
+    )
+    p.add_argument("--arithmetic", type=int, default=0, metavar="N",
+                   help="write N tiny-arith problems as Gym rows instead of Gym's examples")  # fmt: skip
+    p.add_argument("--split", choices=("train", "test"), default="train",
+                   help="--arithmetic: the problems' split (test: the held-out ones)")  # fmt: skip
+    p.add_argument(
+        "--routes",
+        default="lc_equivalence_rule_environment_server,lc_equivalence_rule_simple_agent",
+        help="--arithmetic: the Gym environment servers or agents the rows go to in turn "
+        "(default: %(default)s)",
     )
 
 

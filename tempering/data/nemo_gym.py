@@ -23,7 +23,14 @@ from tempering.data.records import DataFormatError, OnBadRow, RowError, RowIssue
 
 ROUTING_FIELDS = ("_ng_environment_server", "agent_ref", "task_source")
 
-__all__ = ["ROUTING_FIELDS", "check_row", "load_gym_rows", "problem_row", "row_prompt_text"]
+__all__ = [
+    "ROUTING_FIELDS",
+    "arithmetic_rows",
+    "check_row",
+    "load_gym_rows",
+    "problem_row",
+    "row_prompt_text",
+]
 
 
 def check_row(row: dict[str, Any], default_route: str | None = None) -> dict[str, Any]:
@@ -81,6 +88,27 @@ def problem_row(prompt: str, answer: str) -> dict[str, Any]:
         "responses_create_params": {"input": [{"role": "user", "content": prompt}]},
         "expected_answer": answer,
     }
+
+
+def arithmetic_rows(n: int, split: str, routes: list[str], seed: int = 0) -> list[dict[str, Any]]:
+    """`n` tiny-arith problems of `split` (``train`` | ``test``: never the same problems) as
+    Gym rows, row i routed to ``routes[i % len(routes)]``: an environment server's name (Gym
+    0.7's ``..._environment_server``) as ``_ng_environment_server``, any other as the
+    ``agent_ref`` agent. Alternating routes split one environment over shards claiming
+    different entries of it (examples/configs/grpo_nemo_gym_shards_tiny.yaml)."""
+    from tempering.models.tiny_arith import make_problems
+
+    if not routes:
+        raise ValueError(
+            "arithmetic rows need at least one route (a Gym agent or environment server)"
+        )
+    rows = []
+    for i, p in enumerate(make_problems(n, seed=seed, split=split)):  # type: ignore[arg-type]
+        route = routes[i % len(routes)]
+        field = ({"_ng_environment_server": route} if route.endswith("_environment_server")
+                 else {"agent_ref": {"name": route}})  # fmt: skip
+        rows.append({**problem_row(p["prompt"], p["answer"]), **field})
+    return rows
 
 
 def row_prompt_text(row: dict[str, Any]) -> str:
