@@ -101,12 +101,17 @@ def _add_plot(subparsers: argparse._SubParsersAction) -> None:
     )
 
 
+# the targets `gym-examples --arithmetic` alternates: one Gym environment behind two entries
+ARITHMETIC_ROUTES = ("lc_equivalence_rule_environment_server", "lc_equivalence_rule_simple_agent")
+
+
 def _run_gym_examples(args: argparse.Namespace) -> int:
     """write NeMo Gym's bundled example rows as one GRPO JSONL file
 
     Copy the example.jsonl rows that NeMo Gym ships for each environment into OUT, routed to
     <environment>_simple_agent (builds Gym's venv on first use). With --arithmetic N, write N
-    tiny-arith problems of --split instead, routed in turn to each of --routes.
+    tiny-arith problems of --split instead, routed in turn to Gym's equivalence_rule environment
+    server and its agent (examples/configs/grpo_nemo_gym_shards_tiny.yaml's two shards).
     """
     from tempering.environments.nemo_gym import write_gym_examples
 
@@ -116,8 +121,7 @@ def _run_gym_examples(args: argparse.Namespace) -> int:
         from tempering.data.nemo_gym import arithmetic_rows
         from tempering.utils.atomic import atomic_write_text
 
-        routes = [r.strip() for r in args.routes.split(",") if r.strip()]
-        rows = arithmetic_rows(args.arithmetic, args.split, routes)
+        rows = arithmetic_rows(args.arithmetic, args.split, list(ARITHMETIC_ROUTES))
         atomic_write_text(args.out, "".join(json.dumps(r) + "\n" for r in rows))
         print(f"wrote {len(rows)} rows to {args.out}")
         return 0
@@ -139,12 +143,6 @@ def _add_gym_examples(subparsers: argparse._SubParsersAction) -> None:
                    help="write N tiny-arith problems as Gym rows instead of Gym's examples")  # fmt: skip
     p.add_argument("--split", choices=("train", "test"), default="train",
                    help="--arithmetic: the problems' split (test: the held-out ones)")  # fmt: skip
-    p.add_argument(
-        "--routes",
-        default="lc_equivalence_rule_environment_server,lc_equivalence_rule_simple_agent",
-        help="--arithmetic: the Gym environment servers or agents the rows go to in turn "
-        "(default: %(default)s)",
-    )
 
 
 def _run_export(args: argparse.Namespace) -> int:
