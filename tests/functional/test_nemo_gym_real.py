@@ -304,7 +304,8 @@ def test_grpo_on_two_real_gym_shards_learns(ray_session, worker_venvs_dir, tmp_p
     shard `arith` (2 replicas) and shard `agent`. Every step's groups reach both shards and
     both replicas; held-out greedy accuracy (Gym's rewards on the 256 test problems the
     in-process runs hold out, 39.8% at the start) rises at least 6 points in 20 steps.
-    Measured 2026-12-07 on 2 cores: 39.8% -> 51.2% (+11.3), 144 s with the Gyms' start. The
+    Measured 2026-12-07 on 2 cores: 39.8% -> 51.2% and 50.4% in two runs (+11.3, +10.5);
+    87 s after the test above built Gym's venv (144 s run alone, the build included). The
     Gym path does not repeat exactly (test_grpo_nemo_gym.py: its 40-step runs spread over
     4.7 points), hence the margin below the measured gain."""
     import json
