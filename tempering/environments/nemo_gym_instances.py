@@ -77,7 +77,6 @@ class ShardedGymClient:
         return self.clients[(self.router.shard_of(row), 0)].route(row)
 
     def run(self, rows: Sequence[dict[str, Any]], group_size: int = 1) -> list[dict[str, Any]]:
-
         by_instance: dict[Instance, list[int]] = defaultdict(list)
         for i, key in enumerate(self.router.assign(rows, group_size)):
             by_instance[key].append(i)
@@ -125,7 +124,6 @@ class ShardedGymClient:
         self, key: Instance, rows: list[dict[str, Any]], group_size: int, err: Exception
     ) -> list[Any]:
         """Restart the instance `key` and send its rows once more (see the module docstring)."""
-
         shard, replica = key
         where = f"NeMo Gym shard {shard!r} replica {replica}"
         if self.launched is None or self.restarts_left <= 0:
@@ -139,8 +137,7 @@ class ShardedGymClient:
         self.clients[key] = dataclasses.replace(old, head_server_url=self.launched.restart(key))
         self._counts[f"gym/shard/{shard}/restarts"] += 1
         self._counts[f"gym/shard/{shard}/retried_groups"] += len(rows) // group_size
-        self.stats += old.stats
-        old.stats.clear()
+        self._take_stats(shard, old)  # the dead instance's retries count with its shard's
         try:
             self.clients[key].wait_ready(self.launched.timeout_s)
             return self._post({key: rows}, return_exceptions=False)[key]
@@ -152,9 +149,13 @@ class ShardedGymClient:
 
     def _collect_stats(self) -> None:
         for (shard, _), client in self.clients.items():
-            self._counts[f"gym/shard/{shard}/retries"] += client.stats["retries"]
-            self.stats += client.stats
-            client.stats.clear()
+            self._take_stats(shard, client)
+
+    def _take_stats(self, shard: str, client: NemoGymClient) -> None:
+        """Move `client`'s counters into this step's: the shard's retries and the total."""
+        self._counts[f"gym/shard/{shard}/retries"] += client.stats["retries"]
+        self.stats += client.stats
+        client.stats.clear()
 
     def take_metrics(self) -> dict[str, float]:
         """Every shard's and replica's counts since the last call, zeros included."""
@@ -375,8 +376,8 @@ def build_nemo_gym_environment(
     launched = None
     head = gym.head_server_url
     shards = gym_shards(gym)
-    _check_launch(gym, shards, policy_base_url, num_nodes)
     spread = bool(shards) and num_nodes > 1  # instances on other nodes: reachable addresses
+    _check_launch(gym, policy_base_url, spread, num_nodes)
     common = dict(
         default_route=gym.default_route,
         concurrency=gym.concurrency,
@@ -422,9 +423,9 @@ def build_nemo_gym_environment(
     )
 
 
-def _check_launch(gym: Any, shards: Sequence[Any], policy_base_url: str, num_nodes: int) -> None:
+def _check_launch(gym: Any, policy_base_url: str, spread: bool, num_nodes: int) -> None:
     """What launch mode refuses before any Gym starts: an https generation server, and shards
-    spread over nodes while the generation server listens on loopback."""
+    spread over nodes (`spread`) while the generation server listens on loopback."""
     from urllib.parse import urlparse
 
     if gym.config_paths and policy_base_url.startswith("https://"):
@@ -435,11 +436,7 @@ def _check_launch(gym: Any, shards: Sequence[Any], policy_base_url: str, num_nod
             "127.0.0.1 without policy.generation.http_server.ssl_certfile/ssl_keyfile, or run "
             "Gym yourself (env.nemo_gym.head_server_url) with SSL_CERT_FILE naming the CA"
         )
-    if (
-        bool(shards)
-        and num_nodes > 1
-        and urlparse(policy_base_url).hostname in ("127.0.0.1", "localhost", "::1")
-    ):
+    if spread and urlparse(policy_base_url).hostname in ("127.0.0.1", "localhost", "::1"):
         raise ValueError(
             f"env.nemo_gym.shards over cluster.num_nodes={num_nodes} nodes, and the generation "
             f"server listens on loopback ({policy_base_url}): Gym's model servers on other "

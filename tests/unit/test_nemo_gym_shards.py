@@ -358,6 +358,8 @@ def test_a_shard_replica_killed_mid_step_is_restarted_and_its_groups_retried_onc
     assert metrics["gym/shard/env/retried_groups"] == 1.0  # the one group replica 1 held
     assert metrics["gym/shard/agent/restarts"] == 0.0
     assert metrics["gym/shard/env/replica_1_groups"] == 1.0  # counted once, not per try
+    # the dead instance's failed tries count with its shard's retries (its client is replaced)
+    assert metrics["gym/shard/env/retries"] >= 1.0 and metrics["gym/retries"] >= 1.0
 
 
 def test_a_replica_that_dies_again_after_its_restart_fails_the_step_naming_it():
